@@ -1,0 +1,46 @@
+# Two commands a newcomer needs: `make demo` and `make test`.
+# Both create .venv on first use and install what they need into it.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# torch is installed first and then pinned, so no later install can swap it
+# for a (multi-GB, CUDA) build from the registry.
+TORCH_VERSION ?= 2.13.0
+CONSTRAINTS := $(VENV)/constraints.txt
+
+.PHONY: demo test lint typecheck unit bench clean
+
+$(VENV)/.torch:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# Prefer the local CPU build of the pinned version; fall back to the registry's torch.
+	$(PIP) install -q "torch==$(TORCH_VERSION)" || $(PIP) install -q torch
+	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(CONSTRAINTS)
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.torch pyproject.toml
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev]"
+	touch $@
+
+$(VENV)/.bench: $(VENV)/.dev
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev,bench]"
+	touch $@
+
+demo: $(VENV)/.dev
+	$(PY) examples/demo.py
+
+lint: $(VENV)/.dev
+	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m mypy
+
+unit: $(VENV)/.dev
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=600 $(PYTEST_ARGS)
+
+test: lint unit
+
+bench: $(VENV)/.bench
+	@echo "benchmarks: $(PY) benchmarks/<name>.py (see README)"
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

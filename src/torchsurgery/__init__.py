@@ -1,0 +1,32 @@
+"""torchsurgery: live, reversible surgery on PyTorch models.
+
+Four pillars, each with an exact undo:
+
+* patch: change what a module instance does (:class:`Patch`, :func:`patch`, ...).
+* tensors: convert and load the tensors a module holds without breaking references.
+* offload: keep weights in host memory or a compact dtype, bring them in just before use.
+* flex: capture and edit what flows through a model, by module name, in groups.
+"""
+
+from torchsurgery.patching import (
+    Patch,
+    is_patched,
+    original_class,
+    patch,
+    patched,
+    patches,
+    unpatch,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # patch: what a module instance does
+    "Patch",
+    "patch",
+    "unpatch",
+    "is_patched",
+    "patches",
+    "original_class",
+    "patched",
+]

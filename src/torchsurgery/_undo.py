@@ -1,0 +1,215 @@
+"""The undo log that every kind of surgery records into.
+
+Each module carries its own list of :class:`Record` objects in ``module.__dict__``
+under ``_LOG_KEY``; the key exists only while at least one record does, so a module
+with every surgery undone has exactly the ``__dict__`` keys it started with. Keeping
+the log in the module itself (rather than in a side table) is what lets ``pickle``,
+``copy.deepcopy`` and ``torch.save`` carry the surgery along with the module.
+
+Records state *what changed* (:class:`ChangeSet`), measured by diffing the module
+before and after the change, rather than what the surgery intended to change: undo
+is then exact even for user code (a patch's ``__patch_init__``) that we do not see.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+_LOG_KEY = "_torchsurgery_log"
+
+# Global order of records, so surgery on several modules of one model can be
+# listed and unwound in the order it was applied.
+_sequence = itertools.count()
+
+
+class _Missing:
+    """Marks "no value": an attribute added (old value) or deleted (new value)."""
+
+    _instance: _Missing | None = None
+
+    def __new__(cls) -> _Missing:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __reduce__(self) -> str:
+        # pickle and deepcopy keep the singleton
+        return "MISSING"
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING = _Missing()
+
+
+def _same(a: Any, b: Any) -> bool:
+    # identity, not ==: tensors compare elementwise and objects may define __eq__
+    return a is b
+
+
+@dataclass
+class ChangeSet:
+    """What one surgery changed on one module, with the values needed to undo it.
+
+    Attributes:
+        attrs: ``__dict__`` key -> ``(old, new)``; ``old`` is :data:`MISSING` for an
+            added attribute and ``new`` for a deleted one.
+        entries: for dict and set attributes that stayed the same object (``_parameters``,
+            ``_buffers``, ``_modules``, hook dicts, ``_non_persistent_buffers_set``...):
+            attribute -> {key -> ``(old, new)``}. Set members map to ``(True/MISSING, ...)``.
+        grad_flags: ``(parameter, old_requires_grad, new_requires_grad)`` for every
+            parameter of the subtree whose flag changed.
+    """
+
+    attrs: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    entries: dict[str, dict[Any, tuple[Any, Any]]] = field(default_factory=dict)
+    grad_flags: list[tuple[nn.Parameter, bool, bool]] = field(default_factory=list)
+
+    def keys(self) -> set[tuple[str, Any]]:
+        """Every place this change set touched, as comparable keys."""
+        touched: set[tuple[str, Any]] = {("attr", k) for k in self.attrs}
+        for name, changes in self.entries.items():
+            touched.update(("entry", (name, k)) for k in changes)
+        touched.update(("grad", id(p)) for p, _, _ in self.grad_flags)
+        return touched
+
+    def revert(self, module: nn.Module) -> None:
+        """Put back every old value. Never raises for a consistent module."""
+        d = module.__dict__
+        for name, changes in self.entries.items():
+            container = d.get(name)
+            if container is None:
+                continue
+            for key, (old, _new) in changes.items():
+                if isinstance(container, set):
+                    if old is MISSING:
+                        container.discard(key)
+                    else:
+                        container.add(key)
+                elif old is MISSING:
+                    container.pop(key, None)
+                else:
+                    container[key] = old
+        for key, (old, _new) in self.attrs.items():
+            if old is MISSING:
+                d.pop(key, None)
+            else:
+                d[key] = old
+        for param, old_flag, _ in self.grad_flags:
+            param.requires_grad_(old_flag)
+
+
+@dataclass
+class Snapshot:
+    """A shallow picture of a module, diffed later into a :class:`ChangeSet`."""
+
+    attrs: dict[str, Any]
+    containers: dict[str, dict[Any, Any] | set[Any]]
+    grad_flags: list[tuple[nn.Parameter, bool]]
+
+
+def snapshot(module: nn.Module) -> Snapshot:
+    """Take a shallow picture of ``module`` (its ``__dict__`` and the subtree's grad flags)."""
+    attrs = {k: v for k, v in module.__dict__.items() if k != _LOG_KEY}
+    containers: dict[str, dict[Any, Any] | set[Any]] = {}
+    for key, value in attrs.items():
+        if isinstance(value, dict):
+            containers[key] = dict(value)
+        elif isinstance(value, set):
+            containers[key] = set(value)
+    flags = [(p, p.requires_grad) for p in module.parameters()]
+    return Snapshot(attrs, containers, flags)
+
+
+def diff(before: Snapshot, module: nn.Module) -> ChangeSet:
+    """Everything that changed on ``module`` since ``before`` was taken."""
+    now = {k: v for k, v in module.__dict__.items() if k != _LOG_KEY}
+    changes = ChangeSet()
+    for key in before.attrs.keys() | now.keys():
+        old, new = before.attrs.get(key, MISSING), now.get(key, MISSING)
+        if not _same(old, new):
+            changes.attrs[key] = (old, new)
+            continue
+        if key not in before.containers:
+            continue
+        was, cur = before.containers[key], new
+        entry_changes: dict[Any, tuple[Any, Any]] = {}
+        if isinstance(was, set):
+            for member in was ^ cur:
+                entry_changes[member] = (
+                    True if member in was else MISSING,
+                    True if member in cur else MISSING,
+                )
+        else:
+            for k in was.keys() | cur.keys():
+                o, n = was.get(k, MISSING), cur.get(k, MISSING)
+                if not _same(o, n):
+                    entry_changes[k] = (o, n)
+        if entry_changes:
+            changes.entries[key] = entry_changes
+    for param, flag in before.grad_flags:
+        if param.requires_grad != flag:
+            changes.grad_flags.append((param, flag, param.requires_grad))
+    return changes
+
+
+class Record:
+    """One surgery applied to one module. Subclasses add what their undo needs.
+
+    Attributes:
+        seq: position in the global order of surgery (later records have larger values).
+    """
+
+    kind: str = "surgery"
+
+    def __init__(self) -> None:
+        self.seq = next(_sequence)
+
+    def describe(self) -> str:
+        """One line for listings such as ``torchsurgery inspect``."""
+        return self.kind
+
+
+def records(module: nn.Module) -> list[Record]:
+    """The records on ``module``, oldest first (a copy: mutate with push/remove)."""
+    return list(module.__dict__.get(_LOG_KEY, ()))
+
+
+def push(module: nn.Module, record: Record) -> None:
+    """Append ``record`` to ``module``'s log."""
+    module.__dict__.setdefault(_LOG_KEY, []).append(record)
+
+
+def remove(module: nn.Module, record: Record) -> None:
+    """Drop ``record`` from ``module``'s log; the log key goes when it is empty."""
+    log = module.__dict__.get(_LOG_KEY, [])
+    log[:] = [r for r in log if r is not record]
+    if not log:
+        module.__dict__.pop(_LOG_KEY, None)
+
+
+def walk(model: nn.Module) -> Iterator[tuple[str, nn.Module, Record]]:
+    """Every record in ``model``'s tree as ``(qualified name, module, record)``, in applied order."""
+    found = [
+        (name, module, record)
+        for name, module in model.named_modules(remove_duplicate=True)
+        for record in records(module)
+    ]
+    found.sort(key=lambda item: item[2].seq)
+    yield from found
+
+
+def check_not_compiling(what: str) -> None:
+    """Surgery changes classes and attributes that a compiled graph has guarded on."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"torchsurgery.{what} was called inside a torch.compile'd region; "
+            "do surgery outside the compiled function and compile afterwards"
+        )

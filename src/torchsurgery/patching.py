@@ -1,0 +1,432 @@
+"""Live, reversible class patching of ``nn.Module`` instances.
+
+A *patch* is a subclass of :class:`Patch` and of the module class it applies to::
+
+    class MostlyFrozenEmbedding(torchsurgery.Patch, nn.Embedding):
+        def __patch_init__(self, trainable_token_ids): ...   # runs on the existing instance
+        def forward(self, input): ...
+
+Patching gives the existing instance a subclass as its class. Nothing is copied:
+the object, its parameters and buffers keep their ``id`` and ``data_ptr``, and
+``isinstance(module, nn.Embedding)`` still holds. What ``__patch_init__`` changes is
+measured by diffing the module before and after it runs and recorded in the module's
+undo log, so :func:`unpatch` restores exactly the module it was given, even for a
+patch removed from the middle of a stack.
+
+The class given to an instance is a pure function of (patch, class before the patch):
+it is the patch class itself when that already subclasses the module's class, and
+otherwise one class per pair, built once and cached. So N patched layers of one type
+share one class (``torch.compile`` compiles their forward once), and a patched module
+pickles by naming its original class and its patches, which rebuild the same class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any, TypeVar
+
+from torch import nn
+
+from torchsurgery import _undo
+from torchsurgery._names import ModuleFilter, select
+
+__all__ = [
+    "Patch",
+    "patch",
+    "unpatch",
+    "is_patched",
+    "patches",
+    "original_class",
+    "patched",
+]
+
+P = TypeVar("P", bound="Patch")
+M = TypeVar("M", bound=nn.Module)
+
+
+class PatchRecord(_undo.Record):
+    """The undo-log entry of one applied patch.
+
+    Attributes:
+        patch: the patch class.
+        original: the module's class before its *first* patch (the classes in between
+            are derived from it and the stack, so nothing unpicklable is stored).
+        changes: what ``__patch_init__`` changed.
+    """
+
+    kind = "patch"
+
+    def __init__(self, patch: type[Patch], original: type[nn.Module], changes: _undo.ChangeSet):
+        super().__init__()
+        self.patch = patch
+        self.original = original
+        self.changes = changes
+
+    def describe(self) -> str:
+        return f"patch {self.patch.__qualname__}"
+
+
+class Patch(nn.Module):
+    """Base class of patches: subclass it together with the module class to patch.
+
+    A patch is never constructed; it is applied to an existing instance with
+    :meth:`from_existing` or :func:`patch`, which runs :meth:`__patch_init__` on it.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> class Doubled(torchsurgery.Patch, nn.Linear):
+        ...     def __patch_init__(self, factor: float = 2.0) -> None:
+        ...         self.factor = factor
+        ...     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ...         return super().forward(x) * self.factor
+        >>> layer = nn.Linear(3, 3)
+        >>> same = Doubled.from_existing(layer, factor=3.0)
+        >>> same is layer, isinstance(layer, nn.Linear), torchsurgery.is_patched(layer)
+        (True, True, True)
+        >>> type(torchsurgery.unpatch(layer)) is nn.Linear, hasattr(layer, "factor")
+        (True, False)
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            f"{type(self).__qualname__} is a patch and is not constructed directly; "
+            f"build the module as usual and apply the patch with "
+            f"{type(self).__qualname__}.from_existing(module, ...) or torchsurgery.patch(...)"
+        )
+
+    def __patch_init__(self) -> None:
+        """Set up the patch on the existing instance (add parameters, freeze weights...).
+
+        Runs with ``self`` already of the patched class. Whatever it changes on ``self``
+        (attributes, parameters, buffers, submodules, hooks) and the ``requires_grad``
+        flags it changes anywhere below ``self`` are undone by :func:`unpatch`. If it
+        raises, the module is left exactly as it was and the exception propagates.
+        """
+
+    @classmethod
+    def from_existing(cls: type[P], module: nn.Module, /, *args: Any, **kwargs: Any) -> P:
+        """Patch ``module`` in place with this class and return it, typed as the patch.
+
+        Args:
+            module: the instance to patch; it must be an instance of the classes the
+                patch is declared for.
+            *args: passed to :meth:`__patch_init__`.
+            **kwargs: passed to :meth:`__patch_init__`.
+
+        Returns:
+            ``module`` itself.
+        """
+        patch(module, cls, *args, **kwargs)
+        return module  # type: ignore[return-value]
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # The class may be built at run time, so pickle names how to rebuild it
+        # instead of the class itself; the state (with the undo log) goes as usual.
+        stack = tuple(patches(self))
+        return (_rebuild, (original_class(self), stack), self.__getstate__())
+
+
+def _rebuild(original: type[nn.Module], stack: tuple[type[Patch], ...]) -> nn.Module:
+    cls = _chain(original, stack)
+    module: nn.Module = cls.__new__(cls)
+    return module
+
+
+_CLASS_CACHE: dict[tuple[type[Patch], type[nn.Module]], type[nn.Module]] = {}
+
+
+def _compose(patch_cls: type[Patch], base: type[nn.Module]) -> type[nn.Module]:
+    """The class of an instance of ``base`` patched with ``patch_cls`` (cached per pair)."""
+    if issubclass(patch_cls, base):
+        return patch_cls
+    key = (patch_cls, base)
+    cls = _CLASS_CACHE.get(key)
+    if cls is None:
+        name = f"{patch_cls.__name__}[{base.__name__}]"
+        cls = type(
+            name,
+            (patch_cls, base),
+            {"__module__": patch_cls.__module__, "__qualname__": name},
+        )
+        _CLASS_CACHE[key] = cls
+    return cls
+
+
+def _chain(original: type[nn.Module], stack: tuple[type[Patch], ...] | list[type[Patch]]) -> type[nn.Module]:
+    cls = original
+    for patch_cls in stack:
+        cls = _compose(patch_cls, cls)
+    return cls
+
+
+def _targets(patch_cls: type[Patch]) -> list[type]:
+    """The module classes a patch is declared for (its non-patch bases)."""
+    return [
+        c
+        for c in patch_cls.__mro__
+        if issubclass(c, nn.Module) and not issubclass(c, Patch) and c is not nn.Module
+    ]
+
+
+def _patch_records(module: nn.Module) -> list[PatchRecord]:
+    return [r for r in _undo.records(module) if isinstance(r, PatchRecord)]
+
+
+def _check_patch_class(patch_cls: Any, what: str) -> None:
+    if not (isinstance(patch_cls, type) and issubclass(patch_cls, Patch)) or patch_cls is Patch:
+        raise TypeError(
+            f"torchsurgery.{what}: expected a subclass of torchsurgery.Patch "
+            f"(class MyPatch(torchsurgery.Patch, nn.Linear): ...), got {patch_cls!r}"
+        )
+
+
+def _check_module(module: Any, what: str) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"torchsurgery.{what}: expected an nn.Module, got {type(module).__name__}")
+
+
+def _check_class_intact(module: nn.Module, records: list[PatchRecord], what: str) -> None:
+    """Refuse to work on a module whose class was swapped by someone else after patching."""
+    if not records:
+        return
+    expected = _chain(records[0].original, [r.patch for r in records])
+    if type(module) is not expected:
+        raise RuntimeError(
+            f"torchsurgery.{what}: the module's class is {type(module).__qualname__}, not the "
+            f"{expected.__qualname__} its patches gave it; another tool changed its class "
+            f"after patching (e.g. torch.nn.utils.parametrize). Undo that change first."
+        )
+
+
+def patch(module: M, patch_cls: type[Patch], /, *args: Any, **kwargs: Any) -> M:
+    """Apply ``patch_cls`` to ``module`` in place and return ``module``.
+
+    Args:
+        module: the instance to patch.
+        patch_cls: a subclass of :class:`Patch` declared for ``module``'s class or a base of it.
+        *args: passed to ``patch_cls.__patch_init__``.
+        **kwargs: passed to ``patch_cls.__patch_init__``.
+
+    Returns:
+        ``module`` itself, now an instance of a subclass of ``patch_cls``.
+
+    Raises:
+        TypeError: ``module`` is not a module, ``patch_cls`` is not a patch, or the
+            patch is declared for a class ``module`` is not an instance of.
+        ValueError: ``module`` already carries ``patch_cls``.
+        RuntimeError: called while ``torch.compile`` traces, or the module's class was
+            changed by another tool after an earlier patch.
+
+    Example:
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> class Frozen(torchsurgery.Patch, nn.Module):
+        ...     def __patch_init__(self) -> None:
+        ...         self.requires_grad_(False)
+        >>> layer = torchsurgery.patch(nn.Linear(2, 2), Frozen)
+        >>> layer.weight.requires_grad, isinstance(layer, Frozen)
+        (False, True)
+        >>> torchsurgery.unpatch(layer).weight.requires_grad
+        True
+    """
+    _undo.check_not_compiling("patch")
+    _check_module(module, "patch")
+    _check_patch_class(patch_cls, "patch")
+    records = _patch_records(module)
+    _check_class_intact(module, records, "patch")
+    before = type(module)
+    missing = [c for c in _targets(patch_cls) if not issubclass(before, c)]
+    if missing:
+        raise TypeError(
+            f"torchsurgery.patch: {patch_cls.__qualname__} is declared for "
+            f"{', '.join(c.__qualname__ for c in missing)}, but the module is a "
+            f"{(records[0].original if records else before).__qualname__}; "
+            "patch an instance of that class, or declare the patch for a base both share"
+        )
+    if any(r.patch is patch_cls for r in records):
+        raise ValueError(
+            f"torchsurgery.patch: the module is already patched with {patch_cls.__qualname__}; "
+            "unpatch it first to apply it again"
+        )
+    new_cls = _compose(patch_cls, before)  # may raise TypeError (MRO) before any change
+    state = _undo.snapshot(module)
+    module.__class__ = new_cls  # type: ignore[assignment]
+    try:
+        patch_cls.__patch_init__(module, *args, **kwargs)  # type: ignore[arg-type]
+    except BaseException:
+        _undo.diff(state, module).revert(module)
+        module.__class__ = before
+        raise
+    original = records[0].original if records else before
+    _undo.push(module, PatchRecord(patch_cls, original, _undo.diff(state, module)))
+    return module
+
+
+def unpatch(module: M, patch_cls: type[Patch] | None = None, /) -> M:
+    """Remove the top patch of ``module``, or ``patch_cls`` from anywhere in its stack.
+
+    The module gets back the class it would have without that patch, and everything
+    that patch's ``__patch_init__`` changed is put back; patches above it keep working.
+
+    Args:
+        module: a patched module.
+        patch_cls: the patch to remove; the most recent one when omitted.
+
+    Returns:
+        ``module`` itself.
+
+    Raises:
+        ValueError: ``module`` is not patched (with ``patch_cls``), or a later patch
+            changed something ``patch_cls`` also changed (remove that one first).
+        RuntimeError: see :func:`patch`.
+
+    Example:
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> class A(torchsurgery.Patch, nn.Linear): pass
+        >>> class B(torchsurgery.Patch, nn.Linear): pass
+        >>> layer = B.from_existing(A.from_existing(nn.Linear(2, 2)))
+        >>> [p.__name__ for p in torchsurgery.patches(torchsurgery.unpatch(layer, A))]
+        ['B']
+    """
+    _undo.check_not_compiling("unpatch")
+    _check_module(module, "unpatch")
+    if patch_cls is not None:
+        _check_patch_class(patch_cls, "unpatch")
+    records = _patch_records(module)
+    if not records:
+        raise ValueError(
+            f"torchsurgery.unpatch: the {type(module).__qualname__} module is not patched"
+        )
+    _check_class_intact(module, records, "unpatch")
+    if patch_cls is None:
+        index = len(records) - 1
+    else:
+        matches = [i for i, r in enumerate(records) if r.patch is patch_cls]
+        if not matches:
+            raise ValueError(
+                f"torchsurgery.unpatch: the module is not patched with {patch_cls.__qualname__}; "
+                f"its patches are {[r.patch.__qualname__ for r in records]}"
+            )
+        index = matches[-1]
+    target, later = records[index], records[index + 1 :]
+    overlap = [
+        r.patch.__qualname__ for r in later if r.changes.keys() & target.changes.keys()
+    ]
+    if overlap:
+        raise ValueError(
+            f"torchsurgery.unpatch: {', '.join(overlap)} (applied after "
+            f"{target.patch.__qualname__}) changed the same attributes; unpatch it first"
+        )
+    remaining = [r.patch for r in records if r is not target]
+    new_cls = _chain(records[0].original, remaining)  # may raise before any change
+    target.changes.revert(module)
+    module.__class__ = new_cls  # type: ignore[assignment]
+    _undo.remove(module, target)
+    return module
+
+
+def is_patched(module: nn.Module, patch_cls: type[Patch] | None = None, /) -> bool:
+    """Whether ``module`` carries any patch, or ``patch_cls`` in particular.
+
+    Example:
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> torchsurgery.is_patched(nn.Linear(2, 2))
+        False
+    """
+    stack = patches(module)
+    return bool(stack) if patch_cls is None else patch_cls in stack
+
+
+def patches(module: nn.Module) -> list[type[Patch]]:
+    """The patches applied to ``module``, bottom (first applied) to top.
+
+    Example:
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> torchsurgery.patches(nn.ReLU())
+        []
+    """
+    return [r.patch for r in _patch_records(module)]
+
+
+def original_class(module: nn.Module) -> type[nn.Module]:
+    """The class ``module`` had before its first patch (its class if unpatched).
+
+    Example:
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> class P(torchsurgery.Patch, nn.Module): pass
+        >>> torchsurgery.original_class(torchsurgery.patch(nn.ReLU(), P)).__name__
+        'ReLU'
+    """
+    records = _patch_records(module)
+    return records[0].original if records else type(module)
+
+
+@contextlib.contextmanager
+def patched(
+    model: M, targets: Mapping[str | ModuleFilter, type[Patch]], /, *args: Any, **kwargs: Any
+) -> Iterator[M]:
+    """Patch submodules of ``model`` for the duration of a ``with`` block.
+
+    Every selector is resolved and every patch checked before anything changes; if a
+    ``__patch_init__`` raises, the patches already applied are removed again. On exit
+    (also on an exception) the patches come off in reverse order.
+
+    Args:
+        model: the root module.
+        targets: selector -> patch class. A selector is a qualified name, a glob over
+            qualified names (``"layers.*.mlp"``, see :mod:`torchsurgery._names`) or a
+            filter ``(module, name) -> bool``.
+        *args: passed to every ``__patch_init__``.
+        **kwargs: passed to every ``__patch_init__``.
+
+    Yields:
+        ``model``.
+
+    Raises:
+        ValueError: a selector matches no submodule (near matches are listed).
+        TypeError: see :func:`patch`.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> class Zero(torchsurgery.Patch, nn.Linear):
+        ...     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ...         return torch.zeros_like(super().forward(x))
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+        >>> with torchsurgery.patched(model, {"0": Zero, "2": Zero}):
+        ...     float(model(torch.ones(1, 2)).abs().sum())
+        0.0
+        >>> torchsurgery.is_patched(model[0])
+        False
+    """
+    _check_module(model, "patched")
+    plan: list[tuple[nn.Module, type[Patch]]] = []
+    for selector, patch_cls in targets.items():
+        _check_patch_class(patch_cls, "patched")
+        for name, module in select(model, selector, what="torchsurgery.patched"):
+            wanted = _targets(patch_cls)
+            if not all(isinstance(module, c) for c in wanted):
+                raise TypeError(
+                    f"torchsurgery.patched: {name or '<root>'} is a {type(module).__qualname__}, "
+                    f"but {patch_cls.__qualname__} is declared for "
+                    f"{', '.join(c.__qualname__ for c in wanted)}; narrow the selector {selector!r}"
+                )
+            plan.append((module, patch_cls))
+    applied: list[tuple[nn.Module, type[Patch]]] = []
+    try:
+        for module, patch_cls in plan:
+            patch(module, patch_cls, *args, **kwargs)
+            applied.append((module, patch_cls))
+        yield model
+    finally:
+        for module, patch_cls in reversed(applied):
+            if is_patched(module, patch_cls):
+                unpatch(module, patch_cls)
