@@ -97,7 +97,7 @@ class Patch(nn.Module):
             f"{type(self).__qualname__}.from_existing(module, ...) or torchsurgery.patch(...)"
         )
 
-    def __patch_init__(self) -> None:
+    def __patch_init__(self, *args: Any, **kwargs: Any) -> None:
         """Set up the patch on the existing instance (add parameters, freeze weights...).
 
         Runs with ``self`` already of the patched class. Whatever it changes on ``self``
