@@ -176,6 +176,15 @@ class Record:
         """One line for listings such as ``torchsurgery inspect``."""
         return self.kind
 
+    def undo(self, module: nn.Module) -> None:
+        """Undo this surgery on ``module`` (the module the record was pushed on).
+
+        Subclasses override this; it must remove the record from the log (via the
+        pillar's own undo function, which calls :func:`remove`) and raise, changing
+        nothing, when the surgery cannot be undone yet.
+        """
+        raise TypeError(f"torchsurgery: {self.describe()} cannot be undone by torchsurgery.restore")
+
 
 def records(module: nn.Module) -> list[Record]:
     """The records on ``module``, oldest first (a copy: mutate with push/remove)."""

@@ -66,6 +66,9 @@ class PatchRecord(_undo.Record):
     def describe(self) -> str:
         return f"patch {self.patch.__qualname__}"
 
+    def undo(self, module: nn.Module) -> None:
+        unpatch(module, self.patch)
+
 
 class Patch(nn.Module):
     """Base class of patches: subclass it together with the module class to patch.
