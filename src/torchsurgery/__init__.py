@@ -8,6 +8,7 @@ Four pillars, each with an exact undo:
 * flex: capture and edit what flows through a model, by module name, in groups.
 """
 
+from torchsurgery._undo import SurgeryEntry, restore, surgery_log
 from torchsurgery.patching import (
     Patch,
     is_patched,
@@ -21,6 +22,10 @@ from torchsurgery.patching import (
 __version__ = "0.1.0"
 
 __all__ = [
+    # undo: one log for every kind of surgery
+    "surgery_log",
+    "restore",
+    "SurgeryEntry",
     # patch: what a module instance does
     "Patch",
     "patch",

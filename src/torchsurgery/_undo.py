@@ -215,6 +215,98 @@ def walk(model: nn.Module) -> Iterator[tuple[str, nn.Module, Record]]:
     yield from found
 
 
+@dataclass(frozen=True)
+class SurgeryEntry:
+    """One line of :func:`surgery_log`.
+
+    Attributes:
+        module_name: qualified name of the module the surgery sits on (``""`` for the root).
+        kind: the pillar's word for it (``"patch"``, ``"offload"``, ``"flex"``...).
+        description: a readable one-line description.
+        seq: position in the global order of surgery.
+
+    Example:
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> class Tag(torchsurgery.Patch, nn.Module): pass
+        >>> entry, = torchsurgery.surgery_log(torchsurgery.patch(nn.ReLU(), Tag))
+        >>> entry.module_name, entry.description
+        ('', 'patch Tag')
+    """
+
+    module_name: str
+    kind: str
+    description: str
+    seq: int
+
+
+def surgery_log(model: nn.Module) -> list[SurgeryEntry]:
+    """Every surgery applied to ``model`` and its submodules, oldest first.
+
+    Args:
+        model: the root module.
+
+    Returns:
+        One :class:`SurgeryEntry` per applied surgery, in the order it was applied.
+
+    Example:
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> class Tag(torchsurgery.Patch, nn.Module): pass
+        >>> model = nn.Sequential(nn.Linear(2, 2))
+        >>> _ = torchsurgery.patch(model[0], Tag)
+        >>> [(e.module_name, e.kind) for e in torchsurgery.surgery_log(model)]
+        [('0', 'patch')]
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"torchsurgery.surgery_log: expected an nn.Module, got {type(model).__name__}")
+    return [
+        SurgeryEntry(name, record.kind, record.describe(), record.seq)
+        for name, _, record in walk(model)
+    ]
+
+
+def restore(model: nn.Module) -> nn.Module:
+    """Undo every surgery on ``model`` and its submodules, newest first.
+
+    Each step is all-or-nothing. If one cannot be undone (for instance another tool
+    changed a module's class on top of a patch), it raises naming that surgery, and
+    the surgery older than it stays in place, still listed by :func:`surgery_log`.
+
+    Args:
+        model: the root module.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        RuntimeError: a surgery could not be undone; the message says which and why.
+
+    Example:
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> class Tag(torchsurgery.Patch, nn.Module): pass
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> _ = torchsurgery.patch(model[0], Tag), torchsurgery.patch(model[1], Tag)
+        >>> torchsurgery.surgery_log(torchsurgery.restore(model))
+        []
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"torchsurgery.restore: expected an nn.Module, got {type(model).__name__}")
+    check_not_compiling("restore")
+    for name, module, record in reversed(list(walk(model))):
+        if record not in records(module):
+            continue  # undone already as part of a larger surgery (e.g. a wrapper's hooks)
+        try:
+            record.undo(module)
+        except Exception as exc:
+            raise RuntimeError(
+                f"torchsurgery.restore: could not undo {record.describe()} on "
+                f"{name or '<root>'}: {exc}"
+            ) from exc
+    return model
+
+
 def check_not_compiling(what: str) -> None:
     """Surgery changes classes and attributes that a compiled graph has guarded on."""
     if torch.compiler.is_compiling():
