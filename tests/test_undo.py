@@ -1,0 +1,313 @@
+"""One undo log for every kind of surgery: surgery_log, restore, and random stacks of operations.
+
+The state machine builds a random module tree (nested Sequential / ModuleList / ModuleDict,
+tied weights, buffers, a Parameter subclass, modules returning tuples and dicts), applies
+random surgery to it, checks after every step that the model computes what the applied
+surgery should give (against an independent reference forward), and at the end undoes
+everything with ``torchsurgery.restore`` and compares with a snapshot taken at the start.
+
+``TORCHSURGERY_HYPOTHESIS_EXAMPLES`` raises the number of examples for a long run.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from torch import nn
+
+import torchsurgery
+from torchsurgery import Patch
+
+EXAMPLES = int(os.environ.get("TORCHSURGERY_HYPOTHESIS_EXAMPLES", "25"))
+DIM = 4
+
+
+class TaggedParameter(nn.Parameter):
+    """A Parameter subclass: surgery must keep its class."""
+
+
+class Leaf(nn.Module):
+    """y = x @ W.T + b + offset, with W possibly shared with another leaf."""
+
+    def __init__(self, weight: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.weight = weight if weight is not None else nn.Parameter(torch.randn(DIM, DIM) / DIM)
+        self.bias = TaggedParameter(torch.randn(DIM) / DIM)
+        self.register_buffer("offset", torch.randn(DIM) / 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + self.offset
+
+
+class TupleOut(nn.Module):
+    """Returns a tuple; its parent uses the first element."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = _first(self.inner(x))
+        return y, y.sum()
+
+
+class DictOut(nn.Module):
+    """Children in a ModuleDict; returns a dict of their outputs."""
+
+    def __init__(self, children: dict[str, nn.Module]) -> None:
+        super().__init__()
+        self.branches = nn.ModuleDict(children)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {k: m(x) for k, m in self.branches.items()}
+
+
+class ListSum(nn.Module):
+    """Children in a ModuleList applied in turn."""
+
+    def __init__(self, children: list[nn.Module]) -> None:
+        super().__init__()
+        self.items = nn.ModuleList(children)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.items:
+            x = _first(m(x))
+        return x
+
+
+def _first(out: Any) -> torch.Tensor:
+    if isinstance(out, tuple):
+        return _first(out[0])
+    if isinstance(out, dict):
+        return torch.stack([_first(v) for v in out.values()]).sum(0)
+    return out
+
+
+class Chain(nn.Sequential):
+    """A Sequential whose children may return tuples or dicts."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self:
+            x = _first(m(x))
+        return x
+
+
+class Root(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _first(self.body(x))
+
+
+# --- patches whose effect the reference forward reproduces -----------------------
+
+
+class Scale(Patch, Leaf):
+    def __patch_init__(self) -> None:
+        self.factor = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.factor
+
+
+class Shift(Patch, Leaf):
+    def __patch_init__(self) -> None:
+        self.register_buffer("shift", torch.full((DIM,), 0.25))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.shift
+
+
+class Freeze(Patch, nn.Module):
+    def __patch_init__(self) -> None:
+        self.requires_grad_(False)
+
+
+class Broken(Patch, nn.Module):
+    def __patch_init__(self) -> None:
+        self.half_done = nn.Parameter(torch.zeros(1))
+        self.requires_grad_(False)
+        raise RuntimeError("injected failure in __patch_init__")
+
+
+EFFECTS = {Scale: lambda y: y * 1.5, Shift: lambda y: y + 0.25, Freeze: lambda y: y}
+
+
+def reference_forward(module: nn.Module, x: torch.Tensor) -> Any:
+    """The model's forward written independently of any surgery, applying patch effects."""
+    if isinstance(module, Leaf):
+        y = F.linear(x, module.weight, module.bias) + module.offset
+        for p in torchsurgery.patches(module):
+            y = EFFECTS[p](y)
+        return y
+    if isinstance(module, TupleOut):
+        y = _first(reference_forward(module.inner, x))
+        return y, y.sum()
+    if isinstance(module, DictOut):
+        return {k: reference_forward(m, x) for k, m in module.branches.items()}
+    if isinstance(module, ListSum):
+        for m in module.items:
+            x = _first(reference_forward(m, x))
+        return x
+    if isinstance(module, nn.Sequential):
+        for m in module:
+            x = _first(reference_forward(m, x))
+        return x
+    if isinstance(module, Root):
+        return _first(reference_forward(module.body, x))
+    raise AssertionError(f"unknown module {type(module)}")
+
+
+def build(draw: st.DrawFn, depth: int, leaves: list[Leaf]) -> nn.Module:
+    kinds = ["leaf", "seq", "list", "dict", "tuple"] if depth < 3 else ["leaf"]
+    kind = draw(st.sampled_from(kinds))
+    if kind == "leaf":
+        tie = leaves and draw(st.booleans())
+        leaf = Leaf(leaves[draw(st.integers(0, len(leaves) - 1))].weight if tie else None)
+        leaves.append(leaf)
+        return leaf
+    n = draw(st.integers(1, 3))
+    children = [build(draw, depth + 1, leaves) for _ in range(n)]
+    if kind == "seq":
+        return Chain(*children)
+    if kind == "list":
+        return ListSum(children)
+    if kind == "dict":
+        return DictOut({f"b{i}": c for i, c in enumerate(children)})
+    return TupleOut(children[0])
+
+
+def fingerprint(model: nn.Module) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        out[name] = (
+            type(m),
+            sorted(m.__dict__),
+            {k: (id(p), type(p), p.requires_grad) for k, p in m._parameters.items() if p is not None},
+            {k: id(b) for k, b in m._buffers.items() if b is not None},
+            {k: id(c) for k, c in m._modules.items()},
+            tuple(len(getattr(m, h)) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")),
+        )
+    return out
+
+
+def state_values(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+
+
+class SurgeryMachine(RuleBasedStateMachine):
+    """Random surgery on a random tree; the reference forward is the oracle."""
+
+    @initialize(data=st.data())
+    def build_model(self, data: st.DataObject) -> None:
+        leaves: list[Leaf] = []
+        self.model = Root(build(data.draw, 0, leaves))
+        self.leaves = [m for m in self.model.modules() if isinstance(m, Leaf)]
+        self.x = torch.randn(2, DIM)
+        self.start = fingerprint(self.model)
+        self.values = state_values(self.model)
+        self.expected_output = self.model(self.x).detach()
+
+    @rule(which=st.integers(0, 100), kind=st.sampled_from([Scale, Shift, Freeze]))
+    def apply_patch(self, which: int, kind: type[Patch]) -> None:
+        leaf = self.leaves[which % len(self.leaves)]
+        if torchsurgery.is_patched(leaf, kind):
+            with pytest.raises(ValueError):
+                torchsurgery.patch(leaf, kind)
+        else:
+            torchsurgery.patch(leaf, kind)
+
+    @rule(which=st.integers(0, 100))
+    def failing_patch_changes_nothing(self, which: int) -> None:
+        leaf = self.leaves[which % len(self.leaves)]
+        before = fingerprint(self.model)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            torchsurgery.patch(leaf, Broken)
+        assert fingerprint(self.model) == before
+
+    @precondition(lambda self: any(torchsurgery.is_patched(m) for m in self.leaves))
+    @rule(which=st.integers(0, 100), pick=st.integers(0, 3))
+    def remove_a_patch(self, which: int, pick: int) -> None:
+        patched = [m for m in self.leaves if torchsurgery.is_patched(m)]
+        leaf = patched[which % len(patched)]
+        stack = torchsurgery.patches(leaf)
+        torchsurgery.unpatch(leaf, stack[pick % len(stack)])
+
+    @rule()
+    def restore_everything(self) -> None:
+        torchsurgery.restore(self.model)
+        self.check_pristine()
+
+    @invariant()
+    def computes_what_the_surgery_says(self) -> None:
+        if not hasattr(self, "model"):
+            return
+        with torch.no_grad():
+            torch.testing.assert_close(self.model(self.x), reference_forward(self.model, self.x))
+        log = torchsurgery.surgery_log(self.model)
+        assert [e.seq for e in log] == sorted(e.seq for e in log)
+        assert len(log) == sum(len(torchsurgery.patches(m)) for m in self.model.modules())
+
+    def check_pristine(self) -> None:
+        assert torchsurgery.surgery_log(self.model) == []
+        assert fingerprint(self.model) == self.start
+        now = state_values(self.model)
+        assert now.keys() == self.values.keys()
+        for k in now:
+            assert torch.equal(now[k], self.values[k]), k
+        with torch.no_grad():
+            torch.testing.assert_close(self.model(self.x), self.expected_output, rtol=0, atol=0)
+
+    def teardown(self) -> None:
+        if hasattr(self, "model"):
+            torchsurgery.restore(self.model)
+            self.check_pristine()
+
+
+SurgeryMachine.TestCase.settings = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestSurgeryMachine = SurgeryMachine.TestCase
+
+
+def test_restore_refuses_and_names_what_blocks_it() -> None:
+    from torch.nn.utils import parametrize
+
+    leaf = Leaf()
+    model = Root(Chain(leaf))
+    torchsurgery.patch(leaf, Scale)
+    parametrize.register_parametrization(leaf, "weight", nn.Identity())
+    with pytest.raises(RuntimeError, match=r"could not undo patch Scale on body\.0.*another tool"):
+        torchsurgery.restore(model)
+    assert torchsurgery.is_patched(leaf, Scale)  # nothing half-undone
+    parametrize.remove_parametrizations(leaf, "weight")
+    torchsurgery.restore(model)
+    assert type(leaf) is Leaf
+
+
+def test_surgery_log_lists_surgery_in_applied_order() -> None:
+    a, b = Leaf(), Leaf()
+    model = Root(Chain(a, b))
+    torchsurgery.patch(b, Scale)
+    torchsurgery.patch(a, Shift)
+    torchsurgery.patch(b, Freeze)
+    log = torchsurgery.surgery_log(model)
+    assert [(e.module_name, e.description) for e in log] == [
+        ("body.1", "patch Scale"),
+        ("body.0", "patch Shift"),
+        ("body.1", "patch Freeze"),
+    ]
+    with pytest.raises(TypeError, match="expected an nn.Module"):
+        torchsurgery.surgery_log("model")  # type: ignore[arg-type]
