@@ -18,6 +18,14 @@ from torchsurgery.patching import (
     patches,
     unpatch,
 )
+from torchsurgery.tensors import (
+    CheckpointError,
+    LoadResult,
+    convert_,
+    load_,
+    skeleton,
+    swap_on_conversion,
+)
 
 __version__ = "0.1.0"
 
@@ -34,4 +42,11 @@ __all__ = [
     "patches",
     "original_class",
     "patched",
+    # tensors: which tensors a module holds
+    "swap_on_conversion",
+    "convert_",
+    "load_",
+    "LoadResult",
+    "skeleton",
+    "CheckpointError",
 ]

@@ -1,0 +1,529 @@
+"""Convert and load a module's tensors while every reference to them stays valid.
+
+``nn.Module.to()`` keeps parameter objects only when PyTorch's swap flag is set, and
+replaces buffers even then; ``load_state_dict(assign=True)`` gives the module new
+parameter objects and unties tied weights. Optimizers, hooks and user code holding the
+old objects then silently work on dead tensors. Here every parameter and buffer keeps
+its Python identity: new data is put into the existing object with
+:func:`torch.utils.swap_tensors`, or copied into it in place.
+
+Every operation checks all it can before changing anything, and puts back what it had
+changed if something still fails half-way, so a module is never left half converted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copyreg
+import difflib
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+from torch import nn
+
+from torchsurgery import _undo
+from torchsurgery._checkpoint import CheckpointError, Entry, open_source
+
+__all__ = ["swap_on_conversion", "convert_", "load_", "LoadResult", "skeleton", "CheckpointError"]
+
+M = TypeVar("M", bound=nn.Module)
+
+_flag_lock = threading.Lock()
+_flag_depth = 0
+_flag_saved = False
+
+
+@contextlib.contextmanager
+def swap_on_conversion() -> Iterator[None]:
+    """Make ``module.to()``/``.half()``/``load_state_dict`` use ``swap_tensors`` inside the block.
+
+    Sets ``torch.__future__.set_swap_module_params_on_conversion(True)`` and restores the
+    previous value on exit, also on an exception; nested and concurrent blocks keep the
+    flag on until the last one exits.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> layer = nn.Linear(2, 2)
+        >>> weight = layer.weight
+        >>> with torchsurgery.swap_on_conversion():
+        ...     _ = layer.half()
+        >>> layer.weight is weight, layer.weight.dtype
+        (True, torch.float16)
+    """
+    global _flag_depth, _flag_saved
+    with _flag_lock:
+        if _flag_depth == 0:
+            _flag_saved = torch.__future__.get_swap_module_params_on_conversion()
+            torch.__future__.set_swap_module_params_on_conversion(True)
+        _flag_depth += 1
+    try:
+        yield
+    finally:
+        with _flag_lock:
+            _flag_depth -= 1
+            if _flag_depth == 0:
+                torch.__future__.set_swap_module_params_on_conversion(_flag_saved)
+
+
+def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """Each distinct parameter and buffer once, as (first qualified name, tensor, is_param)."""
+    seen: set[int] = set()
+    found: list[tuple[str, torch.Tensor, bool]] = []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            found.append((name, p, True))
+    for name, b in module.named_buffers(remove_duplicate=False):
+        if id(b) not in seen:
+            seen.add(id(b))
+            found.append((name, b, False))
+    return found
+
+
+def _wrap_like(original: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """``data`` as an object of ``original``'s kind, ready to be swapped into it."""
+    data = data.detach()
+    if type(original) is nn.Parameter or (
+        isinstance(original, nn.Parameter) and not issubclass(type(original), nn.Parameter)
+    ):
+        # plain Parameters, and tensor subclasses marked as parameters (_is_param)
+        return nn.Parameter(data, requires_grad=original.requires_grad)
+    if isinstance(original, nn.Parameter):
+        # a Parameter subclass: same class and attributes, so the swap changes neither
+        new = torch.Tensor._make_subclass(type(original), data, original.requires_grad)
+        new.__dict__.update(original.__dict__)
+        return new
+    if data.requires_grad != original.requires_grad and data.is_leaf:
+        data.requires_grad_(original.requires_grad)
+    return data
+
+
+def _swap_blocker(name: str, tensor: torch.Tensor, replacement: torch.Tensor | None, what: str) -> str | None:
+    """Why ``swap_tensors(tensor, replacement)`` would fail or poison autograd, if it would."""
+    if weakref.getweakrefs(tensor):
+        return (
+            f"{what}: cannot swap {name!r}: it has weak references (e.g. a WeakTensorKeyDictionary "
+            "or a weakref.ref held somewhere); drop them and try again"
+        )
+    if replacement is not None:
+        slots_now = set(copyreg._slotnames(type(tensor)))  # type: ignore[attr-defined]
+        slots_new = set(copyreg._slotnames(type(replacement)))  # type: ignore[attr-defined]
+        if slots_now != slots_new:
+            return (
+                f"{what}: cannot swap {name!r}: its class {type(tensor).__name__} and the converted "
+                f"{type(replacement).__name__} have different __slots__; convert with a subclass-aware "
+                "__torch_dispatch__ that keeps the class"
+            )
+    uses = tensor._use_count()  # type: ignore[attr-defined]
+    if uses > 1:
+        # One use is the object itself; an extra one is a view's base reference, another
+        # holder in C++, or the AccumulateGrad node of a graph whose backward is pending,
+        # which swap_tensors would poison so that the backward fails much later.
+        return (
+            f"{what}: cannot swap {name!r}: it is held elsewhere ({uses} holders): by the graph of a "
+            "forward whose backward has not run yet (or whose outputs are still alive), or by a view "
+            "of it. Run backward and drop the outputs (del loss), and delete views of the tensor"
+        )
+    return None
+
+
+@contextlib.contextmanager
+def _own_weakrefs_released(module: nn.Module) -> Iterator[None]:
+    """Drop the weak references RNN modules keep to their own weights while we swap them.
+
+    ``nn.RNNBase`` keeps ``_flat_weight_refs`` (weakrefs to its parameters), which
+    ``swap_tensors`` refuses; PyTorch's own ``_apply`` clears and rebuilds them likewise.
+    """
+    rnns = [m for m in module.modules() if isinstance(m, nn.RNNBase)]
+    for rnn in rnns:
+        rnn._flat_weight_refs = []
+    try:
+        yield
+    finally:
+        for rnn in rnns:
+            rnn._init_flat_weights()
+
+
+def _check_dtype(dtype: Any, what: str) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{what}: dtype must be a torch.dtype, got {dtype!r}")
+    if not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(
+            f"{what}: dtype must be a floating point or complex dtype (as for module.to), got {dtype}"
+        )
+    return dtype
+
+
+def _check_device(device: Any, what: str) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{what}: {device!r} is not a device ({exc})") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{what}: device {device!r} was asked for but CUDA is not available")
+    return resolved
+
+
+def _converted(t: torch.Tensor, device: torch.device | None, dtype: torch.dtype | None, non_blocking: bool) -> torch.Tensor:
+    target_dtype = dtype if dtype is not None and (t.is_floating_point() or t.is_complex()) else t.dtype
+    return t.detach().to(device=device or t.device, dtype=target_dtype, non_blocking=non_blocking)
+
+
+def convert_(
+    module: M,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    non_blocking: bool = False,
+) -> M:
+    """Move and/or cast ``module``'s parameters and buffers in place, keeping every object.
+
+    Each parameter and buffer keeps its ``id`` (buffers too, unlike ``module.to()``),
+    tied parameters stay one object, ``.grad`` is converted with its parameter, and with
+    ``optimizer`` its state tensors (Adam's ``exp_avg``...) follow, so training goes on.
+    Only floating point and complex tensors change dtype, as with ``module.to(dtype)``.
+
+    All or nothing: every swap is checked before the first one (weak references,
+    extra holders such as a pending backward, slot mismatches), and if a conversion
+    still fails half-way, the tensors already converted are swapped back.
+
+    Args:
+        module: the module to convert.
+        device: the target device; ``None`` keeps each tensor's device.
+        dtype: the target floating point dtype; ``None`` keeps each dtype.
+        optimizer: an optimizer over (some of) the module's parameters.
+        non_blocking: passed to ``Tensor.to``.
+
+    Returns:
+        ``module`` itself.
+
+    Raises:
+        TypeError: an argument is of the wrong kind.
+        ValueError: ``device`` or ``dtype`` is not usable.
+        RuntimeError: a tensor cannot be swapped; the message names it, the cause and the fix.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> bn = nn.BatchNorm1d(3)
+        >>> mean = bn.running_mean
+        >>> _ = torchsurgery.convert_(bn, dtype=torch.float64)
+        >>> bn.running_mean is mean, bn.running_mean.dtype
+        (True, torch.float64)
+    """
+    what = "torchsurgery.convert_"
+    _undo.check_not_compiling("convert_")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{what}: expected an nn.Module, got {type(module).__name__}")
+    target_device = _check_device(device, what)
+    target_dtype = _check_dtype(dtype, what)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{what}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+
+    with _own_weakrefs_released(module):
+        _convert(module, target_device, target_dtype, non_blocking, what)
+    if optimizer is not None:
+        _convert_optimizer_state(optimizer, target_device, target_dtype, non_blocking)
+    return module
+
+
+def _convert(
+    module: nn.Module, target_device: torch.device | None, target_dtype: torch.dtype | None, non_blocking: bool, what: str
+) -> None:
+    plan: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    for name, t, _is_param in _named_tensors(module):
+        if (target_device is None or t.device == target_device) and (
+            target_dtype is None or t.dtype == target_dtype or not (t.is_floating_point() or t.is_complex())
+        ):
+            continue
+        problem = _swap_blocker(name, t, None, what)
+        if problem:
+            raise RuntimeError(problem)
+        plan.append((name, t, _wrap_like(t, _converted(t, target_device, target_dtype, non_blocking))))
+    for name, t, new in plan:
+        problem = _swap_blocker(name, t, new, what)
+        if problem:
+            raise RuntimeError(problem)
+
+    done: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    try:
+        for name, t, new in plan:
+            grad = t.grad
+            if grad is not None:
+                t.grad = None  # the grad slot counts as a holder for swap_tensors
+            try:
+                torch.utils.swap_tensors(t, new)
+            except Exception as exc:
+                if grad is not None:
+                    t.grad = grad
+                raise RuntimeError(f"{what}: swapping {name!r} failed: {exc}") from exc
+            done.append((t, new, grad))
+            if grad is not None:
+                t.grad = _converted(grad, target_device, target_dtype, non_blocking)
+    except BaseException:
+        for t, old, grad in reversed(done):
+            t.grad = None
+            torch.utils.swap_tensors(t, old)
+            t.grad = grad
+        raise
+
+
+def _convert_optimizer_state(
+    optimizer: torch.optim.Optimizer, device: torch.device | None, dtype: torch.dtype | None, non_blocking: bool
+) -> None:
+    for param, state in optimizer.state.items():
+        if not isinstance(param, torch.Tensor):
+            continue
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor) or key == "step":
+                continue  # the step counter keeps its dtype and device, as in Optimizer.load_state_dict
+            cast = param.dtype if (value.is_floating_point() or value.is_complex()) and dtype is not None else None
+            state[key] = value.to(device=device or param.device, dtype=cast, non_blocking=non_blocking)
+
+
+class LoadResult(NamedTuple):
+    """What :func:`load_` could not match.
+
+    Attributes:
+        missing_keys: module keys absent from the checkpoint (tied names count as present
+            when any name of the tie is).
+        unexpected_keys: checkpoint keys the module does not have.
+
+    Example:
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> torchsurgery.load_(nn.Linear(2, 2), {"weight": nn.Linear(2, 2).weight}, strict=False)
+        LoadResult(missing_keys=['bias'], unexpected_keys=[])
+    """
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def _suggest(key: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _load_errors(
+    missing: list[str], unexpected: list[str], mismatched: list[str], strict: bool, ckpt_keys: list[str], module_keys: list[str]
+) -> str | None:
+    lines = []
+    if strict:
+        lines += [f"  missing: {k!r}{_suggest(k, unexpected or ckpt_keys)}" for k in missing]
+        lines += [f"  unexpected: {k!r}{_suggest(k, missing or module_keys)}" for k in unexpected]
+    lines += [f"  {m}" for m in mismatched]
+    if not lines:
+        return None
+    return "torchsurgery.load_: the checkpoint does not fit the module; nothing was loaded:\n" + "\n".join(lines)
+
+
+def load_(
+    module: nn.Module,
+    source: Any,
+    *,
+    strict: bool = True,
+    assign: bool = False,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> LoadResult:
+    """Load a checkpoint into ``module`` in place, tensor by tensor, keeping every object.
+
+    Parameters and buffers keep their ``id`` (optimizers built before loading keep
+    working); real tensors receive the values in place (``data_ptr`` unchanged unless
+    the device or dtype changes); ``meta`` tensors (from :func:`skeleton`) are
+    materialised on ``device``. Tied weights stay tied whether the checkpoint names one
+    or both of their names. Tensor subclasses are honoured through
+    ``Tensor.module_load``: with ``assign=False`` the module's subclass decides, with
+    ``assign=True`` the checkpoint's tensor (and class) is taken.
+
+    The checkpoint is read one tensor at a time (safetensors without memory mapping), so
+    loading into a skeleton peaks at about the final model's size. Every key, shape and
+    the file's integrity are checked before the first write; a tensor that still fails
+    later is undone along with those before it.
+
+    Args:
+        module: the module to load into.
+        source: a state dict, a ``.safetensors`` file, a sharded ``*.index.json``, a
+            ``.pt``/``.pth``/``.bin`` file (read with ``torch.load(weights_only=True)``),
+            or a directory holding one of those under its usual name.
+        strict: raise when keys are missing or unexpected (shape mismatches always raise).
+        assign: take the checkpoint's tensors instead of copying into the module's.
+        device: where ``meta`` tensors are materialised, and where all tensors go when given.
+        dtype: cast floating point tensors to this dtype.
+
+    Returns:
+        A :class:`LoadResult` with the missing and unexpected keys.
+
+    Raises:
+        RuntimeError: keys or shapes do not fit (all are listed at once, with near names).
+        CheckpointError: the file is truncated, corrupt, crafted or unsafe.
+        FileNotFoundError: the file does not exist.
+        TypeError: an argument is of the wrong kind.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> src, dst = nn.Linear(2, 2), nn.Linear(2, 2)
+        >>> weight = dst.weight
+        >>> torchsurgery.load_(dst, src.state_dict())
+        LoadResult(missing_keys=[], unexpected_keys=[])
+        >>> dst.weight is weight and torch.equal(dst.weight, src.weight)
+        True
+    """
+    what = "torchsurgery.load_"
+    _undo.check_not_compiling("load_")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{what}: expected an nn.Module, got {type(module).__name__}")
+    target_device = _check_device(device, what)
+    target_dtype = _check_dtype(dtype, what)
+    reader = open_source(source, what)
+    try:
+        with _own_weakrefs_released(module):
+            return _load(module, reader, strict, assign, target_device, target_dtype, what)
+    finally:
+        reader.close()
+
+
+def _load(
+    module: nn.Module, reader: Any, strict: bool, assign: bool, device: torch.device | None, dtype: torch.dtype | None, what: str
+) -> LoadResult:
+    stored: dict[str, Entry] = reader.entries()
+    state = module.state_dict(keep_vars=True)
+    # group the module's keys by tensor, so tied weights are one entry with several names
+    groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for key, t in state.items():
+        groups.setdefault(id(t), (t, []))[1].append(key)
+    missing, mismatched = [], []
+    plan: list[tuple[str, torch.Tensor, str]] = []  # (qualified name, tensor, checkpoint key)
+    for t, names in groups.values():
+        present = [n for n in names if n in stored]
+        if not present:
+            missing.extend(names)
+            continue
+        key = present[0]
+        if stored[key].shape != tuple(t.shape):
+            mismatched.append(
+                f"shape of {key!r}: checkpoint {list(stored[key].shape)}, module {list(t.shape)}"
+            )
+            continue
+        plan.append((names[0], t, key))
+    claimed = {n for _, names in groups.values() for n in names}
+    unexpected = sorted(k for k in stored if k not in claimed)
+    message = _load_errors(missing, unexpected, mismatched, strict, sorted(stored), sorted(state))
+    if message:
+        raise RuntimeError(message)
+    for name, t, _ in plan:
+        problem = _swap_blocker(name, t, None, what)
+        if problem:
+            raise RuntimeError(problem)
+
+    undo: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, object holding its old content)
+    try:
+        for name, t, key in plan:
+            _load_one(t, key, reader, assign, device, dtype, undo, name, what)
+    except BaseException:
+        for t, old in reversed(undo):
+            torch.utils.swap_tensors(t, old)
+        raise
+    return LoadResult(sorted(missing), unexpected)
+
+
+def _load_one(
+    t: torch.Tensor,
+    key: str,
+    reader: Any,
+    assign: bool,
+    device: torch.device | None,
+    dtype: torch.dtype | None,
+    undo: list[tuple[torch.Tensor, torch.Tensor]],
+    name: str,
+    what: str,
+) -> None:
+    floating = t.is_floating_point() or t.is_complex()
+    target_device = device or (torch.device("cpu") if t.is_meta else t.device)
+    target_dtype = dtype if dtype is not None and floating else t.dtype
+    plain = type(t) in (torch.Tensor, nn.Parameter)
+    if plain and not assign and not t.is_meta and t.device == target_device and t.dtype == target_dtype:
+        # in place: same object, same storage; keep the old values to undo a later failure
+        with torch.no_grad():
+            backup = t.detach().clone()
+            reader.read(key, out=t.detach())
+        undo.append((t, _wrap_like(t, backup)))
+        return
+    value = reader.read(key)
+    value = value.to(device=target_device, dtype=target_dtype if dtype is not None or not assign else value.dtype)
+    if plain and not assign:
+        # a meta tensor to materialise, or a move/cast: the loaded value becomes the content
+        new = _wrap_like(t, value)
+    else:
+        # tensor subclasses decide through module_load (assign=True: the checkpoint's tensor)
+        with torch.no_grad():
+            loaded = t.module_load(value, assign=assign)
+        new = _wrap_like(t, loaded) if isinstance(t, nn.Parameter) else loaded
+    problem = _swap_blocker(name, t, new, what)
+    if problem:
+        raise RuntimeError(problem)
+    torch.utils.swap_tensors(t, new)
+    undo.append((t, new))
+
+
+@contextlib.contextmanager
+def skeleton(device: str | torch.device = "meta", include_buffers: bool = False) -> Iterator[None]:
+    """Build models inside the block without allocating their parameters.
+
+    Like ``with torch.device("meta")``, but buffers stay real by default: models often
+    compute rotary tables or position ids in ``__init__``, and those are not in their
+    checkpoints. Fill the model afterwards with :func:`load_`. Everything is put back on
+    exit, also on an exception. The redirection applies to every thread while active.
+
+    Args:
+        device: where parameters are put (``"meta"``: nowhere).
+        include_buffers: put buffers there too.
+
+    Yields:
+        Nothing.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> with torchsurgery.skeleton():
+        ...     bn = nn.BatchNorm1d(4)
+        >>> bn.weight.device.type, bn.running_mean.device.type
+        ('meta', 'cpu')
+    """
+    target = _check_device(device, "torchsurgery.skeleton") or torch.device("meta")
+    original_param = nn.Module.register_parameter
+    original_buffer = nn.Module.register_buffer
+
+    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original_param(self, name, param)
+        if param is not None and param.device != target:
+            self._parameters[name] = _wrap_like(param, param.detach().to(target))  # type: ignore[assignment]
+
+    def register_buffer(self: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        if tensor is not None and tensor.device != target:
+            tensor = tensor.to(target)
+        original_buffer(self, name, tensor, persistent=persistent)
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    if include_buffers:
+        nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original_param  # type: ignore[method-assign]
+        nn.Module.register_buffer = original_buffer  # type: ignore[method-assign]

@@ -1,0 +1,550 @@
+"""Tests of torchsurgery.tensors: convert_, load_, skeleton and swap_on_conversion.
+
+Behaviours follow PyTorch's own conformance tests (test_to / test_to_empty over many
+module types, load_state_dict with assign and meta tensors, optimizers kept across
+loading, tensor-subclass module_load, AccumulateGrad poisoning), written for our API.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import struct
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+import torchsurgery
+from torchsurgery import CheckpointError, convert_, load_, skeleton, swap_on_conversion
+
+MODULES = {
+    "linear": (lambda: nn.Linear(4, 3), lambda: torch.randn(2, 4)),
+    "conv": (lambda: nn.Conv2d(2, 3, 3), lambda: torch.randn(1, 2, 5, 5)),
+    "batchnorm": (lambda: nn.BatchNorm1d(4), lambda: torch.randn(3, 4)),
+    "lstm": (lambda: nn.LSTM(4, 3, num_layers=2), lambda: torch.randn(5, 1, 4)),
+    "embedding": (lambda: nn.Embedding(10, 4), lambda: torch.tensor([1, 2, 3])),
+    "mha": (lambda: nn.MultiheadAttention(4, 2), lambda: torch.randn(3, 1, 4)),
+    "encoder": (lambda: nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0), lambda: torch.randn(3, 1, 4)),
+}
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _call(module: nn.Module, x: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "mha":
+        return _first(module(x, x, x))
+    return _first(module(x))
+
+
+def _ids(module: nn.Module) -> dict[str, int]:
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers())
+    return {name: id(t) for name, t in named}
+
+
+# ---------------------------------------------------------------------------
+# swap_on_conversion
+
+
+def test_swap_on_conversion_sets_and_restores_the_flag() -> None:
+    assert not torch.__future__.get_swap_module_params_on_conversion()
+    with swap_on_conversion():
+        assert torch.__future__.get_swap_module_params_on_conversion()
+        with swap_on_conversion():
+            pass
+        assert torch.__future__.get_swap_module_params_on_conversion()  # still inside the outer block
+    assert not torch.__future__.get_swap_module_params_on_conversion()
+    with pytest.raises(KeyError):
+        with swap_on_conversion():
+            raise KeyError
+    assert not torch.__future__.get_swap_module_params_on_conversion()
+
+
+def test_swap_on_conversion_keeps_parameters_through_module_to() -> None:
+    layer = nn.Linear(2, 2)
+    weight = layer.weight
+    with swap_on_conversion():
+        layer.double()
+    assert layer.weight is weight and weight.dtype == torch.float64
+
+
+# ---------------------------------------------------------------------------
+# convert_
+
+
+@pytest.mark.parametrize("kind", sorted(MODULES))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_convert_keeps_identity_of_parameters_and_buffers(kind: str, dtype: torch.dtype) -> None:
+    make, make_input = MODULES[kind]
+    module = make().eval()
+    reference = copy.deepcopy(module).to(dtype)  # PyTorch's own conversion, for the values
+    ids = _ids(module)
+    convert_(module, dtype=dtype)
+    assert _ids(module) == ids
+    for (name, t), (_, r) in zip(module.state_dict().items(), reference.state_dict().items(), strict=True):
+        assert t.dtype == r.dtype, name
+        assert torch.equal(t, r), name
+    x = make_input()
+    if x.is_floating_point():
+        x = x.to(dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(_call(module, x, kind), _call(reference, x, kind), rtol=0, atol=0)
+
+
+def test_convert_only_changes_floating_tensors() -> None:
+    bn = nn.BatchNorm1d(3)
+    convert_(bn, dtype=torch.float16)
+    assert bn.num_batches_tracked.dtype == torch.int64
+    assert bn.running_var.dtype == torch.float16
+
+
+def test_convert_converts_grads_and_keeps_tied_weights_tied() -> None:
+    emb = nn.Embedding(5, 3)
+    head = nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, head)
+    model(torch.tensor([1, 2])).sum().backward()
+    grad = emb.weight.grad.clone()
+    convert_(model, dtype=torch.float64)
+    assert model[0].weight is model[1].weight
+    assert emb.weight.grad.dtype == torch.float64
+    torch.testing.assert_close(emb.weight.grad, grad.double())
+
+
+def test_optimizer_state_follows_and_training_continues_like_a_reference() -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def train(m: nn.Module, opt: torch.optim.Optimizer, steps: int, dtype: torch.dtype) -> list[float]:
+        losses = []
+        for _ in range(steps):
+            loss = F.mse_loss(m(x.to(dtype)), y.to(dtype))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    ours = train(model, opt, 3, torch.float32)
+    convert_(model, dtype=torch.float64, optimizer=opt)  # the same optimizer object goes on
+    ours += train(model, opt, 3, torch.float64)
+
+    # reference: PyTorch's documented path (convert, rebuild the optimizer, reload its state)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.05)
+    theirs = train(reference, ref_opt, 3, torch.float32)
+    saved = ref_opt.state_dict()
+    reference.double()
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.05)
+    ref_opt.load_state_dict(saved)
+    theirs += train(reference, ref_opt, 3, torch.float64)
+
+    assert ours == pytest.approx(theirs, rel=1e-6)
+    assert all(v.dtype == torch.float64 for s in opt.state.values() for k, v in s.items() if k != "step")
+
+
+def test_convert_refuses_a_pending_backward_and_changes_nothing() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    loss = model(torch.randn(2, 3)).sum()
+    with pytest.raises(RuntimeError, match=r"'0.weight'.*backward has not run"):
+        convert_(model, dtype=torch.float64)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    loss.backward()  # the graph was not poisoned: backward still works
+    del loss  # the graph keeps its AccumulateGrad nodes (holders of the weights) while alive
+    convert_(model, dtype=torch.float64)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+
+
+def test_plain_swap_tensors_would_have_poisoned_the_graph() -> None:
+    # Why the pre-flight check matters: PyTorch's own path converts and fails only later.
+    layer = nn.Linear(2, 2)
+    loss = layer(torch.randn(1, 2)).sum()
+    with swap_on_conversion():
+        layer.double()
+    with pytest.raises(RuntimeError, match="poisoned"):
+        loss.backward()
+
+
+def test_convert_refuses_weakrefs_and_views_naming_the_tensor() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    ref = weakref.ref(model[1].bias)
+    with pytest.raises(RuntimeError, match=r"'1.bias'.*weak references"):
+        convert_(model, dtype=torch.float64)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    del ref
+    view = model[0].weight[0]
+    with pytest.raises(RuntimeError, match=r"'0.weight'.*view"):
+        convert_(model, dtype=torch.float64)
+    del view
+    convert_(model, dtype=torch.float64)
+
+
+def test_convert_bad_arguments() -> None:
+    layer = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="floating point"):
+        convert_(layer, dtype=torch.int32)
+    with pytest.raises(ValueError, match="not a device"):
+        convert_(layer, device="nowhere")
+    with pytest.raises(TypeError, match="optimizer"):
+        convert_(layer, dtype=torch.float64, optimizer=object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="nn.Module"):
+        convert_("layer", dtype=torch.float64)  # type: ignore[type-var]
+    assert layer.weight.dtype == torch.float32
+
+
+def test_convert_undoes_swaps_done_before_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    ids, values = _ids(model), {k: v.clone() for k, v in model.state_dict().items()}
+    real_swap = torch.utils.swap_tensors
+    calls = 0
+
+    def flaky(a: torch.Tensor, b: torch.Tensor) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("injected")
+        real_swap(a, b)
+
+    monkeypatch.setattr(torch.utils, "swap_tensors", flaky)
+    with pytest.raises(RuntimeError, match="injected"):
+        convert_(model, dtype=torch.float64)
+    monkeypatch.setattr(torch.utils, "swap_tensors", real_swap)
+    assert _ids(model) == ids
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.float32 and torch.equal(v, values[k])
+
+
+def test_parameter_subclass_keeps_its_class() -> None:
+    class Tagged(nn.Parameter):
+        pass
+
+    layer = nn.Linear(2, 2)
+    layer.weight = Tagged(layer.weight.detach().clone())
+    layer.weight.note = "kept"  # type: ignore[attr-defined]
+    convert_(layer, dtype=torch.float64)
+    assert type(layer.weight) is Tagged and layer.weight.note == "kept"  # type: ignore[attr-defined]
+    assert layer.weight.dtype == torch.float64
+
+
+# ---------------------------------------------------------------------------
+# Tensor subclasses: module_load decides (the recipe's quantized-weight example)
+
+
+class ScaledWeight(torch.Tensor):
+    """A wrapper subclass holding ``elem`` and a ``scale``, as in PyTorch's swap recipe."""
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor, scale: float) -> ScaledWeight:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
+            cls, elem.shape, dtype=elem.dtype, device=elem.device, requires_grad=elem.requires_grad
+        )
+
+    def __init__(self, elem: torch.Tensor, scale: float) -> None:
+        self.elem = elem
+        self.scale = scale
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.module_load:
+            dest, src = args[0], args[1]
+            if type(src) is torch.Tensor:  # plain checkpoint value: quantise it into our class
+                return ScaledWeight(src.detach(), dest.scale)
+            return src.detach()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.detach.default, torch.ops.aten._to_copy.default):
+            return ScaledWeight(func(args[0].elem, *args[1:], **kwargs), args[0].scale)
+        raise NotImplementedError(f"{func} is not supported by ScaledWeight")  # test helper only
+
+
+def test_module_load_keeps_the_modules_subclass_unless_assign() -> None:
+    layer = nn.Linear(3, 2)
+    layer.weight = nn.Parameter(ScaledWeight(layer.weight.detach(), 0.5), requires_grad=False)
+    weight = layer.weight
+    values = torch.randn(2, 3)
+    load_(layer, {"weight": values, "bias": torch.zeros(2)}, assign=False)
+    assert layer.weight is weight
+    assert type(layer.weight) is ScaledWeight and layer.weight.scale == 0.5
+    assert torch.equal(layer.weight.elem, values)
+
+    other = ScaledWeight(torch.ones(2, 3), 2.0)
+    load_(layer, {"weight": other, "bias": torch.zeros(2)}, assign=True)
+    assert layer.weight is weight and layer.weight.scale == 2.0  # the checkpoint's tensor was taken
+
+
+def test_convert_casts_the_payload_of_a_subclass() -> None:
+    layer = nn.Linear(3, 2)
+    layer.weight = nn.Parameter(ScaledWeight(layer.weight.detach(), 0.5), requires_grad=False)
+    weight = layer.weight
+    convert_(layer, dtype=torch.bfloat16)
+    assert layer.weight is weight and type(weight) is ScaledWeight
+    assert weight.elem.dtype == torch.bfloat16 and weight.scale == 0.5
+
+
+# ---------------------------------------------------------------------------
+# skeleton
+
+
+def test_skeleton_keeps_buffers_real_and_is_undone_on_exception() -> None:
+    with skeleton():
+        bn = nn.BatchNorm1d(4)
+    assert bn.weight.is_meta and not bn.running_mean.is_meta
+    with skeleton(include_buffers=True):
+        bn2 = nn.BatchNorm1d(4)
+    assert bn2.running_mean.is_meta
+    with pytest.raises(ValueError, match="inside"):
+        with skeleton():
+            raise ValueError("inside")
+    assert not nn.Linear(2, 2).weight.is_meta  # nothing left behind
+
+
+def test_skeleton_then_load_equals_the_reference_model() -> None:
+    reference = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    with skeleton():
+        model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    ids = _ids(model)
+    assert load_(model, reference.state_dict()) == ([], [])
+    assert _ids(model) == ids
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------
+# load_
+
+
+def test_load_in_place_keeps_identity_and_storage_and_optimizers_work() -> None:
+    # PyTorch's test_load_state_dict_assign_with_optimizer, for load_
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    source = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    load_(model, source.state_dict())
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
+    x = torch.randn(4, 3)
+    model(x).sum().backward()
+    opt.step()  # the optimizer made before loading still updates the model
+    source(x).sum().backward()
+    with torch.no_grad():
+        for p in source.parameters():
+            p -= 0.1 * p.grad
+    for a, b in zip(model.parameters(), source.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_assign_meta_keeps_identity_and_materialises() -> None:
+    # PyTorch's test_load_state_dict_assign_meta: assign into a meta model
+    with skeleton():
+        model = nn.Linear(3, 2)
+    weight = model.weight
+    state = nn.Linear(3, 2, dtype=torch.float64).state_dict()
+    load_(model, state, assign=True)
+    assert model.weight is weight and model.weight.dtype == torch.float64  # the checkpoint's dtype
+    assert torch.equal(model.weight, state["weight"])
+
+
+def test_load_with_device_and_dtype() -> None:
+    with skeleton():
+        model = nn.Linear(3, 2)
+    load_(model, nn.Linear(3, 2).state_dict(), dtype=torch.bfloat16, device="cpu")
+    assert model.weight.dtype == torch.bfloat16 and model.weight.device.type == "cpu"
+
+
+def test_tied_weights_stay_tied_with_one_or_both_names() -> None:
+    def make() -> nn.Module:
+        emb, head = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+        head.weight = emb.weight
+        return nn.Sequential(emb, head)
+
+    source = make()
+    full = source.state_dict()
+    for state in (full, {"0.weight": full["0.weight"]}, {"1.weight": full["1.weight"]}):
+        with skeleton():
+            model = make()
+        result = load_(model, dict(state))
+        assert result == ([], [])
+        assert model[0].weight is model[1].weight
+        assert torch.equal(model[0].weight, source[0].weight)
+
+
+def test_errors_list_every_problem_at_once_with_suggestions_and_load_nothing() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bad = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 4)).state_dict()
+    bad["0.wieght"] = bad.pop("0.weight")
+    bad["extra"] = torch.zeros(1)
+    with pytest.raises(RuntimeError) as info:
+        load_(model, bad)
+    message = str(info.value)
+    assert "missing: '0.weight' (did you mean '0.wieght'?)" in message
+    assert "unexpected: 'extra'" in message
+    assert "shape of '1.weight': checkpoint [4, 3], module [2, 3]" in message
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    # non-strict: keys are reported, not raised, but shapes still are
+    result = load_(model, {"0.bias": torch.ones(3), "junk": torch.ones(1)}, strict=False)
+    assert result.unexpected_keys == ["junk"] and "0.weight" in result.missing_keys
+    assert torch.equal(model[0].bias, torch.ones(3))
+
+
+def test_failure_half_way_puts_back_what_was_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchsurgery import _checkpoint
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    real_read = _checkpoint.DictSource.read
+    calls = 0
+
+    def flaky(self: Any, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise OSError("disk went away")
+        return real_read(self, key, out)
+
+    monkeypatch.setattr(_checkpoint.DictSource, "read", flaky)
+    with pytest.raises(OSError, match="disk went away"):
+        load_(model, nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)).state_dict())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+# ---------------------------------------------------------------------------
+# Files
+
+
+def test_safetensors_file_and_sharded_index(tmp_path: Path) -> None:
+    source = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    state = source.state_dict()
+    single = tmp_path / "model.safetensors"
+    save_file(state, single)
+    keys = sorted(state)
+    save_file({k: state[k] for k in keys[:2]}, tmp_path / "a.safetensors")
+    save_file({k: state[k] for k in keys[2:]}, tmp_path / "b.safetensors")
+    weight_map = {k: ("a.safetensors" if k in keys[:2] else "b.safetensors") for k in keys}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    x = torch.randn(2, 4)
+    for src in (single, index, str(tmp_path)):
+        with skeleton():
+            model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        load_(model, src)
+        torch.testing.assert_close(model(x), source(x), rtol=0, atol=0)
+
+
+def test_pt_files_are_read_without_unpickling_objects(tmp_path: Path) -> None:
+    source = nn.Linear(2, 2)
+    good = tmp_path / "good.pt"
+    torch.save(source.state_dict(), good)
+    model = nn.Linear(2, 2)
+    load_(model, good)
+    assert torch.equal(model.weight, source.weight)
+
+    class Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (print, ("this must never run",))
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"weight": source.weight, "payload": Evil()}, evil)
+    with pytest.raises(CheckpointError, match="weights_only"):
+        load_(model, evil)
+
+
+def _write_raw_safetensors(path: Path, header: dict[str, Any], data: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["truncated", "huge_size", "overlap", "bad_dtype", "not_utf8", "huge_header", "size_mismatch"],
+)
+def test_crafted_or_damaged_safetensors_is_rejected_and_module_untouched(tmp_path: Path, case: str) -> None:
+    path = tmp_path / f"{case}.safetensors"
+    good = {"weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+            "bias": {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]}}
+    data = bytes(24)
+    if case == "truncated":
+        save_file(nn.Linear(2, 2).state_dict(), path)
+        path.write_bytes(path.read_bytes()[:-5])
+    elif case == "huge_size":
+        good["weight"] = {"dtype": "F32", "shape": [2**31, 2**31], "data_offsets": [0, 2**62]}
+        _write_raw_safetensors(path, good, data)
+    elif case == "overlap":
+        good["bias"]["data_offsets"] = [8, 16]
+        _write_raw_safetensors(path, good, data)
+    elif case == "bad_dtype":
+        good["bias"]["dtype"] = "F128"
+        _write_raw_safetensors(path, good, data)
+    elif case == "not_utf8":
+        raw = b'{"w\xff\xfe": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(4))
+    elif case == "huge_header":
+        path.write_bytes(struct.pack("<Q", 2**60) + b"{}")
+    elif case == "size_mismatch":
+        good["bias"]["shape"] = [3]
+        _write_raw_safetensors(path, good, data)
+    model = nn.Linear(2, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError):
+        load_(model, path)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_unknown_sources_are_refused(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(FileNotFoundError, match="no such checkpoint"):
+        load_(model, tmp_path / "absent.safetensors")
+    (tmp_path / "weights.npz").write_bytes(b"")
+    with pytest.raises(ValueError, match="unsupported checkpoint file"):
+        load_(model, tmp_path / "weights.npz")
+    with pytest.raises(TypeError, match="state dict"):
+        load_(model, 42)
+    with pytest.raises(TypeError, match="names \\(str\\) to tensors"):
+        load_(model, {"weight": [1.0]})
+
+
+# ---------------------------------------------------------------------------
+# A checkpoint written by another library
+
+
+def test_transformers_sharded_checkpoint_into_a_skeleton(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    original = transformers.LlamaForCausalLM(config).eval()
+    original.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    expected = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+
+    with skeleton():
+        model = transformers.LlamaForCausalLM(config).eval()
+    assert model.model.embed_tokens.weight.is_meta
+    result = load_(model, tmp_path / "model.safetensors.index.json", strict=False)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected(ids).logits, rtol=0, atol=0)
+
+
+def test_public_names() -> None:
+    assert torchsurgery.load_ is load_ and torchsurgery.convert_ is convert_
