@@ -9,6 +9,7 @@ Four pillars, each with an exact undo:
 """
 
 from torchsurgery._undo import SurgeryEntry, restore, surgery_log
+from torchsurgery.flex import FlexModel, HookFunction
 from torchsurgery.patching import (
     Patch,
     is_patched,
@@ -49,4 +50,7 @@ __all__ = [
     "LoadResult",
     "skeleton",
     "CheckpointError",
+    # flex: what flows through a model
+    "FlexModel",
+    "HookFunction",
 ]

@@ -1,0 +1,86 @@
+"""Hook groups: named sets of hook functions chosen per forward.
+
+Every registered hook function is in the group ``"all"``. A forward runs the hooks of
+the chosen groups (or, with ``complement=True``, all the others).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torchsurgery._names import glob_match, is_glob
+from torchsurgery.flex.hook_function import HookFunction
+
+ALL = "all"
+
+
+def name_matches(pattern: str, name: str) -> bool:
+    """flex_model's rule (substring) for plain strings; our glob rules for globs."""
+    return glob_match(pattern, name) if is_glob(pattern) else pattern in name
+
+
+class HookGroups:
+    """Which groups each hook function belongs to.
+
+    Example:
+        >>> groups = HookGroups()
+        >>> hook = HookFunction("layers.0.mlp")
+        >>> groups.add([hook], "mlps")
+        >>> sorted(groups.groups_of(hook)), groups.members("mlps") == [hook]
+        (['all', 'mlps'], True)
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[HookFunction, set[str]] = {}
+
+    def register(self, hook: HookFunction) -> None:
+        self._groups.setdefault(hook, set()).add(ALL)
+
+    def forget(self, hook: HookFunction) -> None:
+        self._groups.pop(hook, None)
+
+    def hooks(self) -> list[HookFunction]:
+        return list(self._groups)
+
+    def select(self, constructor: HookFunction | Iterable[HookFunction] | str, what: str) -> list[HookFunction]:
+        """The registered hook functions a group constructor designates."""
+        if isinstance(constructor, HookFunction):
+            chosen = [constructor]
+        elif isinstance(constructor, str):
+            chosen = [h for h in self._groups if name_matches(constructor, h.module_name)]
+        else:
+            chosen = list(constructor)
+            bad = [h for h in chosen if not isinstance(h, HookFunction)]
+            if bad:
+                raise TypeError(f"{what}: expected HookFunctions, got {bad[:3]!r}")
+        unknown = [h for h in chosen if h not in self._groups]
+        if unknown:
+            raise ValueError(f"{what}: {unknown[:3]!r} are not registered with this FlexModel; register them first")
+        return chosen
+
+    def add(self, hooks: Iterable[HookFunction], group: str) -> None:
+        for hook in hooks:
+            self._groups.setdefault(hook, {ALL}).add(group)
+
+    def discard(self, hooks: Iterable[HookFunction], group: str, what: str) -> None:
+        if group == ALL:
+            raise ValueError(f"{what}: every hook is in the group 'all'; it cannot be removed from it")
+        for hook in hooks:
+            self._groups[hook].discard(group)
+
+    def groups_of(self, hook: HookFunction) -> set[str]:
+        return set(self._groups.get(hook, ()))
+
+    def members(self, group: str) -> list[HookFunction]:
+        return [h for h, gs in self._groups.items() if group in gs]
+
+    def known(self) -> set[str]:
+        return set().union(*self._groups.values()) if self._groups else {ALL}
+
+    def active(self, groups: str | Iterable[str], complement: bool, what: str) -> set[HookFunction]:
+        wanted = {groups} if isinstance(groups, str) else set(groups)
+        unknown = wanted - self.known()
+        if unknown:
+            raise ValueError(f"{what}: unknown hook group(s) {sorted(unknown)}; known: {sorted(self.known())}")
+        chosen = {h for h, gs in self._groups.items() if gs & wanted}
+        return set(self._groups) - chosen if complement else chosen

@@ -1,0 +1,120 @@
+"""``HookFunction``: what to capture and how to edit it, for one module (or a glob of them).
+
+A HookFunction is a description; it holds no per-model state, so the same object can
+be registered in several :class:`~torchsurgery.FlexModel` wrappers. The wrapper binds it
+to modules, routes activations and writes captures.
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+EditingFunction = Callable[[nn.Module, torch.Tensor, Namespace, nn.ModuleDict], torch.Tensor]
+"""``f(current_module, inputs, save_ctx, modules) -> Tensor``, as in flex_model."""
+
+
+def default_editing_function(
+    current_module: nn.Module, inputs: torch.Tensor, save_ctx: Namespace, modules: nn.ModuleDict
+) -> torch.Tensor:
+    """Return the activation unchanged (capture only).
+
+    Example:
+        >>> import torch
+        >>> from argparse import Namespace
+        >>> from torch import nn
+        >>> t = torch.ones(1)
+        >>> default_editing_function(nn.Identity(), t, Namespace(), nn.ModuleDict()) is t
+        True
+    """
+    return inputs
+
+
+class HookFunction:
+    """Capture and optionally edit the activation of a named submodule.
+
+    Same names and arguments as ``flex_model.core.HookFunction``, so code written for
+    flex_model switches by changing an import.
+
+    Args:
+        module_name: qualified name of the submodule (of the parameter, for tensor
+            hooks), or a glob such as ``"model.layers.*.mlp"``, which expands to one
+            hook per match when registered.
+        expected_shape: shape of the full activation; ``None`` entries are filled in.
+            In one process it is checked against the real activation; in distributed
+            runs it tells which dimensions are sharded.
+        editing_function: ``f(current_module, inputs, save_ctx, modules) -> Tensor``; the
+            default returns its input (capture only).
+        unpack_idx: which tensor leaf of the module's (nested) output or input to use.
+        allow_shape_change: let the editing function return a differently shaped tensor.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> out = {}
+        >>> flex = torchsurgery.FlexModel(model, out)
+        >>> flex.register_forward_hook(torchsurgery.HookFunction("0", editing_function=lambda m, x, ctx, mods: x * 0))
+        >>> flex(torch.ones(1, 2)).abs().sum().item(), list(out)
+        (0.0, ['0'])
+        >>> _ = flex.restore()
+    """
+
+    def __init__(
+        self,
+        module_name: str,
+        expected_shape: Sequence[int | None] | None = None,
+        editing_function: EditingFunction | None = None,
+        unpack_idx: int = 0,
+        *,
+        allow_shape_change: bool = False,
+    ) -> None:
+        if not isinstance(module_name, str):
+            raise TypeError(f"torchsurgery.HookFunction: module_name must be a str, got {module_name!r}")
+        if expected_shape is not None:
+            expected_shape = tuple(expected_shape)
+            if not all(d is None or (isinstance(d, int) and d >= 0) for d in expected_shape):
+                raise ValueError(
+                    f"torchsurgery.HookFunction: expected_shape must hold sizes or None, got {expected_shape!r}"
+                )
+        if editing_function is not None and not callable(editing_function):
+            raise TypeError(
+                f"torchsurgery.HookFunction: editing_function must be callable, got {editing_function!r}"
+            )
+        if not isinstance(unpack_idx, int) or unpack_idx < 0:
+            raise ValueError(f"torchsurgery.HookFunction: unpack_idx must be an int >= 0, got {unpack_idx!r}")
+        self.module_name = module_name
+        self.expected_shape: tuple[int | None, ...] | None = expected_shape
+        self.editing_function: EditingFunction = editing_function or default_editing_function
+        self.unpack_idx = unpack_idx
+        self.allow_shape_change = allow_shape_change
+
+    @property
+    def edits(self) -> bool:
+        """Whether this hook has an editing function (not just capture)."""
+        return self.editing_function is not default_editing_function
+
+    def __repr__(self) -> str:
+        extra = f", expected_shape={self.expected_shape}" if self.expected_shape else ""
+        return f"HookFunction({self.module_name!r}{extra}, edits={self.edits})"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # keep hook functions simple data
+        return (
+            _rebuild,
+            (self.module_name, self.expected_shape, self.editing_function, self.unpack_idx, self.allow_shape_change),
+        )
+
+
+def _rebuild(
+    module_name: str,
+    expected_shape: tuple[int | None, ...] | None,
+    editing_function: EditingFunction,
+    unpack_idx: int,
+    allow_shape_change: bool,
+) -> HookFunction:
+    return HookFunction(module_name, expected_shape, editing_function, unpack_idx, allow_shape_change=allow_shape_change)

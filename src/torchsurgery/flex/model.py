@@ -1,0 +1,565 @@
+"""``FlexModel``: capture and edit activations of any model by module name, in groups.
+
+The API is flex_model 0.1.0's (same names, signatures and ``output_ptr`` layout), so
+its users switch by changing an import; its known bugs are fixed, and it runs without
+any process group in a single process.
+
+How it works: each registered :class:`~torchsurgery.HookFunction` is bound to the
+module(s) it names with PyTorch's own hooks. The hook takes the chosen tensor out of
+the module's (nested) output or input, asks the :class:`~torchsurgery.flex.routing.Routing`
+for the full tensor, appends a CPU copy to ``output_ptr[key]`` (captured *before* the
+edit), runs the editing function, and puts the result back in the same structure.
+Hooks stay registered for the wrapper's lifetime; a forward's ``groups`` only switch
+them on and off, so hook order never changes and nothing is re-registered per call.
+
+The wrapper shares the wrapped model's parameter, buffer and child dictionaries, so
+``state_dict()``, ``parameters()``, ``to()``, ``train()`` and friends act on the wrapped
+model with its own names. :meth:`FlexModel.restore` (or ``torchsurgery.restore(model)``,
+or dropping the wrapper) removes every hook and leaves the model exactly as it was.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import weakref
+from argparse import Namespace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from torchsurgery import _undo
+from torchsurgery._names import glob_match, is_glob, no_match_message
+from torchsurgery.flex._pytree import flatten
+from torchsurgery.flex.groups import HookGroups, name_matches
+from torchsurgery.flex.hook_function import EditingFunction, HookFunction
+from torchsurgery.flex.routing import LocalRouting, Routing, check_expected_shape
+
+__all__ = ["FlexModel"]
+
+HOOK_TYPES = ("forward", "forward_pre", "full_backward", "full_backward_pre", "tensor")
+OutputPtr = dict[str, list[torch.Tensor]]
+
+
+@dataclass(eq=False)
+class _Binding:
+    """One hook function bound to one module (or parameter) of one wrapper."""
+
+    hook: HookFunction
+    hook_type: str
+    name: str
+    key: str
+    handle: RemovableHandle | None = None
+    active: bool = True
+
+
+class _Runtime:
+    """State the hooks share. Holds no reference to the FlexModel, so it can be collected."""
+
+    def __init__(self, output_ptr: OutputPtr, routing: Routing) -> None:
+        self.output_ptr = output_ptr
+        self.routing = routing
+        self.save_ctx = Namespace()
+        self.trainable_modules = nn.ModuleDict()
+        self.in_forward = False
+        self.pending_copies = False
+
+    def capture(self, key: str, tensor: torch.Tensor) -> None:
+        value = tensor.detach()
+        if value.device.type == "cpu":
+            value = value.clone()  # an alias would change with later in-place edits
+        elif self.in_forward and torch.cuda.is_available():
+            # pinned and non-blocking; forward() synchronises once before returning
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            host.copy_(value, non_blocking=True)
+            value = host
+            self.pending_copies = True
+        else:
+            value = value.to("cpu")
+        self.output_ptr.setdefault(key, []).append(value)
+
+    def run(self, binding: _Binding, module: nn.Module | None, obj: Any) -> Any:
+        """Capture and edit the chosen tensor of ``obj``; ``None`` when nothing changed."""
+        hook = binding.hook
+        leaves, rebuild = flatten(obj)
+        if not leaves:
+            return None  # e.g. no input gradient: nothing to capture or edit
+        if hook.unpack_idx >= len(leaves):
+            raise IndexError(
+                f"torchsurgery.FlexModel: hook on {binding.name!r} has unpack_idx={hook.unpack_idx}, "
+                f"but the {binding.hook_type} value holds only {len(leaves)} tensor(s)"
+            )
+        local = leaves[hook.unpack_idx]
+        full = self.routing.gather(local, hook)
+        if self.routing.saves_outputs():
+            self.capture(binding.key, full)
+        if not hook.edits:
+            return None
+        edited = hook.editing_function(module, full, self.save_ctx, self.trainable_modules)  # type: ignore[arg-type]
+        if not isinstance(edited, torch.Tensor):
+            raise TypeError(
+                f"torchsurgery.FlexModel: the editing function of the hook on {binding.name!r} returned "
+                f"{type(edited).__name__}; it must return a Tensor"
+            )
+        if edited.shape != full.shape and not hook.allow_shape_change:
+            raise ValueError(
+                f"torchsurgery.FlexModel: the editing function of the hook on {binding.name!r} changed the "
+                f"shape from {list(full.shape)} to {list(edited.shape)}; return the same shape, or create "
+                "the HookFunction with allow_shape_change=True"
+            )
+        new_leaves = list(leaves)
+        new_leaves[hook.unpack_idx] = self.routing.scatter(edited, local, hook)
+        return rebuild(new_leaves)
+
+
+def _make_torch_hook(binding: _Binding, runtime: _Runtime, owner: nn.Module | None) -> Callable[..., Any]:
+    run = runtime.run
+    if binding.hook_type == "forward":
+
+        def forward_hook(module: nn.Module, args: Any, output: Any) -> Any:
+            return run(binding, module, output) if binding.active else None
+
+        return forward_hook
+    if binding.hook_type == "forward_pre":
+
+        def forward_pre_hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+            # args and kwargs together, so keyword inputs (hidden_states=...) are reachable
+            return run(binding, module, (args, kwargs)) if binding.active else None
+
+        return forward_pre_hook
+    if binding.hook_type in ("full_backward", "full_backward_pre"):
+
+        def backward_hook(module: nn.Module, grads: Any, *_: Any) -> Any:
+            return run(binding, module, grads) if binding.active else None
+
+        return backward_hook
+
+    def tensor_hook(grad: torch.Tensor) -> Any:
+        return run(binding, owner, grad) if binding.active else None
+
+    return tensor_hook
+
+
+def _remove_bindings(bindings: list[_Binding]) -> None:
+    for binding in bindings:
+        if binding.handle is not None:
+            binding.handle.remove()
+            binding.handle = None
+    bindings.clear()
+
+
+class FlexRecord(_undo.Record):
+    """The undo-log entry of a FlexModel wrapper on the model it wraps."""
+
+    kind = "flex"
+
+    def __init__(self, bindings: list[_Binding]) -> None:
+        super().__init__()
+        self.bindings = bindings
+
+    def describe(self) -> str:
+        return f"FlexModel wrapper ({len(self.bindings)} hooks)"
+
+    def undo(self, module: nn.Module) -> None:
+        _remove_bindings(self.bindings)
+        _undo.remove(module, self)
+
+
+def _finalize(module_ref: weakref.ReferenceType[nn.Module], record: FlexRecord) -> None:
+    module = module_ref()
+    if module is not None:
+        record.undo(module)
+    else:
+        _remove_bindings(record.bindings)
+
+
+class FlexModel(nn.Module):
+    """Wrap a model to capture and edit activations of its submodules by name.
+
+    Same constructor and methods as ``flex_model.core.FlexModel``. Captured activations
+    go to ``output_ptr[module_name]`` as CPU tensors, one appended per forward, captured
+    before the hook's edit. When a module carries several hooks, the first keeps the
+    key ``module_name`` and the next ones get ``module_name#2``, ``module_name#3``...
+
+    Args:
+        module: the model to wrap (not copied).
+        output_ptr: the dict captures are appended to.
+        tensor_parallel_size: tensor-parallel size (distributed runs).
+        pipeline_parallel_size: pipeline-parallel size (distributed runs).
+        data_parallel_size: data-parallel size (distributed runs).
+        process_group: restrict a distributed run to this group.
+
+    Raises:
+        TypeError: ``module`` is not a module or ``output_ptr`` not a dict.
+        ValueError: a parallel size is not a positive integer.
+        RuntimeError: distributed sizes were given but distributed support is unavailable.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> out = {}
+        >>> flex = torchsurgery.FlexModel(model, out)
+        >>> flex.register_forward_hook(torchsurgery.HookFunction("*"))  # every child
+        >>> _ = flex(torch.randn(2, 3))
+        >>> sorted(out), out["1"][0].shape
+        (['0', '1', '2'], torch.Size([2, 4]))
+        >>> flex.restore() is model, len(model[0]._forward_hooks)
+        (True, 0)
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        output_ptr: OutputPtr,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        process_group: Any = None,
+    ) -> None:
+        what = "torchsurgery.FlexModel"
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{what}: expected an nn.Module to wrap, got {type(module).__name__}")
+        if isinstance(module, FlexModel):
+            raise TypeError(f"{what}: the model is already a FlexModel; wrap the model it holds (flex.module)")
+        if not isinstance(output_ptr, dict):
+            raise TypeError(f"{what}: output_ptr must be a dict, got {type(output_ptr).__name__}")
+        sizes = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
+                 "data_parallel_size": data_parallel_size}
+        for key, value in sizes.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{what}: {key} must be a positive int, got {value!r}")
+        super().__init__()
+        if process_group is not None or any(v > 1 for v in sizes.values()):
+            if importlib.util.find_spec("torchsurgery.distributed") is None:
+                raise RuntimeError(
+                    f"{what}: {sizes} with process_group={process_group!r} need distributed support, "
+                    "which this installation of torchsurgery does not include; run in one process "
+                    "(all sizes 1) or install a version with torchsurgery.distributed"
+                )
+            from torchsurgery.distributed import make_routing
+
+            routing: Routing = make_routing(flex_model=self, process_group=process_group, **sizes)
+        else:
+            routing = LocalRouting()
+        runtime = _Runtime(output_ptr, routing)
+        bindings: list[_Binding] = []
+        record = FlexRecord(bindings)
+        d = self.__dict__
+        # Not a child: the wrapper's module surface *is* the wrapped model's (no "module." prefix).
+        d["module"] = module
+        d["_modules"] = module._modules
+        d["_parameters"] = module._parameters
+        d["_buffers"] = module._buffers
+        d["_non_persistent_buffers_set"] = module._non_persistent_buffers_set
+        d["_runtime"] = runtime
+        d["_bindings"] = bindings
+        d["_groups"] = HookGroups()
+        d["_record"] = record
+        d["tp_size"], d["pp_size"], d["dp_size"] = tensor_parallel_size, pipeline_parallel_size, data_parallel_size
+        d["process_group"] = process_group
+        self.training = module.training
+        _undo.push(module, record)
+        d["_finalizer"] = weakref.finalize(self, _finalize, weakref.ref(module), record)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def output_ptr(self) -> OutputPtr:
+        """The dict captured activations are appended to."""
+        return self._runtime.output_ptr
+
+    @output_ptr.setter
+    def output_ptr(self, value: OutputPtr) -> None:
+        if not isinstance(value, dict):
+            raise TypeError(f"torchsurgery.FlexModel: output_ptr must be a dict, got {type(value).__name__}")
+        self._runtime.output_ptr = value
+
+    @property
+    def save_ctx(self) -> Namespace:
+        """A namespace shared by every editing function, kept across hooks and forwards."""
+        return self._runtime.save_ctx
+
+    @property
+    def trainable_modules(self) -> nn.ModuleDict:
+        """Modules every editing function receives as ``modules``; train them with backward."""
+        return self._runtime.trainable_modules
+
+    @property
+    def wrapped_module_names(self) -> list[str]:
+        """Qualified names of every submodule of the wrapped model."""
+        return [name for name, _ in self.module.named_modules()]
+
+    @property
+    def trainable_modules_names(self) -> list[str]:
+        """Names of the registered trainable modules."""
+        return list(self.trainable_modules.keys())
+
+    @property
+    def all_modules_names(self) -> list[str]:
+        """Wrapped module names followed by trainable module names."""
+        return self.wrapped_module_names + self.trainable_modules_names
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            # attributes of the wrapped model (config, generate, ...) read through the wrapper
+            return getattr(self.__dict__["module"], name)
+
+    def _check_alive(self, what: str) -> None:
+        if self._record not in _undo.records(self.module):
+            raise RuntimeError(
+                f"torchsurgery.FlexModel.{what}: this wrapper was restored; wrap the model again"
+            )
+
+    # ------------------------------------------------------- nn.Module surface
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's ``state_dict`` (same keys)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load into the wrapped model (same keys)."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FlexModel:
+        self.module._apply(fn, recurse)
+        self.trainable_modules._apply(fn, recurse)
+        return self
+
+    def train(self, mode: bool = True) -> FlexModel:
+        """Set training mode on the wrapped model and the trainable modules."""
+        self.module.train(mode)
+        self.trainable_modules.train(mode)
+        self.training = mode
+        return self
+
+    # -------------------------------------------------------------- forward
+
+    def forward(self, *args: Any, groups: str | Sequence[str] = "all", complement: bool = False, **kwargs: Any) -> Any:
+        """Run the wrapped model with the hooks of ``groups`` active (all others off).
+
+        Args:
+            *args: passed to the wrapped model.
+            groups: a group name or several; ``"all"`` runs every hook.
+            complement: run the hooks *not* in ``groups`` instead.
+            **kwargs: passed to the wrapped model.
+
+        Returns:
+            The wrapped model's output (with any edits applied).
+
+        Raises:
+            ValueError: an unknown group name. Exceptions from the model or an editing
+                function propagate unchanged; the captures of the failed forward are
+                dropped and the wrapper stays usable.
+        """
+        self._check_alive("forward")
+        runtime = self._runtime
+        active = self._groups.active(groups, complement, "torchsurgery.FlexModel.forward")
+        for binding in self._bindings:
+            binding.active = binding.hook in active
+        output_ptr = runtime.output_ptr
+        marks = {key: len(values) for key, values in output_ptr.items()}
+        runtime.in_forward = True
+        try:
+            outputs = self.module(*args, **kwargs)
+        except BaseException:
+            for key in list(output_ptr):
+                if key not in marks:
+                    del output_ptr[key]
+                else:
+                    del output_ptr[key][marks[key] :]
+            raise
+        finally:
+            runtime.in_forward = False
+            if runtime.pending_copies:
+                torch.cuda.current_stream().synchronize()
+                runtime.pending_copies = False
+            for binding in self._bindings:
+                binding.active = True  # a group choice lasts one forward
+        runtime.routing.end_forward(output_ptr)
+        return outputs
+
+    # --------------------------------------------------------- registration
+
+    def _targets(self, hook: HookFunction, hook_type: str) -> list[tuple[str, nn.Module | torch.Tensor, nn.Module | None]]:
+        what = f"torchsurgery.FlexModel ({hook_type} hook)"
+        pattern = hook.module_name
+        if hook_type == "tensor":
+            params = dict(self.module.named_parameters())
+            names = [n for n in params if glob_match(pattern, n)] if is_glob(pattern) else [n for n in params if n == pattern]
+            if not names:
+                raise ValueError(no_match_message(what, pattern, list(params)).replace("submodule", "parameter"))
+            return [(n, params[n], self.module.get_submodule(n.rpartition(".")[0])) for n in names]
+        modules = dict(self.module.named_modules())
+        names = [n for n in modules if glob_match(pattern, n)]
+        if not names:
+            raise ValueError(no_match_message(what, pattern, [n for n in modules if n]))
+        return [(n, modules[n], None) for n in names]
+
+    def _register(self, hook: HookFunction, hook_type: str) -> None:
+        self._check_alive(f"register ({hook_type})")
+        if not isinstance(hook, HookFunction):
+            raise TypeError(f"torchsurgery.FlexModel: expected a HookFunction, got {type(hook).__name__}")
+        if any(b.hook is hook and b.hook_type == hook_type for b in self._bindings):
+            raise ValueError(f"torchsurgery.FlexModel: {hook!r} is already registered as a {hook_type} hook")
+        targets = self._targets(hook, hook_type)
+        added: list[_Binding] = []
+        try:
+            for name, target, owner in targets:
+                taken = sum(1 for b in self._bindings if b.name == name)
+                binding = _Binding(hook, hook_type, name, name if taken == 0 else f"{name}#{taken + 1}")
+                fn = _make_torch_hook(binding, self._runtime, owner)
+                if isinstance(target, torch.Tensor):
+                    binding.handle = target.register_hook(fn)
+                elif hook_type == "forward":
+                    binding.handle = target.register_forward_hook(fn)
+                elif hook_type == "forward_pre":
+                    binding.handle = target.register_forward_pre_hook(fn, with_kwargs=True)
+                elif hook_type == "full_backward":
+                    binding.handle = target.register_full_backward_hook(fn)
+                else:
+                    binding.handle = target.register_full_backward_pre_hook(fn)
+                self._bindings.append(binding)
+                added.append(binding)
+        except BaseException:
+            for binding in added:
+                self._bindings.remove(binding)
+            _remove_bindings(added)
+            raise
+        self._groups.register(hook)
+
+    def register_forward_hook(self, hook_function: HookFunction) -> None:  # type: ignore[override]
+        """Capture/edit the output of ``hook_function.module_name`` (a name or glob)."""
+        self._register(hook_function, "forward")
+
+    def register_forward_pre_hook(self, hook_function: HookFunction) -> None:  # type: ignore[override]
+        """Capture/edit the inputs (positional and keyword, flattened in that order)."""
+        self._register(hook_function, "forward_pre")
+
+    def register_full_backward_hook(self, hook_function: HookFunction) -> None:  # type: ignore[override]
+        """Capture/edit the gradient with respect to the module's inputs."""
+        self._register(hook_function, "full_backward")
+
+    def register_full_backward_pre_hook(self, hook_function: HookFunction) -> None:  # type: ignore[override]
+        """Capture/edit the gradient with respect to the module's outputs."""
+        self._register(hook_function, "full_backward_pre")
+
+    def register_hook(self, hook_function: HookFunction) -> None:
+        """Capture/edit the gradient of the *parameter* ``hook_function.module_name``."""
+        self._register(hook_function, "tensor")
+
+    def register_trainable_module(self, name: str, module: nn.Module) -> None:
+        """Expose ``module`` to every editing function as ``modules[name]``."""
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"torchsurgery.FlexModel.register_trainable_module: expected an nn.Module, got {module!r}")
+        self.trainable_modules[name] = module
+
+    # ---------------------------------------------------------------- groups
+
+    def create_hook_group(
+        self,
+        group_name: str,
+        group_constructor: str | HookFunction | Iterable[HookFunction],
+        expected_shape: Sequence[int | None] | None = None,
+        editing_function: EditingFunction | None = None,
+        unpack_idx: int = 0,
+        hook_type: str = "forward",
+    ) -> list[HookFunction]:
+        """Create hooks and put them in a group.
+
+        Args:
+            group_name: the group.
+            group_constructor: a string matched against module names (parameter names for
+                ``hook_type="tensor"``): a substring, as in flex_model, or a glob; or
+                HookFunctions (registered now if they are not yet).
+            expected_shape: for hooks created from a string.
+            editing_function: for hooks created from a string.
+            unpack_idx: for hooks created from a string.
+            hook_type: one of ``forward``, ``forward_pre``, ``full_backward``,
+                ``full_backward_pre``, ``tensor``.
+
+        Returns:
+            The hook functions of the group that this call created or registered.
+
+        Raises:
+            ValueError: the string matches nothing (near matches listed), or a bad hook type.
+        """
+        what = "torchsurgery.FlexModel.create_hook_group"
+        if hook_type not in HOOK_TYPES:
+            raise ValueError(f"{what}: hook_type must be one of {HOOK_TYPES}, got {hook_type!r}")
+        if isinstance(group_constructor, str):
+            names = (
+                [n for n, _ in self.module.named_parameters()]
+                if hook_type == "tensor"
+                else [n for n, _ in self.module.named_modules() if n]
+            )
+            matched = [n for n in names if name_matches(group_constructor, n)]
+            if not matched:
+                raise ValueError(no_match_message(what, group_constructor, names))
+            hooks = [HookFunction(n, expected_shape, editing_function, unpack_idx) for n in matched]
+        elif isinstance(group_constructor, HookFunction):
+            hooks = [group_constructor]
+        else:
+            hooks = list(group_constructor)
+        registered = {b.hook for b in self._bindings}
+        for hook in hooks:
+            if hook not in registered:
+                self._register(hook, hook_type)
+        self._groups.add(hooks, group_name)
+        return hooks
+
+    def update_hook_groups(self, group_constructor: str | HookFunction | Iterable[HookFunction], group_name: str) -> None:
+        """Add registered hook functions (given, or matched by module name) to ``group_name``."""
+        what = "torchsurgery.FlexModel.update_hook_groups"
+        self._groups.add(self._groups.select(group_constructor, what), group_name)
+
+    def remove_hook_groups(self, group_constructor: str | HookFunction | Iterable[HookFunction], group_name: str) -> None:
+        """Take hook functions (given, or matched by module name) out of ``group_name``."""
+        what = "torchsurgery.FlexModel.remove_hook_groups"
+        self._groups.discard(self._groups.select(group_constructor, what), group_name, what)
+
+    def get_group_hook_functions(self, group_name: str) -> list[HookFunction]:
+        """The hook functions in ``group_name``."""
+        return self._groups.members(group_name)
+
+    def get_hook_function_groups(self, hook_function: HookFunction) -> set[str]:
+        """The groups ``hook_function`` belongs to."""
+        return self._groups.groups_of(hook_function)
+
+    # ------------------------------------------------------------ parameters
+
+    def get_module_parameter(self, parameter_name: str, expected_shape: Sequence[int | None] | None = None) -> torch.Tensor:
+        """A detached CPU copy of a wrapped-model parameter, unsharded in distributed runs.
+
+        Raises:
+            ValueError: unknown parameter (near names listed) or a shape mismatch.
+        """
+        what = "torchsurgery.FlexModel.get_module_parameter"
+        params = dict(self.module.named_parameters())
+        if parameter_name not in params:
+            raise ValueError(no_match_message(what, parameter_name, list(params)).replace("submodule", "parameter"))
+        local = params[parameter_name].detach()
+        probe = HookFunction(parameter_name, expected_shape)
+        gather = getattr(self._runtime.routing, "gather_parameter", None)
+        full = gather(local, probe) if gather is not None else local
+        check_expected_shape(full, probe)
+        return full.to("cpu", copy=True)
+
+    # --------------------------------------------------------------- restore
+
+    def restore(self) -> nn.Module:
+        """Remove every hook and return the wrapped model, exactly as it was wrapped.
+
+        Works whatever groups were active or whether a forward failed; afterwards this
+        wrapper can no longer be used.
+        """
+        if self._record in _undo.records(self.module):
+            self._record.undo(self.module)
+        self._finalizer.detach()
+        return self.module
