@@ -10,6 +10,7 @@ Four pillars, each with an exact undo:
 
 from torchsurgery._undo import SurgeryEntry, restore, surgery_log
 from torchsurgery.flex import FlexModel, HookFunction
+from torchsurgery.offload import DynamicSwapInstaller, OffloadHandle, OffloadStats, offload
 from torchsurgery.patching import (
     Patch,
     is_patched,
@@ -50,6 +51,11 @@ __all__ = [
     "LoadResult",
     "skeleton",
     "CheckpointError",
+    # offload: where and in what dtype weights live
+    "DynamicSwapInstaller",
+    "offload",
+    "OffloadHandle",
+    "OffloadStats",
     # flex: what flows through a model
     "FlexModel",
     "HookFunction",

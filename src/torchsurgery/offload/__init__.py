@@ -1,0 +1,6 @@
+"""Where and in what dtype weights live: dynamic swapping and the offload engine."""
+
+from torchsurgery.offload.dynamic_swap import DynamicSwapInstaller
+from torchsurgery.offload.engine import DEFAULT_SKIP, OffloadHandle, OffloadStats, offload
+
+__all__ = ["DynamicSwapInstaller", "offload", "OffloadHandle", "OffloadStats", "DEFAULT_SKIP"]

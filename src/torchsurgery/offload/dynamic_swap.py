@@ -1,0 +1,129 @@
+"""``DynamicSwapInstaller``: convert weights on attribute access, done right.
+
+Same call surface as the low-VRAM video app's installer (``install_model``,
+``uninstall_model``, ``_install_module``, ``_uninstall_module``), so an application
+switches by changing an import. Each module gets a patch (see
+:mod:`torchsurgery.patching`) whose ``__getattr__`` returns its parameters and buffers
+converted with ``Tensor.to(**kwargs)``. Unlike the original:
+
+* the converted tensor is a differentiable view of the stored parameter (not a new leaf
+  ``Parameter``), so training through an installed model updates the stored weights;
+* within one forward each weight is converted once, however often the code reads it;
+* the class is the patch's one cached class per original class, so installed modules
+  pickle, compile once per layer type, and uninstall to exactly their original class,
+  also after installing twice or on top of other patches;
+* ``parameters()``, ``state_dict()`` and ``named_buffers()`` show the stored tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchsurgery.patching import Patch, is_patched, patch, unpatch
+
+__all__ = ["DynamicSwapInstaller"]
+
+_CACHE = "_dynamic_swap_cache"
+_KWARGS = "_dynamic_swap_kwargs"
+
+
+class _DynamicSwap(Patch, nn.Module):
+    """Parameters and buffers read through attribute access come back converted."""
+
+    def __patch_init__(self, **to_kwargs: Any) -> None:
+        self.__dict__[_KWARGS] = to_kwargs
+
+    def __getattr__(self, name: str) -> Any:
+        d = self.__dict__
+        params, buffers = d.get("_parameters", {}), d.get("_buffers", {})
+        if name in params or name in buffers:
+            tensor = params[name] if name in params else buffers[name]
+            if tensor is None:
+                return None
+            cache = d.get(_CACHE)
+            if cache is not None and name in cache:
+                return cache[name]
+            value = tensor.to(**d[_KWARGS])  # differentiable: gradients reach the stored tensor
+            if cache is not None:
+                cache[name] = value
+            return value
+        return super().__getattr__(name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        d = self.__dict__
+        owner = _CACHE not in d
+        if owner:
+            d[_CACHE] = {}  # one conversion per weight per forward
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            if owner:
+                d.pop(_CACHE, None)
+
+
+class DynamicSwapInstaller:
+    """Keep weights where they are stored; convert them whenever a forward reads them.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> model = nn.Sequential(nn.Linear(4, 4, dtype=torch.bfloat16))
+        >>> torchsurgery.DynamicSwapInstaller.install_model(model, dtype=torch.float32)
+        >>> model(torch.ones(1, 4)).dtype, model[0].weight.dtype
+        (torch.float32, torch.float32)
+        >>> next(model.parameters()).dtype  # the stored weight is untouched
+        torch.bfloat16
+        >>> torchsurgery.DynamicSwapInstaller.uninstall_model(model)
+        >>> type(model[0]) is nn.Linear
+        True
+    """
+
+    @staticmethod
+    def _install_module(module: nn.Module, **kwargs: Any) -> None:
+        """Install on one module (re-installing replaces the previous conversion)."""
+        if not kwargs:
+            raise ValueError(
+                "torchsurgery.DynamicSwapInstaller: give the conversion, e.g. device='cuda' or "
+                "dtype=torch.float16 (the keyword arguments of Tensor.to)"
+            )
+        torch.empty(0).to(**{k: v for k, v in kwargs.items() if k != "non_blocking"})  # validate early
+        if is_patched(module, _DynamicSwap):
+            unpatch(module, _DynamicSwap)
+        patch(module, _DynamicSwap, **kwargs)
+
+    @staticmethod
+    def _uninstall_module(module: nn.Module) -> None:
+        """Remove the installation from one module (a no-op where there is none)."""
+        if is_patched(module, _DynamicSwap):
+            unpatch(module, _DynamicSwap)
+
+    @staticmethod
+    def install_model(model: nn.Module, **kwargs: Any) -> None:
+        """Install on every module of ``model``; all or nothing.
+
+        Args:
+            model: the model.
+            **kwargs: the conversion, as for ``Tensor.to`` (``device=``, ``dtype=``, ...).
+
+        Raises:
+            ValueError: no conversion was given.
+        """
+        done: list[nn.Module] = []
+        try:
+            for module in model.modules():
+                DynamicSwapInstaller._install_module(module, **kwargs)
+                done.append(module)
+        except BaseException:
+            for module in done:
+                DynamicSwapInstaller._uninstall_module(module)
+            raise
+
+    @staticmethod
+    def uninstall_model(model: nn.Module) -> None:
+        """Remove the installation from every module of ``model``."""
+        for module in model.modules():
+            DynamicSwapInstaller._uninstall_module(module)

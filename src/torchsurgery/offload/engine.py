@@ -1,0 +1,532 @@
+"""The ``offload`` engine: weights live in storage and come in group by group.
+
+Weights are kept in *storage* (host memory, optionally in a compact ``storage_dtype``)
+and brought to ``device``/``dtype`` just before their group runs, then released. Groups
+that fit in ``budget`` bytes stay resident on the device instead. On a CPU the same
+engine runs with synchronous transfers; with a storage dtype narrower than the compute
+dtype it is "layerwise casting" and halves the weights' memory.
+
+Mechanics, chosen so that nothing about the model's identity changes:
+
+* storage and residency conversions swap data into the existing parameter objects
+  (``torch.utils.swap_tensors``), so optimizers and user references stay valid;
+* a streamed group's forward pre-hook puts converted weights into its modules'
+  ``_parameters`` for the duration of the group's forward (a differentiable conversion,
+  so gradients reach the stored weights) and an ``always_call`` forward hook puts the
+  stored parameters back, also when the forward raises;
+* on a CPU, ``nn.Linear`` layers stored narrower than they compute get a patch that
+  reads the narrow weight directly: for a few tokens a fused, compiled kernel reduces
+  straight from the narrow weight (half the memory traffic of the full-width model),
+  otherwise the weight is cast once for the matmul.
+
+Everything is recorded in the model's undo log; :meth:`OffloadHandle.remove` (or
+``torchsurgery.restore``) puts every tensor back on its device in its dtype, with its
+identity (values are those of the storage dtype when that was narrower).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from torchsurgery import _undo
+from torchsurgery.offload.grouping import find_groups
+from torchsurgery.patching import Patch, is_patched, patch, unpatch
+from torchsurgery.tensors import _swap_blocker, _wrap_like
+
+__all__ = ["offload", "OffloadHandle", "OffloadStats", "DEFAULT_SKIP"]
+
+
+def _is_norm_or_embedding(module: nn.Module, name: str) -> bool:
+    norms = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.RMSNorm, nn.Embedding, nn.EmbeddingBag)
+    return isinstance(module, norms) or "Norm" in type(module).__name__ or "Embedding" in type(module).__name__
+
+
+DEFAULT_SKIP: Callable[[nn.Module, str], bool] = _is_norm_or_embedding
+"""Modules kept in their own dtype when a ``storage_dtype`` is given: norms and embeddings."""
+
+
+@dataclass
+class OffloadStats:
+    """What an offloaded model did so far.
+
+    Attributes:
+        bytes_moved: bytes brought to the device (or cast) for streamed groups.
+        transfers: number of group materialisations.
+        seconds_waiting: time the forward spent waiting for transfers and casts.
+        peak_device_bytes: most weight bytes held on the device at once.
+        resident_groups: groups kept on the device.
+        streamed_groups: groups brought in for each forward.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        >>> handle = torchsurgery.offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups="leaves")
+        >>> _ = model(torch.ones(1, 4))
+        >>> handle.stats().streamed_groups
+        ['0', '1']
+        >>> _ = handle.remove()
+    """
+
+    bytes_moved: int = 0
+    transfers: int = 0
+    seconds_waiting: float = 0.0
+    peak_device_bytes: int = 0
+    resident_groups: list[str] = field(default_factory=list)
+    streamed_groups: list[str] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Group:
+    name: str
+    module: nn.Module
+    params: list[tuple[nn.Module, str, nn.Parameter]]
+    nbytes: int
+    resident: bool = False
+    depth: int = 0
+
+
+# ---------------------------------------------------------------------- fused CPU path
+
+_fused_kernel: Any = None
+_fused_broken = False
+_FUSED_MIN_WEIGHT = 1 << 20  # below this a fused kernel does not pay for itself
+_FUSED_MAX_ROWS = 4
+
+
+def _reduce_from_narrow(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # one pass over the narrow weight, widened and multiplied in registers
+    return (x.unsqueeze(-2) * weight.to(x.dtype)).sum(-1)
+
+
+def _fused_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    global _fused_kernel, _fused_broken
+    if _fused_broken:
+        return None
+    try:
+        if _fused_kernel is None:
+            _fused_kernel = torch.compile(_reduce_from_narrow, dynamic=False)
+        result: torch.Tensor = _fused_kernel(x, weight)
+        return result
+    except Exception as exc:  # no compiler on this machine: fall back to casting
+        _fused_broken = True
+        warnings.warn(f"torchsurgery.offload: fused CPU kernel unavailable ({exc}); casting instead", stacklevel=2)
+        return None
+
+
+class _NarrowLinear(Patch, nn.Linear):
+    """A Linear whose stored weight is narrower than the dtype it computes in."""
+
+    def __patch_init__(self, compute_dtype: torch.dtype, stats: OffloadStats) -> None:
+        self.__dict__["_offload_compute_dtype"] = compute_dtype
+        self.__dict__["_offload_stats"] = stats
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        dtype: torch.dtype = self.__dict__["_offload_compute_dtype"]
+        stats: OffloadStats = self.__dict__["_offload_stats"]
+        weight, bias = self.weight, self.bias
+        x = input.to(dtype)
+        stats.bytes_moved += weight.numel() * weight.element_size()
+        rows = x.numel() // max(1, x.shape[-1])
+        if (
+            rows <= _FUSED_MAX_ROWS
+            and weight.numel() >= _FUSED_MIN_WEIGHT
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+        ):
+            out = _fused_linear(x.reshape(rows, x.shape[-1]), weight)
+            if out is not None:
+                out = out.reshape(*x.shape[:-1], weight.shape[0])
+                return out + bias.to(dtype) if bias is not None else out
+        return F.linear(x, weight.to(dtype), bias.to(dtype) if bias is not None else None)
+
+
+# ------------------------------------------------------------------------- the handle
+
+
+class OffloadRecord(_undo.Record):
+    """The undo-log entry of an offloaded model."""
+
+    kind = "offload"
+
+    def __init__(self, handle: OffloadHandle) -> None:
+        super().__init__()
+        self.handle = handle
+
+    def describe(self) -> str:
+        s = self.handle._stats
+        return f"offload to {self.handle.device} ({len(s.streamed_groups)} streamed, {len(s.resident_groups)} resident groups)"
+
+    def undo(self, module: nn.Module) -> None:
+        self.handle.remove()
+
+
+class OffloadHandle:
+    """An offloaded model: its statistics, and the exact undo.
+
+    Also a context manager: the offload is removed when the block exits.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> model = nn.Sequential(nn.Linear(4, 4))
+        >>> weight = model[0].weight
+        >>> handle = torchsurgery.offload(model, storage_dtype=torch.float16, dtype=torch.float32)
+        >>> handle.active, weight.dtype
+        (True, torch.float16)
+        >>> handle.remove() is model, model[0].weight is weight, weight.dtype
+        (True, True, torch.float32)
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self._stats = OffloadStats()
+        self._hooks: list[RemovableHandle] = []
+        self._patched: list[nn.Module] = []
+        self._originals: list[tuple[torch.Tensor, torch.device, torch.dtype]] = []
+        self._current_bytes = 0
+        self._resident_bytes = 0
+        self._record: OffloadRecord | None = None
+
+    def stats(self) -> OffloadStats:
+        """A snapshot of the statistics."""
+        s = self._stats
+        return OffloadStats(
+            s.bytes_moved, s.transfers, s.seconds_waiting, s.peak_device_bytes,
+            list(s.resident_groups), list(s.streamed_groups),
+        )
+
+    @property
+    def active(self) -> bool:
+        """Whether the offload is still in place."""
+        return self._record is not None
+
+    def remove(self) -> nn.Module:
+        """Undo the offload: hooks and patches off, every tensor back where it was.
+
+        Returns:
+            The model.
+        """
+        if self._record is None:
+            return self.model
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for module in reversed(self._patched):
+            if is_patched(module, _NarrowLinear):
+                unpatch(module, _NarrowLinear)
+        self._patched.clear()
+        for tensor, device, dtype in reversed(self._originals):
+            _swap_to(tensor, device, dtype)
+        self._originals.clear()
+        _undo.remove(self.model, self._record)
+        self._record = None
+        return self.model
+
+    def __enter__(self) -> OffloadHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+def _swap_to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, pin: bool = False) -> None:
+    data = tensor.detach().to(device=device, dtype=dtype)
+    if pin and data.device.type == "cpu":
+        data = data.pin_memory()
+    torch.utils.swap_tensors(tensor, _wrap_like(tensor, data))
+
+
+def _already_offloaded(model: nn.Module) -> str | None:
+    for name, module in model.named_modules():
+        if any(isinstance(r, OffloadRecord) for r in _undo.records(module)):
+            return f"it is already offloaded by torchsurgery ({name or '<root>'}); remove() that first"
+        if hasattr(module, "_hf_hook"):
+            return f"{name or '<root>'} carries an accelerate hook (cpu_offload/dispatch_model); remove it first"
+        if getattr(module, "_diffusers_hook", None) is not None:
+            return f"{name or '<root>'} carries a diffusers hook (group offloading/layerwise casting); remove it first"
+    return None
+
+
+def _check_dtype(value: Any, arg: str) -> torch.dtype | None:
+    if value is None:
+        return None
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise TypeError(f"torchsurgery.offload: {arg} must be a floating point torch.dtype, got {value!r}")
+    return value
+
+
+def offload(
+    model: nn.Module,
+    device: str | torch.device = "cpu",
+    *,
+    dtype: torch.dtype | None = None,
+    storage_dtype: torch.dtype | None = None,
+    budget: int | None = None,
+    prefetch: int = 1,
+    pin_memory: bool | None = None,
+    groups: str | Sequence[str] = "blocks",
+    skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP,
+) -> OffloadHandle:
+    """Keep ``model``'s weights in storage and bring each group in just before it runs.
+
+    Args:
+        model: the model (changed in place; nothing is copied).
+        device: where the computation runs.
+        dtype: the compute dtype of floating weights (default: their current dtype).
+        storage_dtype: the dtype weights are stored in (e.g. ``torch.bfloat16`` or
+            ``torch.float8_e4m3fn``); modules selected by ``skip`` keep theirs.
+        budget: device bytes the weights may take. Groups are kept resident, in
+            execution order, while they fit next to the ``prefetch + 1`` largest streamed
+            groups. ``None``: nothing is resident on a CPU; on a GPU, what is free minus a
+            margin.
+        prefetch: how many groups ahead to bring in (used by the CUDA streaming path).
+        pin_memory: pin host storage; default: when ``device`` is a GPU.
+        groups: ``"blocks"``, ``"leaves"`` or a list of qualified module names.
+        skip: ``(module, name) -> bool``; selected modules keep their storage dtype.
+
+    Returns:
+        An :class:`OffloadHandle` (``stats()``, ``remove()``, context manager).
+
+    Raises:
+        TypeError: an argument of the wrong kind.
+        ValueError: a device that does not exist, a budget below the largest group, an
+            unknown group name.
+        RuntimeError: the model is already offloaded (by torchsurgery, accelerate or diffusers).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+        >>> x = torch.randn(2, 8)
+        >>> expected = model(x).detach()
+        >>> with torchsurgery.offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32) as handle:
+        ...     torch.allclose(model(x), expected, atol=0.05), model[0].weight.dtype
+        (True, torch.bfloat16)
+        >>> model[0].weight.dtype
+        torch.float32
+    """
+    what = "torchsurgery.offload"
+    _undo.check_not_compiling("offload")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{what}: expected an nn.Module, got {type(model).__name__}")
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{what}: {device!r} is not a device ({exc})") from exc
+    if target.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{what}: device {device!r} asked for, but CUDA is not available")
+        if target.index is not None and target.index >= torch.cuda.device_count():
+            raise ValueError(f"{what}: {device!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
+    elif target.type != "cpu":
+        raise ValueError(f"{what}: device must be 'cpu' or a CUDA device, got {device!r}")
+    compute_dtype = _check_dtype(dtype, "dtype")
+    store_dtype = _check_dtype(storage_dtype, "storage_dtype")
+    if budget is not None and (not isinstance(budget, int) or budget < 0):
+        raise TypeError(f"{what}: budget must be a number of bytes (int >= 0) or None, got {budget!r}")
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"{what}: prefetch must be an int >= 0, got {prefetch!r}")
+    problem = _already_offloaded(model)
+    if problem:
+        raise RuntimeError(f"{what}: cannot offload the model: {problem}")
+    pin = target.type == "cuda" if pin_memory is None else pin_memory
+    storage_device = torch.device("cpu")
+
+    names = find_groups(model, groups, what)
+    named = dict(model.named_modules())
+    seen: set[int] = set()
+    plan: list[_Group] = []
+    wants: dict[int, tuple[torch.dtype, torch.dtype]] = {}  # id -> (storage dtype, compute dtype)
+    # each module belongs to the innermost group containing it
+    members: dict[str, list[tuple[str, nn.Module]]] = {g: [] for g in names}
+    for qual, module in named.items():
+        owner_group = max(
+            (g for g in names if g == "" or qual == g or qual.startswith(f"{g}.")), key=len, default=None
+        )
+        if owner_group is not None:
+            members[owner_group].append((qual, module))
+    for gname in names:
+        group_module = named[gname]
+        params: list[tuple[nn.Module, str, nn.Parameter]] = []
+        nbytes = 0
+        for qual, owner in members[gname]:
+            skipped = skip is not None and skip(owner, qual)
+            for pname, p in owner._parameters.items():
+                if p is None:
+                    continue
+                floating = p.is_floating_point()
+                compute = compute_dtype if (compute_dtype is not None and floating) else p.dtype
+                stored = store_dtype if (store_dtype is not None and floating and not skipped) else compute
+                if id(p) not in wants:
+                    wants[id(p)] = (stored, compute)
+                params.append((owner, pname, p))
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    nbytes += p.numel() * compute.itemsize
+        if params:
+            plan.append(_Group(gname, group_module, params, nbytes))
+    if not plan:
+        raise ValueError(f"{what}: the model has no parameters to offload")
+
+    # residency: in execution (model) order, while it fits next to the groups in flight
+    largest = max(g.nbytes for g in plan)
+    if budget is None and target.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(target)
+        budget = max(0, int(free * 0.9) - (256 << 20))
+    if budget is not None:
+        if budget < largest:
+            big = max(plan, key=lambda g: g.nbytes)
+            raise ValueError(
+                f"{what}: budget={budget} bytes cannot hold the largest group {big.name or '<root>'!r} "
+                f"({big.nbytes} bytes); give at least that, or smaller groups (groups='leaves')"
+            )
+        total = sum(g.nbytes for g in plan)
+        if total <= budget:
+            for g in plan:
+                g.resident = True  # never offload a model that fits
+        else:
+            room = budget - (prefetch + 1) * largest
+            for g in plan:
+                if g.nbytes <= room:
+                    g.resident = True
+                    room -= g.nbytes
+
+    handle = OffloadHandle(model, target)
+    stats = handle._stats
+    try:
+        _install(model, plan, wants, handle, target, storage_device, pin, compute_dtype)
+    except BaseException:
+        record = OffloadRecord(handle)
+        handle._record = record
+        _undo.push(model, record)
+        handle.remove()
+        raise
+    stats.resident_groups = [g.name for g in plan if g.resident]
+    stats.streamed_groups = [g.name for g in plan if not g.resident]
+    handle._resident_bytes = sum(g.nbytes for g in plan if g.resident)
+    stats.peak_device_bytes = handle._resident_bytes
+    handle._record = OffloadRecord(handle)
+    _undo.push(model, handle._record)
+    return handle
+
+
+def _install(
+    model: nn.Module,
+    plan: list[_Group],
+    wants: dict[int, tuple[torch.dtype, torch.dtype]],
+    handle: OffloadHandle,
+    target: torch.device,
+    storage_device: torch.device,
+    pin: bool,
+    compute_dtype: torch.dtype | None,
+) -> None:
+    """Convert storage and residency, then hook the streamed groups (undone by remove())."""
+    moves: list[tuple[str, torch.Tensor, torch.device, torch.dtype, bool]] = []
+    done: set[int] = set()
+    for group in plan:
+        for _owner, pname, p in group.params:
+            if id(p) in done:
+                continue
+            done.add(id(p))
+            stored, compute = wants[id(p)]
+            if group.resident:
+                moves.append((f"{group.name}:{pname}", p, target, compute, False))
+            else:
+                moves.append((f"{group.name}:{pname}", p, storage_device, stored, pin))
+    for module in model.modules():
+        for bname, b in module._buffers.items():
+            if b is not None and b.device != target and id(b) not in done:
+                done.add(id(b))
+                moves.append((bname, b, target, b.dtype, False))
+    for name, tensor, device, dtype, _ in moves:
+        if tensor.device != device or tensor.dtype != dtype:
+            problem = _swap_blocker(name, tensor, None, "torchsurgery.offload")
+            if problem:
+                raise RuntimeError(problem)
+    for _, tensor, device, dtype, pin_it in moves:
+        if tensor.device != device or tensor.dtype != dtype or (pin_it and not tensor.is_pinned()):
+            handle._originals.append((tensor, tensor.device, tensor.dtype))
+            _swap_to(tensor, device, dtype, pin=pin_it)
+
+    stats = handle._stats
+    for group in plan:
+        if group.resident:
+            continue
+        streamed: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]] = []
+        for owner, pname, p in group.params:
+            stored, compute = wants[id(p)]
+            narrow_linear = (
+                isinstance(owner, nn.Linear)
+                and target.type == "cpu"
+                and stored != compute
+                and all(wants[id(q)][0] == stored for q in owner.parameters(recurse=False))
+            )
+            if narrow_linear:
+                if not is_patched(owner, _NarrowLinear):
+                    patch(owner, _NarrowLinear, compute, stats)
+                    handle._patched.append(owner)
+                continue
+            if p.device != target or p.dtype != compute:
+                streamed.append((owner, pname, p, compute))
+        if streamed:
+            pre, post = _group_hooks(group, streamed, handle, target)
+            handle._hooks.append(group.module.register_forward_pre_hook(pre))
+            handle._hooks.append(group.module.register_forward_hook(post, always_call=True))
+
+
+def _group_hooks(
+    group: _Group,
+    streamed: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]],
+    handle: OffloadHandle,
+    target: torch.device,
+) -> tuple[Callable[..., None], Callable[..., None]]:
+    stats = handle._stats
+    nbytes = sum(p.numel() * dtype.itemsize for _, _, p, dtype in streamed)
+
+    def bring_in(module: nn.Module, args: Any) -> None:
+        group.depth += 1
+        if group.depth > 1:
+            return  # re-entered (shared module): already in
+        start = time.perf_counter()
+        try:
+            for owner, pname, p, dtype in streamed:
+                owner._parameters[pname] = p.to(device=target, dtype=dtype, non_blocking=True)  # type: ignore[assignment]
+            if target.type == "cuda":
+                torch.cuda.current_stream(target).synchronize()
+        except BaseException:
+            put_back()
+            group.depth -= 1
+            raise
+        stats.seconds_waiting += time.perf_counter() - start
+        stats.bytes_moved += nbytes
+        stats.transfers += 1
+        handle._current_bytes += nbytes
+        stats.peak_device_bytes = max(stats.peak_device_bytes, handle._resident_bytes + handle._current_bytes)
+
+    def put_back() -> None:
+        for owner, pname, p, _ in streamed:
+            owner._parameters[pname] = p
+
+    def release(module: nn.Module, args: Any, output: Any) -> None:
+        if group.depth == 0:
+            return  # bring_in failed and cleaned up already
+        group.depth -= 1
+        if group.depth > 0:
+            return
+        put_back()
+        handle._current_bytes -= nbytes
+
+    return bring_in, release
