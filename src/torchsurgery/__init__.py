@@ -10,7 +10,7 @@ Four pillars, each with an exact undo:
 
 from torchsurgery._undo import SurgeryEntry, restore, surgery_log
 from torchsurgery.flex import FlexModel, HookFunction
-from torchsurgery.offload import DynamicSwapInstaller, OffloadHandle, OffloadStats, offload
+from torchsurgery.offload import DEFAULT_SKIP, DynamicSwapInstaller, OffloadHandle, OffloadStats, offload
 from torchsurgery.patching import (
     Patch,
     is_patched,
@@ -56,6 +56,7 @@ __all__ = [
     "offload",
     "OffloadHandle",
     "OffloadStats",
+    "DEFAULT_SKIP",
     # flex: what flows through a model
     "FlexModel",
     "HookFunction",

@@ -45,6 +45,14 @@ __all__ = ["offload", "OffloadHandle", "OffloadStats", "DEFAULT_SKIP"]
 
 
 def _is_norm_or_embedding(module: nn.Module, name: str) -> bool:
+    """Whether ``module`` is a norm or an embedding (kept in its dtype by default).
+
+    Example:
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> torchsurgery.DEFAULT_SKIP(nn.LayerNorm(4), "ln"), torchsurgery.DEFAULT_SKIP(nn.Linear(2, 2), "fc")
+        (True, False)
+    """
     norms = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.RMSNorm, nn.Embedding, nn.EmbeddingBag)
     return isinstance(module, norms) or "Norm" in type(module).__name__ or "Embedding" in type(module).__name__
 
