@@ -10,7 +10,13 @@ Four pillars, each with an exact undo:
 
 from torchsurgery._undo import SurgeryEntry, restore, surgery_log
 from torchsurgery.flex import FlexModel, HookFunction
-from torchsurgery.offload import DEFAULT_SKIP, DynamicSwapInstaller, OffloadHandle, OffloadStats, offload
+from torchsurgery.offload import (
+    DEFAULT_SKIP,
+    DynamicSwapInstaller,
+    OffloadHandle,
+    OffloadStats,
+    offload,
+)
 from torchsurgery.patching import (
     Patch,
     is_patched,

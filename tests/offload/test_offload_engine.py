@@ -367,3 +367,18 @@ def test_cuda_streaming_matches_the_resident_model() -> None:
     torch.testing.assert_close(got, expected)
     assert handle.stats().peak_device_bytes > 0
     handle.remove()
+
+
+def test_torch_compile_around_an_offloaded_model_and_remove_after() -> None:
+    d = 16
+    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d)) for _ in range(3)])
+    x = torch.randn(2, d)
+    ids = identity_map(model)
+    with torch.no_grad():
+        handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, skip=None)
+        eager = model(x)
+        compiled = torch.compile(model, backend="eager")
+        torch.testing.assert_close(compiled(x), eager, rtol=0, atol=0)
+    handle.remove()  # compile's guards hold weak references to the weights: still undone
+    assert identity_map(model) == ids
+    torch._dynamo.reset()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -251,6 +252,11 @@ def _swap_to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, pin
     data = tensor.detach().to(device=device, dtype=dtype)
     if pin and data.device.type == "cpu":
         data = data.pin_memory()
+    if type(tensor) in (torch.Tensor, nn.Parameter) and weakref.getweakrefs(tensor):
+        # e.g. torch.compile's guards hold weak references, which swap_tensors refuses;
+        # for plain tensors, setting .data keeps the object just as well
+        tensor.data = data
+        return
     torch.utils.swap_tensors(tensor, _wrap_like(tensor, data))
 
 
@@ -467,6 +473,8 @@ def _install(
                 moves.append((bname, b, target, b.dtype, False))
     for name, tensor, device, dtype, _ in moves:
         if tensor.device != device or tensor.dtype != dtype:
+            if type(tensor) in (torch.Tensor, nn.Parameter) and tensor._use_count() == 1:  # type: ignore[attr-defined]
+                continue  # _swap_to copes with weak references to plain tensors
             problem = _swap_blocker(name, tensor, None, "torchsurgery.offload")
             if problem:
                 raise RuntimeError(problem)
