@@ -145,9 +145,10 @@ EFFECTS = {Scale: lambda y: y * 1.5, Shift: lambda y: y + 0.25, Freeze: lambda y
 def reference_forward(module: nn.Module, x: torch.Tensor) -> Any:
     """The model's forward written independently of any surgery, applying patch effects."""
     if isinstance(module, Leaf):
-        y = F.linear(x, module.weight, module.bias) + module.offset
+        # weights may sit in a wider storage dtype while offloaded: compute in x's dtype
+        y = F.linear(x, module.weight.to(x.dtype), module.bias.to(x.dtype)) + module.offset.to(x.dtype)
         for p in torchsurgery.patches(module):
-            y = EFFECTS[p](y)
+            y = EFFECTS.get(p, lambda t: t)(y)  # patches of other pillars change no values
         return y
     if isinstance(module, TupleOut):
         y = _first(reference_forward(module.inner, x))
@@ -213,6 +214,9 @@ class SurgeryMachine(RuleBasedStateMachine):
         self.model = Root(build(data.draw, 0, leaves))
         self.leaves = [m for m in self.model.modules() if isinstance(m, Leaf)]
         self.x = torch.randn(2, DIM)
+        self.handle: Any = None
+        self.flex: Any = None
+        self.captured: dict[str, list[torch.Tensor]] = {}
         self.start = fingerprint(self.model)
         self.values = state_values(self.model)
         self.expected_output = self.model(self.x).detach()
@@ -240,11 +244,82 @@ class SurgeryMachine(RuleBasedStateMachine):
         patched = [m for m in self.leaves if torchsurgery.is_patched(m)]
         leaf = patched[which % len(patched)]
         stack = torchsurgery.patches(leaf)
-        torchsurgery.unpatch(leaf, stack[pick % len(stack)])
+        chosen = stack[pick % len(stack)]
+        before = fingerprint(self.model)
+        try:
+            torchsurgery.unpatch(leaf, chosen)
+        except ValueError as exc:
+            # refused, changing nothing: the patch belongs to an offload, or an offload
+            # now streams the parameters it added
+            assert "part of a larger surgery" in str(exc) or "depends on" in str(exc)
+            assert fingerprint(self.model) == before
+
+    @precondition(lambda self: self.handle is None)
+    @rule(groups=st.sampled_from(["leaves", "blocks"]), budget=st.sampled_from([None, 0]))
+    def offload_model(self, groups: str, budget: int | None) -> None:
+        before = fingerprint(self.model)
+        try:
+            # wider storage (fp64) computing in fp32: exact, so the oracle stays exact
+            self.handle = torchsurgery.offload(
+                self.model, storage_dtype=torch.float64, dtype=torch.float32, groups=groups, budget=budget
+            )
+        except ValueError:
+            assert fingerprint(self.model) == before  # refused (e.g. budget 0): nothing changed
+
+    @precondition(lambda self: self.handle is not None)
+    @rule()
+    def remove_offload(self) -> None:
+        assert self.handle is not None
+        self.handle.remove()
+        self.handle = None
+
+    @precondition(lambda self: self.flex is None)
+    @rule(pattern=st.sampled_from(["**", "body.*", "body"]), fail=st.booleans())
+    def wrap_with_flex(self, pattern: str, fail: bool) -> None:
+        self.captured = {}
+        self.flex = torchsurgery.FlexModel(self.model, self.captured)
+        try:
+            self.flex.register_forward_hook(torchsurgery.HookFunction(pattern))
+        except ValueError:
+            pass  # the glob matched nothing in this tree
+        if fail:
+
+            def broken(module: nn.Module, x: torch.Tensor, ctx: Any, mods: nn.ModuleDict) -> torch.Tensor:
+                raise RuntimeError("injected failure in an editing function")
+
+            self.flex.register_forward_hook(torchsurgery.HookFunction("body", editing_function=broken))
+            before = fingerprint(self.model)
+            with pytest.raises(RuntimeError, match="injected failure"):
+                self.flex(self.x)
+            assert fingerprint(self.model) == before
+            self.flex.restore()
+            self.flex = None
+
+    @precondition(lambda self: self.flex is not None)
+    @rule()
+    def unwrap_flex(self) -> None:
+        assert self.flex is not None
+        self.flex.restore()
+        self.flex = None
+
+    @rule(install=st.booleans())
+    def dynamic_swap(self, install: bool) -> None:
+        if install:
+            torchsurgery.DynamicSwapInstaller.install_model(self.model, dtype=torch.float32)
+        else:
+            torchsurgery.DynamicSwapInstaller.uninstall_model(self.model)
+
+    @rule()
+    def load_own_state(self) -> None:
+        ids = {n: id(t) for n, t in self.model.state_dict(keep_vars=True).items()}
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        torchsurgery.load_(self.model, state)
+        assert {n: id(t) for n, t in self.model.state_dict(keep_vars=True).items()} == ids
 
     @rule()
     def restore_everything(self) -> None:
         torchsurgery.restore(self.model)
+        self.handle = self.flex = None
         self.check_pristine()
 
     @invariant()
@@ -255,7 +330,9 @@ class SurgeryMachine(RuleBasedStateMachine):
             torch.testing.assert_close(self.model(self.x), reference_forward(self.model, self.x))
         log = torchsurgery.surgery_log(self.model)
         assert [e.seq for e in log] == sorted(e.seq for e in log)
-        assert len(log) == sum(len(torchsurgery.patches(m)) for m in self.model.modules())
+        kinds = [e.kind for e in log]
+        assert kinds.count("offload") == (self.handle is not None)
+        assert kinds.count("flex") == (self.flex is not None)
 
     def check_pristine(self) -> None:
         assert torchsurgery.surgery_log(self.model) == []
@@ -270,6 +347,7 @@ class SurgeryMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if hasattr(self, "model"):
             torchsurgery.restore(self.model)
+            self.handle = self.flex = None
             self.check_pristine()
 
 
@@ -311,3 +389,39 @@ def test_surgery_log_lists_surgery_in_applied_order() -> None:
     ]
     with pytest.raises(TypeError, match="expected an nn.Module"):
         torchsurgery.surgery_log("model")  # type: ignore[arg-type]
+
+
+def test_soak_thousand_forwards_with_hooks_and_offload_stay_flat() -> None:
+    import gc
+
+    import psutil
+
+    model = Root(Chain(*[Chain(Leaf(), Leaf()) for _ in range(4)]))
+    before = fingerprint(model)
+    handle = torchsurgery.offload(model, storage_dtype=torch.float64, dtype=torch.float32, groups="leaves")
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = torchsurgery.FlexModel(model, out)
+    flex.register_forward_hook(torchsurgery.HookFunction("body.*.0"))
+    x = torch.randn(8, DIM)
+    proc = psutil.Process()
+
+    def live_tensors() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+    with torch.no_grad():
+        for _ in range(50):
+            flex(x)
+        out.clear()
+        tensors, rss = live_tensors(), proc.memory_info().rss
+        for step in range(1000):
+            flex(x)
+            if step % 100 == 99:
+                assert all(len(v) == 100 for v in out.values()) and len(out) == 4
+                out.clear()
+        assert live_tensors() <= tensors  # nothing retained by hooks, handles or transfers
+        assert proc.memory_info().rss - rss < 8 * 2**20
+    stats = handle.stats()
+    assert stats.transfers == 1050 * len(stats.streamed_groups)
+    torchsurgery.restore(model)
+    assert fingerprint(model) == before

@@ -168,6 +168,7 @@ class Record:
     """
 
     kind: str = "surgery"
+    internal: bool = False  # part of a larger surgery (listed and undone through it)
 
     def __init__(self) -> None:
         self.seq = next(_sequence)
@@ -184,6 +185,20 @@ class Record:
         nothing, when the surgery cannot be undone yet.
         """
         raise TypeError(f"torchsurgery: {self.describe()} cannot be undone by torchsurgery.restore")
+
+
+# Tensors another surgery depends on by identity (an offload streams them), id -> what.
+pinned: dict[int, str] = {}
+
+
+def pinned_in(changes: ChangeSet) -> str | None:
+    """What depends on a parameter or buffer that ``changes`` replaced or removed, if anything."""
+    for name in ("_parameters", "_buffers"):
+        for old, new in changes.entries.get(name, {}).values():
+            for tensor in (old, new):
+                if tensor is not MISSING and id(tensor) in pinned:
+                    return pinned[id(tensor)]
+    return None
 
 
 def records(module: nn.Module) -> list[Record]:
@@ -263,6 +278,7 @@ def surgery_log(model: nn.Module) -> list[SurgeryEntry]:
     return [
         SurgeryEntry(name, record.kind, record.describe(), record.seq)
         for name, _, record in walk(model)
+        if not record.internal
     ]
 
 

@@ -263,12 +263,21 @@ def patch(module: M, patch_cls: type[Patch], /, *args: Any, **kwargs: Any) -> M:
         _undo.diff(state, module).revert(module)
         module.__class__ = before
         raise
+    changes = _undo.diff(state, module)
+    holder = _undo.pinned_in(changes)
+    if holder:
+        changes.revert(module)
+        module.__class__ = before
+        raise RuntimeError(
+            f"torchsurgery.patch: {patch_cls.__qualname__}.__patch_init__ replaced or removed a "
+            f"parameter that {holder} depends on; undo that first, then patch"
+        )
     original = records[0].original if records else before
-    _undo.push(module, PatchRecord(patch_cls, original, _undo.diff(state, module)))
+    _undo.push(module, PatchRecord(patch_cls, original, changes))
     return module
 
 
-def unpatch(module: M, patch_cls: type[Patch] | None = None, /) -> M:
+def unpatch(module: M, patch_cls: type[Patch] | None = None, /, *, _internal: bool = False) -> M:
     """Remove the top patch of ``module``, or ``patch_cls`` from anywhere in its stack.
 
     The module gets back the class it would have without that patch, and everything
@@ -306,7 +315,13 @@ def unpatch(module: M, patch_cls: type[Patch] | None = None, /) -> M:
         )
     _check_class_intact(module, records, "unpatch")
     if patch_cls is None:
-        index = len(records) - 1
+        own = [i for i, r in enumerate(records) if not r.internal or _internal]
+        if not own:
+            raise ValueError(
+                "torchsurgery.unpatch: the module's only patches belong to a larger surgery "
+                "(e.g. an offload); undo that instead"
+            )
+        index = own[-1]
     else:
         matches = [i for i, r in enumerate(records) if r.patch is patch_cls]
         if not matches:
@@ -315,6 +330,11 @@ def unpatch(module: M, patch_cls: type[Patch] | None = None, /) -> M:
                 f"its patches are {[r.patch.__qualname__ for r in records]}"
             )
         index = matches[-1]
+        if records[index].internal and not _internal:
+            raise ValueError(
+                f"torchsurgery.unpatch: {patch_cls.__qualname__} is part of a larger surgery "
+                "(e.g. an offload); undo that instead (handle.remove() or torchsurgery.restore)"
+            )
     target, later = records[index], records[index + 1 :]
     overlap = [
         r.patch.__qualname__ for r in later if r.changes.keys() & target.changes.keys()
@@ -323,6 +343,12 @@ def unpatch(module: M, patch_cls: type[Patch] | None = None, /) -> M:
         raise ValueError(
             f"torchsurgery.unpatch: {', '.join(overlap)} (applied after "
             f"{target.patch.__qualname__}) changed the same attributes; unpatch it first"
+        )
+    holder = _undo.pinned_in(target.changes)
+    if holder and not _internal:
+        raise ValueError(
+            f"torchsurgery.unpatch: {target.patch.__qualname__} added parameters that {holder} "
+            "now depends on; undo that first"
         )
     remaining = [r.patch for r in records if r is not target]
     new_cls = _chain(records[0].original, remaining)  # may raise before any change

@@ -206,6 +206,7 @@ class OffloadHandle:
         self._patched: list[nn.Module] = []
         self._originals: list[tuple[torch.Tensor, torch.device, torch.dtype]] = []
         self._transit = _Transit()
+        self._pinned: list[int] = []
         self._record: OffloadRecord | None = None
 
     def stats(self) -> OffloadStats:
@@ -232,11 +233,14 @@ class OffloadHandle:
         for module in reversed(self._patched):
             for kind in (_NarrowLinear, _StreamedGroup):
                 if is_patched(module, kind):
-                    unpatch(module, kind)
+                    unpatch(module, kind, _internal=True)
         self._patched.clear()
         for tensor, device, dtype in reversed(self._originals):
             _swap_to(tensor, device, dtype)
         self._originals.clear()
+        for key in self._pinned:
+            _undo.pinned.pop(key, None)
+        self._pinned.clear()
         _undo.remove(self.model, self._record)
         self._record = None
         return self.model
@@ -436,6 +440,9 @@ def offload(
         raise
     stats.resident_groups = [g.name for g in plan if g.resident]
     stats.streamed_groups = [g.name for g in plan if not g.resident]
+    handle._pinned = [id(p) for g in plan for _, _, p in g.params]
+    for key in handle._pinned:
+        _undo.pinned[key] = "an active offload"
     stats.resident_bytes = sum(g.nbytes for g in plan if g.resident)
     stats.peak_device_bytes = stats.resident_bytes
     handle._record = OffloadRecord(handle)
@@ -499,12 +506,14 @@ def _install(
             if narrow_linear:
                 if not is_patched(owner, _NarrowLinear):
                     patch(owner, _NarrowLinear, compute, stats)
+                    _undo.records(owner)[-1].internal = True
                     handle._patched.append(owner)
                 continue
             if p.device != target or p.dtype != compute:
                 streamed.append((owner, pname, p, compute))
         if streamed:
             patch(group.module, _StreamedGroup, _GroupStreamer(streamed, target, stats, handle._transit))
+            _undo.records(group.module)[-1].internal = True
             handle._patched.append(group.module)
 
 
