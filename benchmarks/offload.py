@@ -100,10 +100,11 @@ def variants(kind: str) -> dict[str, tuple[nn.Module, Callable[[], None]]]:
 
 
 def inputs(kind: str, tokens: int) -> Callable[[nn.Module], Any]:
+    generator = torch.Generator().manual_seed(tokens)  # the same input for every variant
     if kind == "mlp":
-        x = torch.randn(tokens, 1024)
+        x = torch.randn(tokens, 1024, generator=generator)
         return lambda m: m(x)
-    ids = torch.randint(0, 50257, (1, tokens))
+    ids = torch.randint(0, 50257, (1, tokens), generator=generator)
     return lambda m: m(ids).last_hidden_state
 
 
