@@ -382,3 +382,17 @@ def test_torch_compile_around_an_offloaded_model_and_remove_after() -> None:
     handle.remove()  # compile's guards hold weak references to the weights: still undone
     assert identity_map(model) == ids
     torch._dynamo.reset()
+
+
+def test_fused_narrow_kernel_matches_casting() -> None:
+    # a weight big enough for the fused one-token path (compiled once; falls back if no compiler)
+    layer = nn.Linear(1024, 1024)
+    x = torch.randn(1, 1024)
+    with torch.no_grad():
+        expected = torch.nn.functional.linear(x, layer.weight.bfloat16().float(), layer.bias)
+        handle = offload(layer, storage_dtype=torch.bfloat16, dtype=torch.float32, groups=[""])
+        got = layer(x)
+        batch = layer(torch.cat([x] * 8))  # more rows than the fused path takes: cast path
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(batch, expected.expand(8, -1), rtol=1e-4, atol=1e-4)
+    handle.remove()

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torchsurgery import _undo
@@ -133,32 +132,60 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-class _NarrowLinear(Patch, nn.Linear):
-    """A Linear whose stored weight is narrower than the dtype it computes in."""
+class _Scratch:
+    """Reused full-width copies of narrow weights, one per shape (fresh allocations page-fault)."""
 
-    def __patch_init__(self, compute_dtype: torch.dtype, stats: OffloadStats) -> None:
-        self.__dict__["_offload_compute_dtype"] = compute_dtype
-        self.__dict__["_offload_stats"] = stats
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
+
+    def widen(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        key = (tuple(weight.shape), dtype)
+        buffer = self.buffers.get(key)
+        if buffer is None:
+            buffer = self.buffers[key] = torch.empty(weight.shape, dtype=dtype)
+        return buffer.copy_(weight)
+
+
+def _is_matmul_layer(module: nn.Module) -> bool:
+    """nn.Linear, or a transformers-style Conv1D (weight stored [in, out], attribute ``nf``)."""
+    if isinstance(module, nn.Linear):
+        return True
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and getattr(module, "nf", None) == weight.shape[1]
+    )
+
+
+class _NarrowMatmul(Patch, nn.Module):
+    """A Linear (or Conv1D) whose stored weight is narrower than the dtype it computes in."""
+
+    def __patch_init__(self, compute_dtype: torch.dtype, stats: OffloadStats, scratch: _Scratch) -> None:
+        self.__dict__["_offload_narrow"] = (compute_dtype, stats, scratch, not isinstance(self, nn.Linear))
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        dtype: torch.dtype = self.__dict__["_offload_compute_dtype"]
-        stats: OffloadStats = self.__dict__["_offload_stats"]
-        weight, bias = self.weight, self.bias
+        dtype, stats, scratch, transposed = self.__dict__["_offload_narrow"]
+        weight: torch.Tensor = self._parameters["weight"]  # type: ignore[assignment]
+        bias: torch.Tensor | None = self._parameters.get("bias")
         x = input.to(dtype)
         stats.bytes_moved += weight.numel() * weight.element_size()
         stats.transfers += 1
         stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + weight.numel() * dtype.itemsize)
         rows = x.numel() // max(1, x.shape[-1])
-        if (
-            rows <= _FUSED_MAX_ROWS
-            and weight.numel() >= _FUSED_MIN_WEIGHT
-            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
-        ):
-            out = _fused_linear(x.reshape(rows, x.shape[-1]), weight)
-            if out is not None:
-                out = out.reshape(*x.shape[:-1], weight.shape[0])
-                return out + bias.to(dtype) if bias is not None else out
-        return F.linear(x, weight.to(dtype), bias.to(dtype) if bias is not None else None)
+        out_features = weight.shape[1] if transposed else weight.shape[0]
+        needs_grad = torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
+        x2d = x.reshape(rows, x.shape[-1])
+        out: torch.Tensor | None = None
+        if not needs_grad and rows <= _FUSED_MAX_ROWS and weight.numel() >= _FUSED_MIN_WEIGHT:
+            out = _fused_linear(x2d, weight.t() if transposed else weight)
+        if out is None:
+            wide = weight.to(dtype) if needs_grad else scratch.widen(weight, dtype)
+            out = x2d @ wide if transposed else x2d @ wide.t()
+        if bias is not None:
+            out = out + bias.to(dtype)
+        return out.reshape(*x.shape[:-1], out_features)
 
 
 # ------------------------------------------------------------------------- the handle
@@ -206,6 +233,7 @@ class OffloadHandle:
         self._patched: list[nn.Module] = []
         self._originals: list[tuple[torch.Tensor, torch.device, torch.dtype]] = []
         self._transit = _Transit()
+        self._scratch = _Scratch()
         self._pinned: list[int] = []
         self._record: OffloadRecord | None = None
 
@@ -231,13 +259,14 @@ class OffloadHandle:
         if self._record is None:
             return self.model
         for module in reversed(self._patched):
-            for kind in (_NarrowLinear, _StreamedGroup):
+            for kind in (_NarrowMatmul, _StreamedGroup):
                 if is_patched(module, kind):
                     unpatch(module, kind, _internal=True)
         self._patched.clear()
         for tensor, device, dtype in reversed(self._originals):
             _swap_to(tensor, device, dtype)
         self._originals.clear()
+        self._scratch.buffers.clear()
         for key in self._pinned:
             _undo.pinned.pop(key, None)
         self._pinned.clear()
@@ -498,14 +527,14 @@ def _install(
         for owner, pname, p in group.params:
             stored, compute = wants[id(p)]
             narrow_linear = (
-                isinstance(owner, nn.Linear)
+                _is_matmul_layer(owner)
                 and target.type == "cpu"
                 and stored != compute
                 and all(wants[id(q)][0] == stored for q in owner.parameters(recurse=False))
             )
             if narrow_linear:
-                if not is_patched(owner, _NarrowLinear):
-                    patch(owner, _NarrowLinear, compute, stats)
+                if not is_patched(owner, _NarrowMatmul):
+                    patch(owner, _NarrowMatmul, compute, stats, handle._scratch)
                     _undo.records(owner)[-1].internal = True
                     handle._patched.append(owner)
                 continue

