@@ -28,7 +28,12 @@ $(VENV)/.bench: $(VENV)/.dev
 	touch $@
 
 demo: $(VENV)/.dev
-	$(PY) examples/demo.py
+	mkdir -p out
+	$(PY) -m torchsurgery trace --hook 'encoder.layer.*' \
+		--text "A cat sat on the mat." --text "Surgery on a live model, undone exactly." \
+		--text "Weights streamed from host memory." --text "Activations captured by name." \
+		--text "Nothing is downloaded at run time." \
+		--out out/trace.safetensors --plot out/trace.png
 
 lint: $(VENV)/.dev
 	$(PY) -m ruff check src tests benchmarks examples

@@ -98,6 +98,19 @@ def test_convert_keeps_identity_of_parameters_and_buffers(kind: str, dtype: torc
         torch.testing.assert_close(_call(module, x, kind), _call(reference, x, kind), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kind", sorted(MODULES))
+def test_convert_from_meta_allocates_like_to_empty_keeping_identity(kind: str) -> None:
+    make, _ = MODULES[kind]
+    with skeleton(include_buffers=True):
+        module = make()
+    reference = make().to_empty(device="cpu")  # PyTorch's own, for the layout
+    ids = _ids(module)
+    convert_(module, device="cpu")
+    assert _ids(module) == ids
+    for (name, t), (_, r) in zip(module.state_dict().items(), reference.state_dict().items(), strict=True):
+        assert not t.is_meta and t.shape == r.shape and t.dtype == r.dtype, name
+
+
 def test_convert_only_changes_floating_tensors() -> None:
     bn = nn.BatchNorm1d(3)
     convert_(bn, dtype=torch.float16)
@@ -548,3 +561,23 @@ def test_transformers_sharded_checkpoint_into_a_skeleton(tmp_path: Path) -> None
 
 def test_public_names() -> None:
     assert torchsurgery.load_ is load_ and torchsurgery.convert_ is convert_
+
+
+def test_wrong_dtype_kind_and_missing_shard_are_refused(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"dtype of 'weight': checkpoint torch.int64, module torch.float32"):
+        load_(model, {"weight": torch.ones(2, 2, dtype=torch.long), "bias": torch.zeros(2)})
+    save_file({"weight": torch.zeros(2, 2)}, tmp_path / "a.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"weight": "a.safetensors", "bias": "b.safetensors"}}))
+    with pytest.raises(CheckpointError, match="'b.safetensors' is missing"):
+        load_(model, index)
+    index.write_text(json.dumps({"weight_map": {"weight": "../outside.safetensors"}}))
+    with pytest.raises(CheckpointError, match="not a file next to the index"):
+        load_(model, index)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    # a float checkpoint into a float module of another width is a cast, as in PyTorch
+    load_(model, {k: v.double() for k, v in before.items()})
+    assert model.weight.dtype == torch.float32

@@ -175,6 +175,9 @@ def _check_device(device: Any, what: str) -> torch.device | None:
 
 def _converted(t: torch.Tensor, device: torch.device | None, dtype: torch.dtype | None, non_blocking: bool) -> torch.Tensor:
     target_dtype = dtype if dtype is not None and (t.is_floating_point() or t.is_complex()) else t.dtype
+    if t.is_meta and device is not None and device.type != "meta":
+        # nothing to copy out of a meta tensor: allocate, as Module.to_empty does
+        return torch.empty_like(t, device=device, dtype=target_dtype)
     return t.detach().to(device=device or t.device, dtype=target_dtype, non_blocking=non_blocking)
 
 
@@ -192,6 +195,8 @@ def convert_(
     tied parameters stay one object, ``.grad`` is converted with its parameter, and with
     ``optimizer`` its state tensors (Adam's ``exp_avg``...) follow, so training goes on.
     Only floating point and complex tensors change dtype, as with ``module.to(dtype)``.
+    ``meta`` tensors moved to a real device are allocated uninitialised, as
+    ``module.to_empty(device=...)`` does (fill them with :func:`load_`).
 
     All or nothing: every swap is checked before the first one (weak references,
     extra holders such as a pending backward, slot mismatches), and if a conversion
@@ -316,6 +321,14 @@ def _suggest(key: str, names: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _kind(dtype: torch.dtype) -> str:
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "float"
+    return "bool" if dtype == torch.bool else "int"
+
+
 def _load_errors(
     missing: list[str], unexpected: list[str], mismatched: list[str], strict: bool, ckpt_keys: list[str], module_keys: list[str]
 ) -> str | None:
@@ -418,6 +431,10 @@ def _load(
             mismatched.append(
                 f"shape of {key!r}: checkpoint {list(stored[key].shape)}, module {list(t.shape)}"
             )
+            continue
+        if _kind(stored[key].dtype) != _kind(t.dtype):
+            # float <-> float casts are fine; integers or booleans into floats (or back) are not
+            mismatched.append(f"dtype of {key!r}: checkpoint {stored[key].dtype}, module {t.dtype}")
             continue
         plan.append((names[0], t, key))
     claimed = {n for _, names in groups.values() for n in names}

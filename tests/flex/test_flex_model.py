@@ -537,3 +537,36 @@ def test_cuda_captures_are_pinned_and_finished_when_forward_returns() -> None:
         captured = out[f"transformer.h.{i}.mlp"][0]
         assert captured.device.type == "cpu" and captured.is_pinned()
         torch.testing.assert_close(captured, reference[i])
+
+
+def test_trainable_module_failure_and_keyboard_interrupt_leave_the_wrapper_usable() -> None:
+    model = tiny_gpt2()
+    before = pristine(model)
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(model, out)
+
+    class Exploding(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ArithmeticError("trainable module failed")
+
+    flex.register_trainable_module("probe", Exploding())
+    flex.register_forward_hook(HookFunction("transformer.h.0.mlp"))
+    via_probe = HookFunction("transformer.h.1.mlp", editing_function=lambda m, x, ctx, mods: mods["probe"](x))
+    flex.register_forward_hook(via_probe)
+    with pytest.raises(ArithmeticError, match="trainable module failed"):
+        flex(IDS)
+    assert out == {}
+
+    def interrupt(m: nn.Module, args: Any) -> None:
+        raise KeyboardInterrupt
+
+    handle = model.transformer.h[1].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        flex(IDS, groups="all", complement=False)
+    handle.remove()
+    assert out == {}  # captures of the interrupted forward were dropped
+    flex.update_hook_groups("transformer.h.0.mlp", "safe")  # the wrapper still works
+    flex(IDS, groups="safe")
+    assert list(out) == ["transformer.h.0.mlp"]
+    flex.restore()
+    assert pristine(model) == before

@@ -396,3 +396,11 @@ def test_fused_narrow_kernel_matches_casting() -> None:
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(batch, expected.expand(8, -1), rtol=1e-4, atol=1e-4)
     handle.remove()
+    # transformers' Conv1D stores its weight [in, out]: the transposed kernel
+    conv = transformers.pytorch_utils.Conv1D(1024, 512)
+    x = torch.randn(1, 1, 512)
+    with torch.no_grad():
+        expected = x @ conv.weight.bfloat16().float() + conv.bias
+        handle = offload(conv, storage_dtype=torch.bfloat16, dtype=torch.float32, groups=[""])
+        torch.testing.assert_close(conv(x), expected, rtol=1e-4, atol=1e-4)
+    handle.remove()

@@ -106,25 +106,33 @@ class _Group:
 
 # ---------------------------------------------------------------------- fused CPU path
 
-_fused_kernel: Any = None
+_fused_kernels: dict[bool, Any] = {}
 _fused_broken = False
-_FUSED_MIN_WEIGHT = 1 << 20  # below this a fused kernel does not pay for itself
+_FUSED_MIN_WEIGHT = 1 << 18  # below this a fused kernel does not pay for itself
 _FUSED_MAX_ROWS = 4
 
 
 def _reduce_from_narrow(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # one pass over the narrow weight, widened and multiplied in registers
+    # weight [out, in]: one pass over the narrow weight, widened in registers
     return (x.unsqueeze(-2) * weight.to(x.dtype)).sum(-1)
 
 
-def _fused_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    global _fused_kernel, _fused_broken
+def _reduce_from_narrow_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # weight [in, out] (Conv1D layout): reduce over rows so reads stay contiguous
+    return (x.unsqueeze(-1) * weight.to(x.dtype)).sum(-2)
+
+
+def _fused_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool = False) -> torch.Tensor | None:
+    global _fused_broken
     if _fused_broken:
         return None
     try:
-        if _fused_kernel is None:
-            _fused_kernel = torch.compile(_reduce_from_narrow, dynamic=False)
-        result: torch.Tensor = _fused_kernel(x, weight)
+        kernel = _fused_kernels.get(transposed)
+        if kernel is None:
+            kernel = _fused_kernels[transposed] = torch.compile(
+                _reduce_from_narrow_t if transposed else _reduce_from_narrow, dynamic=False
+            )
+        result: torch.Tensor = kernel(x, weight)
         return result
     except Exception as exc:  # no compiler on this machine: fall back to casting
         _fused_broken = True
@@ -179,7 +187,7 @@ class _NarrowMatmul(Patch, nn.Module):
         x2d = x.reshape(rows, x.shape[-1])
         out: torch.Tensor | None = None
         if not needs_grad and rows <= _FUSED_MAX_ROWS and weight.numel() >= _FUSED_MIN_WEIGHT:
-            out = _fused_linear(x2d, weight.t() if transposed else weight)
+            out = _fused_linear(x2d, weight, transposed)
         if out is None:
             wide = weight.to(dtype) if needs_grad else scratch.widen(weight, dtype)
             out = x2d @ wide if transposed else x2d @ wide.t()
