@@ -20,10 +20,8 @@ Run: .venv/bin/python benchmarks/hooks.py [--repeats 7] [--steps 30] [--hidden 7
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -32,6 +30,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from _machine import cpu_name
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -167,14 +167,6 @@ def transformer_lens_peer(model: nn.Module, ids: torch.Tensor) -> tuple[Callable
     return step, (lambda: dict(last)), (lambda: None)
 
 
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
@@ -186,7 +178,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = make_model(args.hidden, 12)
     ids = torch.tensor([[464]])
-    print(f"machine: {_cpu_name()}, {args.threads} thread(s), torch {torch.__version__}")
+    print(f"machine: {cpu_name()}, {args.threads} thread(s), torch {torch.__version__}")
     print(f"GPT-2, 12 layers, hidden {args.hidden}, one token, 24 hooks; median ms/step of {args.repeats} x {args.steps}")
 
     with torch.no_grad():

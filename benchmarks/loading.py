@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -26,6 +25,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _machine import cpu_name
 
 CONFIG = dict(
     vocab_size=32000,
@@ -80,17 +81,6 @@ def child(method: str, folder: str, layers: int) -> None:
     print(json.dumps({"seconds": seconds, "with_forward": first_forward, "peak_above_base": peak - base, "model_bytes": size, "checksum": checksum}))
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
@@ -104,7 +94,7 @@ def main() -> None:
     import torch
     import transformers
 
-    print(f"machine: {_cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, transformers {transformers.__version__}")
+    print(f"machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, transformers {transformers.__version__}")
     with tempfile.TemporaryDirectory() as folder:
         torch.manual_seed(0)
         config = transformers.LlamaConfig(num_hidden_layers=args.layers, **CONFIG)

@@ -23,10 +23,8 @@ Run: .venv/bin/python benchmarks/offload.py [--repeats 7] [--threads 2]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -36,6 +34,7 @@ import torch
 from torch import nn
 
 import torchsurgery
+from _machine import cpu_name
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -112,14 +111,6 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
@@ -127,7 +118,7 @@ def main() -> None:
     parser.add_argument("--models", default="mlp,gpt2")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"machine: {_cpu_name()}, {args.threads} threads, torch {torch.__version__}; bf16 storage, fp32 compute")
+    print(f"machine: {cpu_name()}, {args.threads} threads, torch {torch.__version__}; bf16 storage, fp32 compute")
     for kind in args.models.split(","):
         models = variants(kind)
         with torch.no_grad():

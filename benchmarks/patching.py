@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import torchsurgery
+from _machine import cpu_name
 
 
 class ScaledSubclass(nn.Linear):
@@ -131,17 +132,6 @@ def many_modules(count: int, repeats: int) -> dict[str, float]:
     return {"torchsurgery": statistics.median(ours), "parametrize": statistics.median(theirs)}
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=64)
@@ -150,7 +140,7 @@ def main() -> None:
     parser.add_argument("--modules", type=int, default=10000)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"machine: {_cpu_name()}, 1 thread, torch {torch.__version__}, Python {platform.python_version()}")
+    print(f"machine: {cpu_name()}, 1 thread, torch {torch.__version__}, Python {platform.python_version()}")
 
     results = forward_overhead(args.width, args.calls, args.repeats)
     ref = results["subclass"]

@@ -273,8 +273,7 @@ def surgery_log(model: nn.Module) -> list[SurgeryEntry]:
         >>> [(e.module_name, e.kind) for e in torchsurgery.surgery_log(model)]
         [('0', 'patch')]
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"torchsurgery.surgery_log: expected an nn.Module, got {type(model).__name__}")
+    check_module(model, "torchsurgery.surgery_log")
     return [
         SurgeryEntry(name, record.kind, record.describe(), record.seq)
         for name, _, record in walk(model)
@@ -307,8 +306,7 @@ def restore(model: nn.Module) -> nn.Module:
         >>> torchsurgery.surgery_log(torchsurgery.restore(model))
         []
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"torchsurgery.restore: expected an nn.Module, got {type(model).__name__}")
+    check_module(model, "torchsurgery.restore")
     check_not_compiling("restore")
     for name, module, record in reversed(list(walk(model))):
         if record not in records(module):
@@ -321,6 +319,12 @@ def restore(model: nn.Module) -> nn.Module:
                 f"{name or '<root>'}: {exc}"
             ) from exc
     return model
+
+
+def check_module(obj: object, what: str) -> None:
+    """Refuse anything that is not an ``nn.Module``, naming the function."""
+    if not isinstance(obj, nn.Module):
+        raise TypeError(f"{what}: expected an nn.Module, got {type(obj).__name__}")
 
 
 def check_not_compiling(what: str) -> None:

@@ -186,11 +186,6 @@ def _check_patch_class(patch_cls: Any, what: str) -> None:
         )
 
 
-def _check_module(module: Any, what: str) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"torchsurgery.{what}: expected an nn.Module, got {type(module).__name__}")
-
-
 def _check_class_intact(module: nn.Module, records: list[PatchRecord], what: str) -> None:
     """Refuse to work on a module whose class was swapped by someone else after patching."""
     if not records:
@@ -236,7 +231,7 @@ def patch(module: M, patch_cls: type[Patch], /, *args: Any, **kwargs: Any) -> M:
         True
     """
     _undo.check_not_compiling("patch")
-    _check_module(module, "patch")
+    _undo.check_module(module, "torchsurgery.patch")
     _check_patch_class(patch_cls, "patch")
     records = _patch_records(module)
     _check_class_intact(module, records, "patch")
@@ -305,7 +300,7 @@ def unpatch(module: M, patch_cls: type[Patch] | None = None, /, *, _internal: bo
         ['B']
     """
     _undo.check_not_compiling("unpatch")
-    _check_module(module, "unpatch")
+    _undo.check_module(module, "torchsurgery.unpatch")
     if patch_cls is not None:
         _check_patch_class(patch_cls, "unpatch")
     records = _patch_records(module)
@@ -436,7 +431,7 @@ def patched(
         >>> torchsurgery.is_patched(model[0])
         False
     """
-    _check_module(model, "patched")
+    _undo.check_module(model, "torchsurgery.patched")
     plan: list[tuple[nn.Module, type[Patch]]] = []
     for selector, patch_cls in targets.items():
         _check_patch_class(patch_cls, "patched")

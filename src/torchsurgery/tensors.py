@@ -229,8 +229,7 @@ def convert_(
     """
     what = "torchsurgery.convert_"
     _undo.check_not_compiling("convert_")
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"{what}: expected an nn.Module, got {type(module).__name__}")
+    _undo.check_module(module, what)
     target_device = _check_device(device, what)
     target_dtype = _check_dtype(dtype, what)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -398,8 +397,7 @@ def load_(
     """
     what = "torchsurgery.load_"
     _undo.check_not_compiling("load_")
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"{what}: expected an nn.Module, got {type(module).__name__}")
+    _undo.check_module(module, what)
     target_device = _check_device(device, what)
     target_dtype = _check_dtype(dtype, what)
     reader = open_source(source, what)

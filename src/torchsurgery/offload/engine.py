@@ -373,8 +373,7 @@ def offload(
     """
     what = "torchsurgery.offload"
     _undo.check_not_compiling("offload")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{what}: expected an nn.Module, got {type(model).__name__}")
+    _undo.check_module(model, what)
     try:
         target = torch.device(device)
     except (RuntimeError, TypeError) as exc:
