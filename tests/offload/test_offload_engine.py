@@ -404,3 +404,33 @@ def test_fused_narrow_kernel_matches_casting() -> None:
         handle = offload(conv, storage_dtype=torch.bfloat16, dtype=torch.float32, groups=[""])
         torch.testing.assert_close(conv(x), expected, rtol=1e-4, atol=1e-4)
     handle.remove()
+
+
+def test_training_with_an_fp32_master_copy_matches_fp32_training() -> None:
+    # the optimizer updates fp32 masters; forwards without gradients read a bf16 copy that
+    # follows every update
+    torch.manual_seed(5)
+    model = mlp(2)
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 32), torch.randn(8, 4)
+    handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, master_dtype=torch.float32)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the masters
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        for m, o in ((model, opt), (reference, ref_opt)):
+            loss = F.mse_loss(m(x), y)
+            o.zero_grad()
+            loss.backward()
+            o.step()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b)  # exactly fp32 training
+    with torch.no_grad():
+        inference = model(x)
+        bf16_reference = copy.deepcopy(reference)
+        for m in bf16_reference.modules():
+            if isinstance(m, nn.Linear):
+                for p in m.parameters():
+                    p.copy_(p.bfloat16().float())
+        torch.testing.assert_close(inference, bf16_reference(x), rtol=1e-4, atol=1e-4)  # the refreshed bf16 copy
+    handle.remove()

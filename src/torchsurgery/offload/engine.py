@@ -154,6 +154,27 @@ class _Scratch:
         return buffer.copy_(weight)
 
 
+class _Shadows:
+    """Narrow copies of master parameters, refreshed when the master changes (its version)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, list[Any]] = {}
+
+    def add(self, param: torch.Tensor, dtype: torch.dtype) -> None:
+        if id(param) not in self.entries:
+            self.entries[id(param)] = [param.detach().to(dtype), param._version]
+
+    def narrow(self, param: torch.Tensor) -> torch.Tensor:
+        entry = self.entries.get(id(param))
+        if entry is None:
+            return param
+        if entry[1] != param._version:  # an optimizer step (or any in-place write) since
+            entry[0].copy_(param.detach())
+            entry[1] = param._version
+        copy: torch.Tensor = entry[0]
+        return copy
+
+
 def _is_matmul_layer(module: nn.Module) -> bool:
     """nn.Linear, or a transformers-style Conv1D (weight stored [in, out], attribute ``nf``)."""
     if isinstance(module, nn.Linear):
@@ -170,11 +191,13 @@ def _is_matmul_layer(module: nn.Module) -> bool:
 class _NarrowMatmul(Patch, nn.Module):
     """A Linear (or Conv1D) whose stored weight is narrower than the dtype it computes in."""
 
-    def __patch_init__(self, compute_dtype: torch.dtype, stats: OffloadStats, scratch: _Scratch) -> None:
-        self.__dict__["_offload_narrow"] = (compute_dtype, stats, scratch, not isinstance(self, nn.Linear))
+    def __patch_init__(
+        self, compute_dtype: torch.dtype, stats: OffloadStats, scratch: _Scratch, shadows: _Shadows
+    ) -> None:
+        self.__dict__["_offload_narrow"] = (compute_dtype, stats, scratch, shadows, not isinstance(self, nn.Linear))
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        dtype, stats, scratch, transposed = self.__dict__["_offload_narrow"]
+        dtype, stats, scratch, shadows, transposed = self.__dict__["_offload_narrow"]
         weight: torch.Tensor = self._parameters["weight"]  # type: ignore[assignment]
         bias: torch.Tensor | None = self._parameters.get("bias")
         x = input.to(dtype)
@@ -185,6 +208,9 @@ class _NarrowMatmul(Patch, nn.Module):
         out_features = weight.shape[1] if transposed else weight.shape[0]
         needs_grad = torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
         x2d = x.reshape(rows, x.shape[-1])
+        if not needs_grad:  # with a master copy, forwards without gradients read the narrow copy
+            weight = shadows.narrow(weight)
+            bias = shadows.narrow(bias) if bias is not None else None
         out: torch.Tensor | None = None
         if not needs_grad and rows <= _FUSED_MAX_ROWS and weight.numel() >= _FUSED_MIN_WEIGHT:
             out = _fused_linear(x2d, weight, transposed)
@@ -242,6 +268,7 @@ class OffloadHandle:
         self._originals: list[tuple[torch.Tensor, torch.device, torch.dtype]] = []
         self._transit = _Transit()
         self._scratch = _Scratch()
+        self._shadows = _Shadows()
         self._pinned: list[int] = []
         self._record: OffloadRecord | None = None
 
@@ -275,6 +302,7 @@ class OffloadHandle:
             _swap_to(tensor, device, dtype)
         self._originals.clear()
         self._scratch.buffers.clear()
+        self._shadows.entries.clear()
         for key in self._pinned:
             _undo.pinned.pop(key, None)
         self._pinned.clear()
@@ -331,6 +359,7 @@ def offload(
     pin_memory: bool | None = None,
     groups: str | Sequence[str] = "blocks",
     skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP,
+    master_dtype: torch.dtype | None = None,
 ) -> OffloadHandle:
     """Keep ``model``'s weights in storage and bring each group in just before it runs.
 
@@ -348,6 +377,10 @@ def offload(
         pin_memory: pin host storage; default: when ``device`` is a GPU.
         groups: ``"blocks"``, ``"leaves"`` or a list of qualified module names.
         skip: ``(module, name) -> bool``; selected modules keep their storage dtype.
+        master_dtype: for training: the parameters themselves stay in this dtype (what
+            the optimizer updates and gradients land in) and the engine keeps a
+            ``storage_dtype`` copy for forwards without gradients, refreshed whenever a
+            parameter changes. ``None``: the parameters are stored in ``storage_dtype``.
 
     Returns:
         An :class:`OffloadHandle` (``stats()``, ``remove()``, context manager).
@@ -387,6 +420,7 @@ def offload(
         raise ValueError(f"{what}: device must be 'cpu' or a CUDA device, got {device!r}")
     compute_dtype = _check_dtype(dtype, "dtype")
     store_dtype = _check_dtype(storage_dtype, "storage_dtype")
+    master = _check_dtype(master_dtype, "master_dtype")
     if budget is not None and (not isinstance(budget, int) or budget < 0):
         raise TypeError(f"{what}: budget must be a number of bytes (int >= 0) or None, got {budget!r}")
     if not isinstance(prefetch, int) or prefetch < 0:
@@ -402,6 +436,7 @@ def offload(
     seen: set[int] = set()
     plan: list[_Group] = []
     wants: dict[int, tuple[torch.dtype, torch.dtype]] = {}  # id -> (storage dtype, compute dtype)
+    shadowed: dict[int, torch.dtype] = {}  # id -> narrow dtype of the copy kept next to a master
     # each module belongs to the innermost group containing it
     members: dict[str, list[tuple[str, nn.Module]]] = {g: [] for g in names}
     for qual, module in named.items():
@@ -425,6 +460,9 @@ def offload(
                 floating = p.is_floating_point()
                 compute = compute_dtype if (compute_dtype is not None and floating) else p.dtype
                 stored = store_dtype if (store_dtype is not None and floating and id(p) not in kept) else compute
+                if stored != compute and master is not None:
+                    shadowed[id(p)] = stored  # the parameter keeps the master dtype; a narrow copy serves forwards
+                    stored = master
                 if id(p) not in wants:
                     wants[id(p)] = (stored, compute)
                 params.append((owner, pname, p))
@@ -467,7 +505,7 @@ def offload(
     handle = OffloadHandle(model, target)
     stats = handle._stats
     try:
-        _install(model, plan, wants, handle, target, storage_device, pin, compute_dtype)
+        _install(model, plan, wants, shadowed, handle, target, storage_device, pin)
     except BaseException:
         record = OffloadRecord(handle)
         handle._record = record
@@ -490,11 +528,11 @@ def _install(
     model: nn.Module,
     plan: list[_Group],
     wants: dict[int, tuple[torch.dtype, torch.dtype]],
+    shadowed: dict[int, torch.dtype],
     handle: OffloadHandle,
     target: torch.device,
     storage_device: torch.device,
     pin: bool,
-    compute_dtype: torch.dtype | None,
 ) -> None:
     """Convert storage and residency, then hook the streamed groups (undone by remove())."""
     moves: list[tuple[str, torch.Tensor, torch.device, torch.dtype, bool]] = []
@@ -533,15 +571,19 @@ def _install(
         streamed: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]] = []
         for owner, pname, p in group.params:
             stored, compute = wants[id(p)]
+            narrow = shadowed.get(id(p), stored)
             narrow_linear = (
                 _is_matmul_layer(owner)
                 and target.type == "cpu"
-                and stored != compute
-                and all(wants[id(q)][0] == stored for q in owner.parameters(recurse=False))
+                and narrow != compute
+                and all(shadowed.get(id(q), wants[id(q)][0]) == narrow for q in owner.parameters(recurse=False))
             )
             if narrow_linear:
+                for q in owner.parameters(recurse=False):
+                    if id(q) in shadowed:
+                        handle._shadows.add(q, shadowed[id(q)])
                 if not is_patched(owner, _NarrowMatmul):
-                    patch(owner, _NarrowMatmul, compute, stats, handle._scratch)
+                    patch(owner, _NarrowMatmul, compute, stats, handle._scratch, handle._shadows)
                     _undo.records(owner)[-1].internal = True
                     handle._patched.append(owner)
                 continue
