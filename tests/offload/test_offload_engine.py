@@ -434,3 +434,16 @@ def test_training_with_an_fp32_master_copy_matches_fp32_training() -> None:
                     p.copy_(p.bfloat16().float())
         torch.testing.assert_close(inference, bf16_reference(x), rtol=1e-4, atol=1e-4)  # the refreshed bf16 copy
     handle.remove()
+
+
+def test_execution_order_and_the_stall_hint_are_measured() -> None:
+    d = 16
+    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d)) for _ in range(3)])
+    handle = offload(model, storage_dtype=torch.float16, dtype=torch.float32, skip=None)
+    assert handle.stats().hint == "no streamed group has run yet"
+    with torch.no_grad():
+        model(torch.randn(2, d))
+    assert handle._transit.order.recorded == ["0", "1", "2"]  # the order groups actually ran in
+    assert handle.stats().hint.startswith(("transfer-bound: ", "compute-bound: "))
+    handle.remove()
+    assert not model._forward_hooks

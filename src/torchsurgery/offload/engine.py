@@ -38,6 +38,8 @@ from torch import nn
 
 from torchsurgery import _undo
 from torchsurgery.offload.grouping import find_groups
+from torchsurgery.offload.order import OrderRecorder
+from torchsurgery.offload.planner import GroupCost, stall_hint
 from torchsurgery.patching import Patch, is_patched, patch, unpatch
 from torchsurgery.tensors import _swap_blocker, _wrap_like
 
@@ -73,6 +75,8 @@ class OffloadStats:
         resident_bytes: weight bytes of the resident groups.
         resident_groups: groups kept on the device.
         streamed_groups: groups brought in for each forward.
+        hint: whether the last forward was transfer-bound, and what more residency would
+            hide (from measured transfer and compute times, in execution order).
 
     Example:
         >>> import torch
@@ -93,6 +97,7 @@ class OffloadStats:
     resident_bytes: int = 0
     resident_groups: list[str] = field(default_factory=list)
     streamed_groups: list[str] = field(default_factory=list)
+    hint: str = ""
 
 
 @dataclass(eq=False)
@@ -266,7 +271,8 @@ class OffloadHandle:
         self._stats = OffloadStats()
         self._patched: list[nn.Module] = []
         self._originals: list[tuple[torch.Tensor, torch.device, torch.dtype]] = []
-        self._transit = _Transit()
+        self._transit = _Shared()
+        self._hooks: list[Any] = []
         self._scratch = _Scratch()
         self._shadows = _Shadows()
         self._pinned: list[int] = []
@@ -277,7 +283,7 @@ class OffloadHandle:
         s = self._stats
         return OffloadStats(
             s.bytes_moved, s.transfers, s.seconds_waiting, s.peak_device_bytes, s.resident_bytes,
-            list(s.resident_groups), list(s.streamed_groups),
+            list(s.resident_groups), list(s.streamed_groups), self._transit.hint(),
         )
 
     @property
@@ -293,6 +299,9 @@ class OffloadHandle:
         """
         if self._record is None:
             return self.model
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
         for module in reversed(self._patched):
             for kind in (_NarrowMatmul, _StreamedGroup):
                 if is_patched(module, kind):
@@ -512,6 +521,9 @@ def offload(
         _undo.push(model, record)
         handle.remove()
         raise
+    if any(is_patched(m, _StreamedGroup) for m in handle._patched):
+        # the order streamed groups ran in, closed at the end of every forward of the model
+        handle._hooks.append(model.register_forward_hook(_EndForward(handle._transit.order), always_call=True))
     stats.resident_groups = [g.name for g in plan if g.resident]
     stats.streamed_groups = [g.name for g in plan if not g.resident]
     handle._pinned = [id(p) for g in plan for _, _, p in g.params]
@@ -590,16 +602,39 @@ def _install(
             if p.device != target or p.dtype != compute:
                 streamed.append((owner, pname, p, compute))
         if streamed:
-            patch(group.module, _StreamedGroup, _GroupStreamer(streamed, target, stats, handle._transit))
+            patch(group.module, _StreamedGroup, _GroupStreamer(group.name, streamed, target, stats, handle._transit))
             _undo.records(group.module)[-1].internal = True
             handle._patched.append(group.module)
 
 
-class _Transit:
-    """Bytes currently brought in by a handle's streamed groups."""
+class _Shared:
+    """What a handle's streamed groups share: bytes in flight, execution order, measured costs."""
 
     def __init__(self) -> None:
         self.current = 0
+        self.order = OrderRecorder()
+        self.costs: dict[str, list[float]] = {}  # name -> [bytes, transfer seconds, compute seconds]
+
+    def hint(self) -> str:
+        names = [n for n in dict.fromkeys(self.order.recorded) if n in self.costs]
+        if not names:
+            return "no streamed group has run yet"
+        moved = sum(self.costs[n][0] for n in names)
+        seconds = sum(self.costs[n][1] for n in names)
+        if seconds <= 0:
+            return "compute-bound: every transfer is hidden behind compute"
+        groups = [GroupCost(n or "<root>", int(self.costs[n][0]), self.costs[n][2]) for n in self.order.recorded if n in self.costs]
+        return stall_hint(groups, [], bandwidth=moved / seconds)
+
+
+class _EndForward:
+    """A forward hook on the model closing the recorded execution order (picklable)."""
+
+    def __init__(self, order: OrderRecorder) -> None:
+        self.order = order
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.order.end_forward()
 
 
 class _GroupStreamer:
@@ -607,17 +642,20 @@ class _GroupStreamer:
 
     def __init__(
         self,
+        name: str,
         streamed: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]],
         target: torch.device,
         stats: OffloadStats,
-        transit: _Transit,
+        transit: _Shared,
     ) -> None:
+        self.name = name
         self.streamed = streamed
         self.target = target
         self.stats = stats
         self.transit = transit
         self.nbytes = sum(p.numel() * dtype.itemsize for _, _, p, dtype in streamed)
         self.depth = 0
+        self.ready_at = 0.0
 
     def bring_in(self) -> None:
         self.depth += 1
@@ -634,7 +672,11 @@ class _GroupStreamer:
             self.release()
             raise
         stats = self.stats
-        stats.seconds_waiting += time.perf_counter() - start
+        self.ready_at = time.perf_counter()
+        waited = self.ready_at - start
+        stats.seconds_waiting += waited
+        self.transit.order.ran(self.name)
+        self.transit.costs[self.name] = [self.nbytes, waited, self.transit.costs.get(self.name, [0, 0, 0.0])[2]]
         stats.bytes_moved += self.nbytes
         stats.transfers += 1
         self.transit.current += self.nbytes
@@ -647,6 +689,9 @@ class _GroupStreamer:
         for owner, pname, p, _ in self.streamed:
             owner._parameters[pname] = p
         self.transit.current = max(0, self.transit.current - self.nbytes)
+        cost = self.transit.costs.get(self.name)
+        if cost is not None and self.ready_at:
+            cost[2] = time.perf_counter() - self.ready_at  # this group's compute, last forward
 
 
 class _StreamedGroup(Patch, nn.Module):
