@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from torchsurgery._names import select
 from torchsurgery.cli.errors import CliError
 from torchsurgery.cli.models import LoadedModel
 from torchsurgery.cli.store import StreamingWriter
@@ -96,7 +97,7 @@ def trace(
         short = sum(len(t) for t in texts) <= 65536
         metadata = {
             "model": loaded.name,
-            "modules": json.dumps(sorted({b.name for b in flex._bindings})),
+            "modules": json.dumps(sorted({name for pattern in hooks for name, _ in select(loaded.model, pattern)})),
             "max_length": str(max_length),
             "layout": "one row per input, in order, padded to max_length; see attention_mask",
             ("texts" if short else "text_sha256"): json.dumps(

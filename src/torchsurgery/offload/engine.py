@@ -312,8 +312,7 @@ class OffloadHandle:
         self._originals.clear()
         self._scratch.buffers.clear()
         self._shadows.entries.clear()
-        for key in self._pinned:
-            _undo.pinned.pop(key, None)
+        _unpin(self._pinned)
         self._pinned.clear()
         _undo.remove(self.model, self._record)
         self._record = None
@@ -324,6 +323,11 @@ class OffloadHandle:
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
+
+
+def _unpin(keys: list[int]) -> None:
+    for key in keys:
+        _undo.pinned.pop(key, None)
 
 
 def _swap_to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, pin: bool = False) -> None:
@@ -529,6 +533,8 @@ def offload(
     handle._pinned = [id(p) for g in plan for _, _, p in g.params]
     for key in handle._pinned:
         _undo.pinned[key] = "an active offload"
+    # a model dropped while offloaded must not leave its ids pinned (ids are reused)
+    weakref.finalize(model, _unpin, list(handle._pinned))
     stats.resident_bytes = sum(g.nbytes for g in plan if g.resident)
     stats.peak_device_bytes = stats.resident_bytes
     handle._record = OffloadRecord(handle)
