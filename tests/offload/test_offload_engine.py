@@ -447,3 +447,48 @@ def test_execution_order_and_the_stall_hint_are_measured() -> None:
     assert handle.stats().hint.startswith(("transfer-bound: ", "compute-bound: "))
     handle.remove()
     assert not model._forward_hooks
+
+
+class _Conv(nn.Module):
+    """Blocks that are not matmul layers, so every weight goes through the ring."""
+
+    def __init__(self, blocks: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv1d(4, 4, 3, padding=1), nn.GELU()) for _ in range(blocks))
+        self.reverse = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in reversed(self.blocks) if self.reverse else self.blocks:
+            x = block(x)
+        return x
+
+
+def test_ring_streams_packed_groups_exactly_with_prefetch_and_out_of_order_runs() -> None:
+    model = _Conv()
+    x = torch.randn(2, 4, 8)
+    with torch.no_grad():
+        expected = model(x)
+        model.reverse = True
+        expected_reversed = model(x)
+        model.reverse = False
+    ids = identity_map(model)
+    handle = offload(model, storage_dtype=torch.float64, dtype=torch.float32, groups="blocks")
+    shared = handle._transit
+    assert sorted(shared.packed) == [f"blocks.{i}" for i in range(4)]
+    for name, packed in shared.packed.items():  # the flat buffer is the weights' only host copy
+        start = packed.host.data_ptr()
+        for p in model.get_submodule(name).parameters():
+            assert start <= p.data_ptr() < start + packed.layout.nbytes and p.dtype == torch.float64
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+        assert shared.ring is not None and shared.ring.prefetched > 0  # later forwards found groups ready
+        model.reverse = True  # out of the recorded order: misses, still exact
+        torch.testing.assert_close(model(x), expected_reversed, rtol=0, atol=0)
+        model.reverse = False
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    model(x).sum().backward()  # with gradients the ring is bypassed; gradients reach the stored weights
+    assert all(p.grad is not None and p.grad.dtype == torch.float64 for p in model.parameters())
+    handle.remove()
+    assert identity_map(model) == ids
+    assert all(p.untyped_storage().nbytes() == p.numel() * 4 for p in model.parameters())  # standalone again

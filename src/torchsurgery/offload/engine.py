@@ -39,7 +39,9 @@ from torch import nn
 from torchsurgery import _undo
 from torchsurgery.offload.grouping import find_groups
 from torchsurgery.offload.order import OrderRecorder
+from torchsurgery.offload.packing import FlatLayout, pack, unpack
 from torchsurgery.offload.planner import GroupCost, stall_hint
+from torchsurgery.offload.streams import PackedGroup, Ring
 from torchsurgery.patching import Patch, is_patched, patch, unpatch
 from torchsurgery.tensors import _swap_blocker, _wrap_like
 
@@ -265,13 +267,13 @@ class OffloadHandle:
         (True, True, torch.float32)
     """
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, prefetch: int = 1) -> None:
         self.model = model
         self.device = device
         self._stats = OffloadStats()
         self._patched: list[nn.Module] = []
         self._originals: list[tuple[torch.Tensor, torch.device, torch.dtype]] = []
-        self._transit = _Shared()
+        self._transit = _Shared(prefetch)
         self._hooks: list[Any] = []
         self._scratch = _Scratch()
         self._shadows = _Shadows()
@@ -311,6 +313,8 @@ class OffloadHandle:
             _swap_to(tensor, device, dtype)
         self._originals.clear()
         self._scratch.buffers.clear()
+        self._transit.ring = None
+        self._transit.packed.clear()
         self._shadows.entries.clear()
         _unpin(self._pinned)
         self._pinned.clear()
@@ -331,7 +335,7 @@ def _unpin(keys: list[int]) -> None:
 
 
 def _swap_to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, pin: bool = False) -> None:
-    data = tensor.detach().to(device=device, dtype=dtype)
+    data = tensor.detach().to(device=device, dtype=dtype, copy=True)
     if pin and data.device.type == "cpu":
         data = data.pin_memory()
     if type(tensor) in (torch.Tensor, nn.Parameter) and weakref.getweakrefs(tensor):
@@ -515,7 +519,7 @@ def offload(
                     g.resident = True
                     room -= g.nbytes
 
-    handle = OffloadHandle(model, target)
+    handle = OffloadHandle(model, target, prefetch)
     stats = handle._stats
     try:
         _install(model, plan, wants, shadowed, handle, target, storage_device, pin)
@@ -583,6 +587,7 @@ def _install(
             _swap_to(tensor, device, dtype, pin=pin_it)
 
     stats = handle._stats
+    packed_ids: set[int] = set()
     for group in plan:
         if group.resident:
             continue
@@ -608,17 +613,37 @@ def _install(
             if p.device != target or p.dtype != compute:
                 streamed.append((owner, pname, p, compute))
         if streamed:
-            patch(group.module, _StreamedGroup, _GroupStreamer(group.name, streamed, target, stats, handle._transit))
+            # pack what this group streams into one flat host buffer, the weights' only host copy
+            packable = [e for e in streamed if id(e[2]) not in packed_ids and type(e[2]) in (torch.Tensor, nn.Parameter)]
+            packed = None
+            if packable:
+                params = [e[2] for e in packable]
+                layout = FlatLayout.of(params)
+                host = pack(params, layout, pin_memory=pin)
+                for param, view in zip(params, unpack(host, layout), strict=True):
+                    if not any(t is param for t, _, _ in handle._originals):
+                        handle._originals.append((param, param.device, param.dtype))
+                    param.data = view
+                    packed_ids.add(id(param))
+                packed = PackedGroup(group.name, layout, host)
+                handle._transit.packed[group.name] = packed
+            others = [e for e in streamed if not any(e is q for q in packable)]
+            streamer = _GroupStreamer(group.name, packable, others, packed, target, stats, handle._transit)
+            patch(group.module, _StreamedGroup, streamer)
             _undo.records(group.module)[-1].internal = True
             handle._patched.append(group.module)
+    handle._transit.ring = Ring(list(handle._transit.packed.values()), target, slots=handle._transit.prefetch + 1)
 
 
 class _Shared:
     """What a handle's streamed groups share: bytes in flight, execution order, measured costs."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefetch: int = 1) -> None:
         self.current = 0
+        self.prefetch = prefetch
         self.order = OrderRecorder()
+        self.packed: dict[str, PackedGroup] = {}
+        self.ring: Ring | None = None
         self.costs: dict[str, list[float]] = {}  # name -> [bytes, transfer seconds, compute seconds]
 
     def hint(self) -> str:
@@ -649,30 +674,43 @@ class _GroupStreamer:
     def __init__(
         self,
         name: str,
-        streamed: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]],
+        packed_entries: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]],
+        other_entries: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]],
+        packed: PackedGroup | None,
         target: torch.device,
         stats: OffloadStats,
         transit: _Shared,
     ) -> None:
         self.name = name
-        self.streamed = streamed
+        self.packed_entries = packed_entries
+        self.other_entries = other_entries
+        self.packed = packed
         self.target = target
         self.stats = stats
         self.transit = transit
-        self.nbytes = sum(p.numel() * dtype.itemsize for _, _, p, dtype in streamed)
+        self.nbytes = sum(p.numel() * dtype.itemsize for _, _, p, dtype in packed_entries + other_entries)
         self.depth = 0
         self.ready_at = 0.0
+        self.slot: int | None = None
 
     def bring_in(self) -> None:
         self.depth += 1
         if self.depth > 1:
             return  # re-entered (a shared module): already in
         start = time.perf_counter()
+        shared = self.transit
+        shared.order.ran(self.name)
         try:
-            for owner, pname, p, dtype in self.streamed:
+            direct = self.other_entries
+            if self.packed is not None and shared.ring is not None and not torch.is_grad_enabled():
+                upcoming = [shared.packed[n] for n in shared.order.ahead(self.name, shared.prefetch) if n in shared.packed]
+                self.slot, views = shared.ring.enter(self.packed, upcoming)
+                for (owner, pname, _, dtype), view in zip(self.packed_entries, views, strict=True):
+                    owner._parameters[pname] = view if view.dtype == dtype else view.to(dtype)  # type: ignore[assignment]
+            else:
+                direct = self.packed_entries + self.other_entries  # autograd keeps these until backward
+            for owner, pname, p, dtype in direct:
                 owner._parameters[pname] = p.to(device=self.target, dtype=dtype, non_blocking=True)  # type: ignore[assignment]
-            if self.target.type == "cuda":
-                torch.cuda.current_stream(self.target).synchronize()
         except BaseException:
             self.depth = 1
             self.release()
@@ -681,21 +719,24 @@ class _GroupStreamer:
         self.ready_at = time.perf_counter()
         waited = self.ready_at - start
         stats.seconds_waiting += waited
-        self.transit.order.ran(self.name)
-        self.transit.costs[self.name] = [self.nbytes, waited, self.transit.costs.get(self.name, [0, 0, 0.0])[2]]
+        shared.costs[self.name] = [self.nbytes, waited, shared.costs.get(self.name, [0, 0, 0.0])[2]]
         stats.bytes_moved += self.nbytes
         stats.transfers += 1
-        self.transit.current += self.nbytes
-        stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + self.transit.current)
+        shared.current += self.nbytes
+        stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + shared.current)
 
     def release(self) -> None:
         self.depth -= 1
         if self.depth > 0:
             return
-        for owner, pname, p, _ in self.streamed:
+        for owner, pname, p, _ in self.packed_entries + self.other_entries:
             owner._parameters[pname] = p
-        self.transit.current = max(0, self.transit.current - self.nbytes)
-        cost = self.transit.costs.get(self.name)
+        shared = self.transit
+        if self.slot is not None and shared.ring is not None:
+            shared.ring.exit(self.slot)
+            self.slot = None
+        shared.current = max(0, shared.current - self.nbytes)
+        cost = shared.costs.get(self.name)
         if cost is not None and self.ready_at:
             cost[2] = time.perf_counter() - self.ready_at  # this group's compute, last forward
 
