@@ -7,17 +7,9 @@ from typing import Any
 from torch import nn
 
 from torchsurgery import _undo
+from torchsurgery._format import human_bytes
 from torchsurgery._names import glob_match, no_match_message
 from torchsurgery.cli.errors import CliError
-
-
-def _human(nbytes: int) -> str:
-    size = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"
 
 
 def module_rows(model: nn.Module, depth: int | None, pattern: str | None) -> list[dict[str, Any]]:
@@ -46,7 +38,7 @@ def module_rows(model: nn.Module, depth: int | None, pattern: str | None) -> lis
                 "level": level,
                 "type": type(module).__name__,
                 "params": sum(p.numel() for p in module.parameters()),
-                "bytes": _human(sum(t.numel() * t.element_size() for t in tensors)),
+                "bytes": human_bytes(sum(t.numel() * t.element_size() for t in tensors), binary=True),
                 "dtype": ",".join(sorted({str(t.dtype).replace("torch.", "") for t in tensors})) or "-",
                 "device": ",".join(sorted({str(t.device) for t in tensors})) or "-",
                 "surgery": "; ".join(surgery) or "",

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from torchsurgery._format import human_bytes
+
 
 @dataclass(frozen=True)
 class GroupCost:
@@ -110,13 +112,4 @@ def stall_hint(groups: Sequence[GroupCost], resident: Iterable[str], bandwidth: 
     costliest = max(streamed, key=lambda g: g.nbytes / bandwidth - g.compute_s)
     _, after = simulate(groups, resident + [costliest.name], bandwidth, prefetch)
     hidden = 100.0 * (stall - after) / stall
-    return f"transfer-bound: {_size(costliest.nbytes)} more residency would hide {hidden:.0f}% of the {stall:.2f} s stall"
-
-
-def _size(nbytes: int) -> str:
-    value = float(nbytes)
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1000 or unit == "GB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{value:.1f} GB"
+    return f"transfer-bound: {human_bytes(costliest.nbytes)} more residency would hide {hidden:.0f}% of the {stall:.2f} s stall"
