@@ -36,12 +36,6 @@ class HookGroups:
     def register(self, hook: HookFunction) -> None:
         self._groups.setdefault(hook, set()).add(ALL)
 
-    def forget(self, hook: HookFunction) -> None:
-        self._groups.pop(hook, None)
-
-    def hooks(self) -> list[HookFunction]:
-        return list(self._groups)
-
     def select(self, constructor: HookFunction | Iterable[HookFunction] | str, what: str) -> list[HookFunction]:
         """The registered hook functions a group constructor designates."""
         if isinstance(constructor, HookFunction):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from argparse import Namespace
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -102,19 +101,3 @@ class HookFunction:
     def __repr__(self) -> str:
         extra = f", expected_shape={self.expected_shape}" if self.expected_shape else ""
         return f"HookFunction({self.module_name!r}{extra}, edits={self.edits})"
-
-    def __reduce_ex__(self, protocol: Any) -> Any:  # keep hook functions simple data
-        return (
-            _rebuild,
-            (self.module_name, self.expected_shape, self.editing_function, self.unpack_idx, self.allow_shape_change),
-        )
-
-
-def _rebuild(
-    module_name: str,
-    expected_shape: tuple[int | None, ...] | None,
-    editing_function: EditingFunction,
-    unpack_idx: int,
-    allow_shape_change: bool,
-) -> HookFunction:
-    return HookFunction(module_name, expected_shape, editing_function, unpack_idx, allow_shape_change=allow_shape_change)
