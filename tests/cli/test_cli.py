@@ -158,3 +158,33 @@ def test_help_on_every_command() -> None:
     for command in ([], ["inspect"], ["trace"], ["run"]):
         result = cli(*command, "--help")
         assert result.returncode == 0 and "Usage" in result.stdout
+
+
+def test_model_directory_and_safetensors_file_with_an_input_file(tmp_path: Path) -> None:
+    model = transformers.GPT2Model(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=64))
+    model.save_pretrained(tmp_path / "gpt2")
+    inputs = tmp_path / "inputs.txt"
+    inputs.write_text("first line\n\nsecond line\n", encoding="utf-8")
+    listing = cli("inspect", str(tmp_path / "gpt2"), "--depth", "2")
+    assert listing.returncode == 0, listing.stderr
+    assert "h.0" in listing.stdout and "h.0.attn" not in listing.stdout  # --depth 2 stops there
+    out = tmp_path / "t.safetensors"
+    result = cli("trace", str(tmp_path / "gpt2" / "model.safetensors"), "--hook", "h.*", "--input-file", str(inputs),
+                 "--out", str(out), "--max-length", "16")
+    assert result.returncode == 0, result.stderr
+    stored = load_file(out)
+    assert stored["h.0"].shape == (2, 16, 32) and stored["attention_mask"].shape == (2, 16)
+    # the file's captures equal a plain forward of the same weights on the same byte-level ids
+    reference = transformers.GPT2Model.from_pretrained(tmp_path / "gpt2").eval()
+    with torch.no_grad():
+        hidden = reference(input_ids=stored["attention_mask"] * 0 + _bytes(["first line", "second line"], 16),
+                           attention_mask=stored["attention_mask"], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(stored["h.0"], hidden[1], rtol=1e-4, atol=1e-4)  # (the last one has ln_f applied)
+
+
+def _bytes(texts: list[str], length: int) -> torch.Tensor:
+    ids = torch.zeros(len(texts), length, dtype=torch.long)
+    for row, text in enumerate(texts):
+        data = list(text.encode())[:length]
+        ids[row, : len(data)] = torch.tensor(data)
+    return ids

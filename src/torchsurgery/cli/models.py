@@ -107,18 +107,31 @@ def load(spec: str | None) -> LoadedModel:
     raise CliError(f"no such model: {spec!r}; give a model directory, a .safetensors file, or one of {', '.join(TINY)}")
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model")
+
+
+def _tokenizer(t: Any, folder: Path) -> Any | None:
+    """The folder's tokenizer, ready to pad; ``None`` (feed bytes) when it ships none."""
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return None  # AutoTokenizer would build an empty one from the config alone
+    try:
+        tokenizer = t.AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError):
+        return None
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            return None
+        tokenizer.pad_token = tokenizer.eos_token  # the usual choice for decoder-only models
+    return tokenizer
+
+
 def _from_directory(path: Path, name: str) -> LoadedModel:
     t = _transformers()
     try:
         model = t.AutoModel.from_pretrained(path).eval()
     except (OSError, ValueError) as exc:
         raise CliError(f"cannot load a model from {path}: {str(exc).splitlines()[0]}") from exc
-    tokenizer = None
-    try:
-        tokenizer = t.AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError):
-        pass  # a model without a tokenizer is fed bytes
-    return LoadedModel(name, model, tokenizer)
+    return LoadedModel(name, model, _tokenizer(t, path))
 
 
 def _from_safetensors(path: Path) -> LoadedModel:
@@ -138,9 +151,4 @@ def _from_safetensors(path: Path) -> LoadedModel:
     leftovers = [n for n, p in model.named_parameters() if p.is_meta]
     if leftovers:
         raise CliError(f"{path} does not hold {leftovers[0]!r} (and {len(leftovers) - 1} more) for this config")
-    tokenizer = None
-    try:
-        tokenizer = t.AutoTokenizer.from_pretrained(path.parent)
-    except (OSError, ValueError, TypeError):
-        pass
-    return LoadedModel(path.stem, model.eval(), tokenizer)
+    return LoadedModel(path.stem, model.eval(), _tokenizer(t, path.parent))
