@@ -116,6 +116,22 @@ def test_progress_bar_appears_on_a_terminal(tmp_path: Path) -> None:
     assert "tracing" in result.stdout and "texts/s" in result.stdout
 
 
+def test_inspect_shows_surgery_and_hooks() -> None:
+    from torch import nn
+
+    import torchsurgery
+    from torchsurgery.cli.inspect import module_rows
+
+    class Tag(torchsurgery.Patch, nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    torchsurgery.patch(model[0], Tag)
+    model[1].register_forward_hook(lambda m, a, o: None)
+    rows = {r["name"]: r["surgery"] for r in module_rows(model, None, None)}
+    assert rows == {"<root>": "", "0": f"patch {Tag.__qualname__}", "1": "1 hook"}
+
+
 def test_inspect_prints_every_module() -> None:
     result = cli("inspect", "tiny-gpt2")
     assert result.returncode == 0, result.stderr

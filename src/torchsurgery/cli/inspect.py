@@ -11,6 +11,8 @@ from torchsurgery._format import human_bytes
 from torchsurgery._names import glob_match, no_match_message
 from torchsurgery.cli.errors import CliError
 
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
 
 def module_rows(model: nn.Module, depth: int | None, pattern: str | None) -> list[dict[str, Any]]:
     """One row per module: name, type, parameters, bytes, dtypes, devices, surgery.
@@ -32,6 +34,9 @@ def module_rows(model: nn.Module, depth: int | None, pattern: str | None) -> lis
             continue
         tensors = list(module.parameters()) + list(module.buffers())
         surgery = [r.describe() for r in _undo.records(module) if not r.internal]
+        hooks = sum(len(getattr(module, k)) for k in _HOOK_DICTS)
+        if hooks:
+            surgery.append(f"{hooks} hook{'s' if hooks > 1 else ''}")
         rows.append(
             {
                 "name": name or "<root>",
