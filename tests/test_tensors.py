@@ -459,6 +459,16 @@ def test_safetensors_file_and_sharded_index(tmp_path: Path) -> None:
         torch.testing.assert_close(model(x), source(x), rtol=0, atol=0)
 
 
+def test_safetensors_with_scalar_buffers(tmp_path: Path) -> None:
+    source = nn.BatchNorm1d(3)
+    source(torch.randn(4, 3))  # running stats and the 0-dim num_batches_tracked change
+    save_file(source.state_dict(), tmp_path / "bn.safetensors")
+    model = nn.BatchNorm1d(3)
+    load_(model, tmp_path / "bn.safetensors")
+    for k, v in source.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
 def test_pt_files_are_read_without_unpickling_objects(tmp_path: Path) -> None:
     source = nn.Linear(2, 2)
     good = tmp_path / "good.pt"

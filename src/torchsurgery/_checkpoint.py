@@ -194,7 +194,7 @@ class SafetensorsSource(Source):
         if loc.nbytes:
             f = self._files[loc.path]
             f.seek(loc.start)
-            view = target.detach().view(torch.uint8).reshape(-1).numpy().data
+            view = target.detach().reshape(-1).view(torch.uint8).numpy().data  # 0-dim tensors too
             got = cast(io.BufferedReader, f).readinto(view)
             if got != loc.nbytes:
                 raise CheckpointError(f"{loc.path}: {key!r} ends early ({got} of {loc.nbytes} bytes)")

@@ -66,7 +66,7 @@ class StreamingWriter:
             self._dtypes[key] = tensor.dtype
             self._files[key] = open(self._spill / f"{len(self._files)}.bin", "wb")  # noqa: SIM115
         if tensor.numel():
-            self._files[key].write(tensor.view(torch.uint8).reshape(-1).numpy().tobytes())
+            self._files[key].write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
 
     def close(self) -> dict[str, list[int]]:
         """Write the file and remove the spill files; returns each key's final shape."""
