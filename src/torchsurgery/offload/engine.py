@@ -26,11 +26,9 @@ identity (values are those of the storage dtype when that was narrower).
 
 from __future__ import annotations
 
-import time
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,11 +36,18 @@ from torch import nn
 
 from torchsurgery import _undo
 from torchsurgery.offload.grouping import find_groups
-from torchsurgery.offload.order import OrderRecorder
+from torchsurgery.offload.narrow import _is_matmul_layer, _NarrowMatmul, _Scratch, _Shadows
 from torchsurgery.offload.packing import FlatLayout, pack, unpack
-from torchsurgery.offload.planner import GroupCost, stall_hint
-from torchsurgery.offload.streams import PackedGroup, Ring
-from torchsurgery.patching import Patch, is_patched, patch, unpatch
+from torchsurgery.offload.stats import OffloadStats
+from torchsurgery.offload.streams import (
+    PackedGroup,
+    Ring,
+    _EndForward,
+    _GroupStreamer,
+    _Shared,
+    _StreamedGroup,
+)
+from torchsurgery.patching import is_patched, patch, unpatch
 from torchsurgery.tensors import _swap_blocker, _wrap_like
 
 __all__ = ["offload", "OffloadHandle", "OffloadStats", "DEFAULT_SKIP"]
@@ -65,43 +70,6 @@ DEFAULT_SKIP: Callable[[nn.Module, str], bool] = _is_norm_or_embedding
 """Modules kept in their own dtype when a ``storage_dtype`` is given: norms and embeddings."""
 
 
-@dataclass
-class OffloadStats:
-    """What an offloaded model did so far.
-
-    Attributes:
-        bytes_moved: bytes brought to the device (or cast) for streamed groups.
-        transfers: number of group materialisations.
-        seconds_waiting: time the forward spent waiting for transfers and casts.
-        peak_device_bytes: most weight bytes held on the device at once.
-        resident_bytes: weight bytes of the resident groups.
-        resident_groups: groups kept on the device.
-        streamed_groups: groups brought in for each forward.
-        hint: whether the last forward was transfer-bound, and what more residency would
-            hide (from measured transfer and compute times, in execution order).
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> import torchsurgery
-        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-        >>> handle = torchsurgery.offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups="leaves")
-        >>> _ = model(torch.ones(1, 4))
-        >>> handle.stats().streamed_groups
-        ['0', '1']
-        >>> _ = handle.remove()
-    """
-
-    bytes_moved: int = 0
-    transfers: int = 0
-    seconds_waiting: float = 0.0
-    peak_device_bytes: int = 0
-    resident_bytes: int = 0
-    resident_groups: list[str] = field(default_factory=list)
-    streamed_groups: list[str] = field(default_factory=list)
-    hint: str = ""
-
-
 @dataclass(eq=False)
 class _Group:
     name: str
@@ -109,124 +77,6 @@ class _Group:
     params: list[tuple[nn.Module, str, nn.Parameter]]
     nbytes: int
     resident: bool = False
-
-
-# ---------------------------------------------------------------------- fused CPU path
-
-_fused_kernels: dict[bool, Any] = {}
-_fused_broken = False
-_FUSED_MIN_WEIGHT = 1 << 18  # below this a fused kernel does not pay for itself
-_FUSED_MAX_ROWS = 4
-
-
-def _reduce_from_narrow(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # weight [out, in]: one pass over the narrow weight, widened in registers
-    return (x.unsqueeze(-2) * weight.to(x.dtype)).sum(-1)
-
-
-def _reduce_from_narrow_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # weight [in, out] (Conv1D layout): reduce over rows so reads stay contiguous
-    return (x.unsqueeze(-1) * weight.to(x.dtype)).sum(-2)
-
-
-def _fused_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool = False) -> torch.Tensor | None:
-    global _fused_broken
-    if _fused_broken:
-        return None
-    try:
-        kernel = _fused_kernels.get(transposed)
-        if kernel is None:
-            kernel = _fused_kernels[transposed] = torch.compile(
-                _reduce_from_narrow_t if transposed else _reduce_from_narrow, dynamic=False
-            )
-        result: torch.Tensor = kernel(x, weight)
-        return result
-    except Exception as exc:  # no compiler on this machine: fall back to casting
-        _fused_broken = True
-        warnings.warn(f"torchsurgery.offload: fused CPU kernel unavailable ({exc}); casting instead", stacklevel=2)
-        return None
-
-
-class _Scratch:
-    """Reused full-width copies of narrow weights, one per shape (fresh allocations page-fault)."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
-
-    def widen(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        key = (tuple(weight.shape), dtype)
-        buffer = self.buffers.get(key)
-        if buffer is None:
-            buffer = self.buffers[key] = torch.empty(weight.shape, dtype=dtype)
-        return buffer.copy_(weight)
-
-
-class _Shadows:
-    """Narrow copies of master parameters, refreshed when the master changes (its version)."""
-
-    def __init__(self) -> None:
-        self.entries: dict[int, list[Any]] = {}
-
-    def add(self, param: torch.Tensor, dtype: torch.dtype) -> None:
-        if id(param) not in self.entries:
-            self.entries[id(param)] = [param.detach().to(dtype), param._version]
-
-    def narrow(self, param: torch.Tensor) -> torch.Tensor:
-        entry = self.entries.get(id(param))
-        if entry is None:
-            return param
-        if entry[1] != param._version:  # an optimizer step (or any in-place write) since
-            entry[0].copy_(param.detach())
-            entry[1] = param._version
-        copy: torch.Tensor = entry[0]
-        return copy
-
-
-def _is_matmul_layer(module: nn.Module) -> bool:
-    """nn.Linear, or a transformers-style Conv1D (weight stored [in, out], attribute ``nf``)."""
-    if isinstance(module, nn.Linear):
-        return True
-    weight = getattr(module, "weight", None)
-    return (
-        type(module).__name__ == "Conv1D"
-        and isinstance(weight, torch.Tensor)
-        and weight.dim() == 2
-        and getattr(module, "nf", None) == weight.shape[1]
-    )
-
-
-class _NarrowMatmul(Patch, nn.Module):
-    """A Linear (or Conv1D) whose stored weight is narrower than the dtype it computes in."""
-
-    def __patch_init__(
-        self, compute_dtype: torch.dtype, stats: OffloadStats, scratch: _Scratch, shadows: _Shadows
-    ) -> None:
-        self.__dict__["_offload_narrow"] = (compute_dtype, stats, scratch, shadows, not isinstance(self, nn.Linear))
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        dtype, stats, scratch, shadows, transposed = self.__dict__["_offload_narrow"]
-        weight: torch.Tensor = self._parameters["weight"]  # type: ignore[assignment]
-        bias: torch.Tensor | None = self._parameters.get("bias")
-        x = input.to(dtype)
-        stats.bytes_moved += weight.numel() * weight.element_size()
-        stats.transfers += 1
-        stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + weight.numel() * dtype.itemsize)
-        rows = x.numel() // max(1, x.shape[-1])
-        out_features = weight.shape[1] if transposed else weight.shape[0]
-        needs_grad = torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
-        x2d = x.reshape(rows, x.shape[-1])
-        if not needs_grad:  # with a master copy, forwards without gradients read the narrow copy
-            weight = shadows.narrow(weight)
-            bias = shadows.narrow(bias) if bias is not None else None
-        out: torch.Tensor | None = None
-        if not needs_grad and rows <= _FUSED_MAX_ROWS and weight.numel() >= _FUSED_MIN_WEIGHT:
-            out = _fused_linear(x2d, weight, transposed)
-        if out is None:
-            wide = weight.to(dtype) if needs_grad else scratch.widen(weight, dtype)
-            out = x2d @ wide if transposed else x2d @ wide.t()
-        if bias is not None:
-            out = out + bias.to(dtype)
-        return out.reshape(*x.shape[:-1], out_features)
 
 
 # ------------------------------------------------------------------------- the handle
@@ -390,10 +240,11 @@ def offload(
             execution order, while they fit next to the ``prefetch + 1`` largest streamed
             groups. ``None``: nothing is resident on a CPU; on a GPU, what is free minus a
             margin.
-        prefetch: how many groups ahead to bring in (used by the CUDA streaming path).
+        prefetch: how many groups ahead to bring in, along the order recorded on the
+            first forward.
         pin_memory: pin host storage; default: when ``device`` is a GPU.
         groups: ``"blocks"``, ``"leaves"`` or a list of qualified module names.
-        skip: ``(module, name) -> bool``; selected modules keep their storage dtype.
+        skip: ``(module, name) -> bool``; selected modules keep their own dtype.
         master_dtype: for training: the parameters themselves stay in this dtype (what
             the optimizer updates and gradients land in) and the engine keeps a
             ``storage_dtype`` copy for forwards without gradients, refreshed whenever a
@@ -633,124 +484,3 @@ def _install(
             _undo.records(group.module)[-1].internal = True
             handle._patched.append(group.module)
     handle._transit.ring = Ring(list(handle._transit.packed.values()), target, slots=handle._transit.prefetch + 1)
-
-
-class _Shared:
-    """What a handle's streamed groups share: bytes in flight, execution order, measured costs."""
-
-    def __init__(self, prefetch: int = 1) -> None:
-        self.current = 0
-        self.prefetch = prefetch
-        self.order = OrderRecorder()
-        self.packed: dict[str, PackedGroup] = {}
-        self.ring: Ring | None = None
-        self.costs: dict[str, list[float]] = {}  # name -> [bytes, transfer seconds, compute seconds]
-
-    def hint(self) -> str:
-        names = [n for n in dict.fromkeys(self.order.recorded) if n in self.costs]
-        if not names:
-            return "no streamed group has run yet"
-        moved = sum(self.costs[n][0] for n in names)
-        seconds = sum(self.costs[n][1] for n in names)
-        if seconds <= 0:
-            return "compute-bound: every transfer is hidden behind compute"
-        groups = [GroupCost(n or "<root>", int(self.costs[n][0]), self.costs[n][2]) for n in self.order.recorded if n in self.costs]
-        return stall_hint(groups, [], bandwidth=moved / seconds)
-
-
-class _EndForward:
-    """A forward hook on the model closing the recorded execution order (picklable)."""
-
-    def __init__(self, order: OrderRecorder) -> None:
-        self.order = order
-
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.order.end_forward()
-
-
-class _GroupStreamer:
-    """Brings one group's weights in for its forward and puts the stored ones back after."""
-
-    def __init__(
-        self,
-        name: str,
-        packed_entries: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]],
-        other_entries: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]],
-        packed: PackedGroup | None,
-        target: torch.device,
-        stats: OffloadStats,
-        transit: _Shared,
-    ) -> None:
-        self.name = name
-        self.packed_entries = packed_entries
-        self.other_entries = other_entries
-        self.packed = packed
-        self.target = target
-        self.stats = stats
-        self.transit = transit
-        self.nbytes = sum(p.numel() * dtype.itemsize for _, _, p, dtype in packed_entries + other_entries)
-        self.depth = 0
-        self.ready_at = 0.0
-        self.slot: int | None = None
-
-    def bring_in(self) -> None:
-        self.depth += 1
-        if self.depth > 1:
-            return  # re-entered (a shared module): already in
-        start = time.perf_counter()
-        shared = self.transit
-        shared.order.ran(self.name)
-        try:
-            direct = self.other_entries
-            if self.packed is not None and shared.ring is not None and not torch.is_grad_enabled():
-                upcoming = [shared.packed[n] for n in shared.order.ahead(self.name, shared.prefetch) if n in shared.packed]
-                self.slot, views = shared.ring.enter(self.packed, upcoming)
-                for (owner, pname, _, dtype), view in zip(self.packed_entries, views, strict=True):
-                    owner._parameters[pname] = view if view.dtype == dtype else view.to(dtype)  # type: ignore[assignment]
-            else:
-                direct = self.packed_entries + self.other_entries  # autograd keeps these until backward
-            for owner, pname, p, dtype in direct:
-                owner._parameters[pname] = p.to(device=self.target, dtype=dtype, non_blocking=True)  # type: ignore[assignment]
-        except BaseException:
-            self.depth = 1
-            self.release()
-            raise
-        stats = self.stats
-        self.ready_at = time.perf_counter()
-        waited = self.ready_at - start
-        stats.seconds_waiting += waited
-        shared.costs[self.name] = [self.nbytes, waited, shared.costs.get(self.name, [0, 0, 0.0])[2]]
-        stats.bytes_moved += self.nbytes
-        stats.transfers += 1
-        shared.current += self.nbytes
-        stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + shared.current)
-
-    def release(self) -> None:
-        self.depth -= 1
-        if self.depth > 0:
-            return
-        for owner, pname, p, _ in self.packed_entries + self.other_entries:
-            owner._parameters[pname] = p
-        shared = self.transit
-        if self.slot is not None and shared.ring is not None:
-            shared.ring.exit(self.slot)
-            self.slot = None
-        shared.current = max(0, shared.current - self.nbytes)
-        cost = shared.costs.get(self.name)
-        if cost is not None and self.ready_at:
-            cost[2] = time.perf_counter() - self.ready_at  # this group's compute, last forward
-
-
-class _StreamedGroup(Patch, nn.Module):
-    """The root module of a streamed group: its weights are in only while it runs."""
-
-    def __patch_init__(self, streamer: _GroupStreamer) -> None:
-        self.__dict__["_offload_streamer"] = streamer
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        streamer: _GroupStreamer = self.__dict__["_offload_streamer"]
-        streamer.bring_in()
-        try:
-            return super().forward(*args, **kwargs)
-        finally:  # also on KeyboardInterrupt, which skips torch's always_call hooks
-            streamer.release()

@@ -16,12 +16,18 @@ buffer directly.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
+from torchsurgery.offload.order import OrderRecorder
 from torchsurgery.offload.packing import FlatLayout, unpack
+from torchsurgery.offload.planner import GroupCost, stall_hint
+from torchsurgery.offload.stats import OffloadStats
+from torchsurgery.patching import Patch
 
 
 @dataclass(eq=False)
@@ -123,3 +129,124 @@ class Ring:
             event.record(torch.cuda.current_stream(self.device))
             self.released[slot] = event
         self.in_use.discard(slot)
+
+
+class _Shared:
+    """What a handle's streamed groups share: bytes in flight, execution order, measured costs."""
+
+    def __init__(self, prefetch: int = 1) -> None:
+        self.current = 0
+        self.prefetch = prefetch
+        self.order = OrderRecorder()
+        self.packed: dict[str, PackedGroup] = {}
+        self.ring: Ring | None = None
+        self.costs: dict[str, list[float]] = {}  # name -> [bytes, transfer seconds, compute seconds]
+
+    def hint(self) -> str:
+        names = [n for n in dict.fromkeys(self.order.recorded) if n in self.costs]
+        if not names:
+            return "no streamed group has run yet"
+        moved = sum(self.costs[n][0] for n in names)
+        seconds = sum(self.costs[n][1] for n in names)
+        if seconds <= 0:
+            return "compute-bound: every transfer is hidden behind compute"
+        groups = [GroupCost(n or "<root>", int(self.costs[n][0]), self.costs[n][2]) for n in self.order.recorded if n in self.costs]
+        return stall_hint(groups, [], bandwidth=moved / seconds)
+
+
+class _EndForward:
+    """A forward hook on the model closing the recorded execution order (picklable)."""
+
+    def __init__(self, order: OrderRecorder) -> None:
+        self.order = order
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.order.end_forward()
+
+
+class _GroupStreamer:
+    """Brings one group's weights in for its forward and puts the stored ones back after."""
+
+    def __init__(
+        self,
+        name: str,
+        packed_entries: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]],
+        other_entries: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]],
+        packed: PackedGroup | None,
+        target: torch.device,
+        stats: OffloadStats,
+        transit: _Shared,
+    ) -> None:
+        self.name = name
+        self.packed_entries = packed_entries
+        self.other_entries = other_entries
+        self.packed = packed
+        self.target = target
+        self.stats = stats
+        self.transit = transit
+        self.nbytes = sum(p.numel() * dtype.itemsize for _, _, p, dtype in packed_entries + other_entries)
+        self.depth = 0
+        self.ready_at = 0.0
+        self.slot: int | None = None
+
+    def bring_in(self) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return  # re-entered (a shared module): already in
+        start = time.perf_counter()
+        shared = self.transit
+        shared.order.ran(self.name)
+        try:
+            direct = self.other_entries
+            if self.packed is not None and shared.ring is not None and not torch.is_grad_enabled():
+                upcoming = [shared.packed[n] for n in shared.order.ahead(self.name, shared.prefetch) if n in shared.packed]
+                self.slot, views = shared.ring.enter(self.packed, upcoming)
+                for (owner, pname, _, dtype), view in zip(self.packed_entries, views, strict=True):
+                    owner._parameters[pname] = view if view.dtype == dtype else view.to(dtype)  # type: ignore[assignment]
+            else:
+                direct = self.packed_entries + self.other_entries  # autograd keeps these until backward
+            for owner, pname, p, dtype in direct:
+                owner._parameters[pname] = p.to(device=self.target, dtype=dtype, non_blocking=True)  # type: ignore[assignment]
+        except BaseException:
+            self.depth = 1
+            self.release()
+            raise
+        stats = self.stats
+        self.ready_at = time.perf_counter()
+        waited = self.ready_at - start
+        stats.seconds_waiting += waited
+        shared.costs[self.name] = [self.nbytes, waited, shared.costs.get(self.name, [0, 0, 0.0])[2]]
+        stats.bytes_moved += self.nbytes
+        stats.transfers += 1
+        shared.current += self.nbytes
+        stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + shared.current)
+
+    def release(self) -> None:
+        self.depth -= 1
+        if self.depth > 0:
+            return
+        for owner, pname, p, _ in self.packed_entries + self.other_entries:
+            owner._parameters[pname] = p
+        shared = self.transit
+        if self.slot is not None and shared.ring is not None:
+            shared.ring.exit(self.slot)
+            self.slot = None
+        shared.current = max(0, shared.current - self.nbytes)
+        cost = shared.costs.get(self.name)
+        if cost is not None and self.ready_at:
+            cost[2] = time.perf_counter() - self.ready_at  # this group's compute, last forward
+
+
+class _StreamedGroup(Patch, nn.Module):
+    """The root module of a streamed group: its weights are in only while it runs."""
+
+    def __patch_init__(self, streamer: _GroupStreamer) -> None:
+        self.__dict__["_offload_streamer"] = streamer
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        streamer: _GroupStreamer = self.__dict__["_offload_streamer"]
+        streamer.bring_in()
+        try:
+            return super().forward(*args, **kwargs)
+        finally:  # also on KeyboardInterrupt, which skips torch's always_call hooks
+            streamer.release()

@@ -1,0 +1,44 @@
+"""What an offloaded model reports: bytes moved, waits, peak device bytes, groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class OffloadStats:
+    """What an offloaded model did so far.
+
+    Attributes:
+        bytes_moved: bytes brought to the device (or cast) for streamed groups.
+        transfers: number of group materialisations.
+        seconds_waiting: time the forward spent waiting for transfers and casts.
+        peak_device_bytes: most weight bytes held on the device at once.
+        resident_bytes: weight bytes of the resident groups.
+        resident_groups: groups kept on the device.
+        streamed_groups: groups brought in for each forward.
+        hint: whether the last forward was transfer-bound, and what more residency would
+            hide (from measured transfer and compute times, in execution order).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        >>> handle = torchsurgery.offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups="leaves")
+        >>> _ = model(torch.ones(1, 4))
+        >>> handle.stats().streamed_groups
+        ['0', '1']
+        >>> _ = handle.remove()
+    """
+
+    bytes_moved: int = 0
+    transfers: int = 0
+    seconds_waiting: float = 0.0
+    peak_device_bytes: int = 0
+    resident_bytes: int = 0
+    resident_groups: list[str] = field(default_factory=list)
+    streamed_groups: list[str] = field(default_factory=list)
+    hint: str = ""
+
+
