@@ -492,3 +492,28 @@ def test_ring_streams_packed_groups_exactly_with_prefetch_and_out_of_order_runs(
     handle.remove()
     assert identity_map(model) == ids
     assert all(p.untyped_storage().nbytes() == p.numel() * 4 for p in model.parameters())  # standalone again
+
+
+def test_group_compute_compiles_with_transfers_outside_the_graph() -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    graphs: list[set[str]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    model = _Conv()
+    x = torch.randn(2, 4, 8)
+    with torch.no_grad():
+        expected = model(x)
+        handle = offload(model, storage_dtype=torch.float64, dtype=torch.float32)
+        compiled = torch.compile(model, backend=backend)
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), expected, rtol=0, atol=0)
+    # one graph, the blocks' conv + GELU, shared by the four blocks and every forward:
+    # no graph break inside a block, and nothing of the transfers in it
+    assert len(graphs) == 1 and any("conv1d" in t for t in graphs[0]) and any("gelu" in t for t in graphs[0])
+    handle.remove()
+    torch._dynamo.reset()

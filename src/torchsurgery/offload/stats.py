@@ -19,6 +19,7 @@ class OffloadStats:
         streamed_groups: groups brought in for each forward.
         hint: whether the last forward was transfer-bound, and what more residency would
             hide (from measured transfer and compute times, in execution order).
+        achieved_gbps: bytes moved per second spent waiting for them.
 
     Example:
         >>> import torch
@@ -40,5 +41,10 @@ class OffloadStats:
     resident_groups: list[str] = field(default_factory=list)
     streamed_groups: list[str] = field(default_factory=list)
     hint: str = ""
+
+    @property
+    def achieved_gbps(self) -> float:
+        """Bytes moved per second of waiting, in GB/s (0.0 before any transfer)."""
+        return self.bytes_moved / self.seconds_waiting / 1e9 if self.seconds_waiting > 0 else 0.0
 
 

@@ -189,6 +189,7 @@ class _GroupStreamer:
         self.ready_at = 0.0
         self.slot: int | None = None
 
+    @torch.compiler.disable  # transfers stay outside compiled regions; the group's compute compiles
     def bring_in(self) -> None:
         self.depth += 1
         if self.depth > 1:
@@ -221,6 +222,7 @@ class _GroupStreamer:
         shared.current += self.nbytes
         stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + shared.current)
 
+    @torch.compiler.disable
     def release(self) -> None:
         self.depth -= 1
         if self.depth > 0:
