@@ -517,3 +517,27 @@ def test_group_compute_compiles_with_transfers_outside_the_graph() -> None:
     assert len(graphs) == 1 and any("conv1d" in t for t in graphs[0]) and any("gelu" in t for t in graphs[0])
     handle.remove()
     torch._dynamo.reset()
+
+
+def test_budget_residency_is_planned_from_the_first_forwards_measurements() -> None:
+    model = _Conv(blocks=6)
+    x = torch.randn(2, 4, 8)
+    ids = identity_map(model)
+    with torch.no_grad():
+        expected = model(x)
+    group_bytes = sum(p.numel() * 4 for p in model.blocks[0].parameters())
+    budget = 4 * group_bytes  # two groups in flight, room for two resident
+    handle = offload(model, storage_dtype=torch.float64, dtype=torch.float32, budget=budget)
+    assert handle.stats().resident_groups == []  # nothing is known before the first forward
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+        chosen = handle.stats().resident_groups
+        assert 1 <= len(chosen) <= 2  # from measured transfer and compute times, within the budget
+        for name in chosen:
+            assert all(p.dtype == torch.float32 for p in model.get_submodule(name).parameters())
+        for _ in range(2):
+            torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    s = handle.stats()
+    assert s.resident_bytes + 2 * group_bytes <= budget and len(s.streamed_groups) == 6 - len(chosen)
+    handle.remove()
+    assert identity_map(model) == ids

@@ -38,6 +38,7 @@ from torchsurgery import _undo
 from torchsurgery.offload.grouping import find_groups
 from torchsurgery.offload.narrow import _is_matmul_layer, _NarrowMatmul, _Scratch, _Shadows
 from torchsurgery.offload.packing import FlatLayout, pack, unpack
+from torchsurgery.offload.planner import GroupCost, plan_residency
 from torchsurgery.offload.stats import OffloadStats
 from torchsurgery.offload.streams import (
     PackedGroup,
@@ -124,6 +125,7 @@ class OffloadHandle:
         self._patched: list[nn.Module] = []
         self._originals: list[tuple[torch.Tensor, torch.device, torch.dtype]] = []
         self._transit = _Shared(prefetch)
+        self._planning_budget: int | None = None
         self._hooks: list[Any] = []
         self._scratch = _Scratch()
         self._shadows = _Shadows()
@@ -171,6 +173,37 @@ class OffloadHandle:
         _undo.remove(self.model, self._record)
         self._record = None
         return self.model
+
+    def _plan_from_measurements(self) -> None:
+        """After the first forward: keep resident the ring groups whose transfers stall most."""
+        shared = self._transit
+        if self._planning_budget is None or self._record is None:
+            return
+        names = [n for n in dict.fromkeys(shared.order.recorded) if n in shared.costs and n in shared.packed]
+        if not names:
+            return
+        moved = sum(shared.costs[n][0] for n in names)
+        seconds = sum(shared.costs[n][1] for n in names)
+        bandwidth = moved / seconds if seconds > 0 else float("inf")
+        costs = [GroupCost(n, int(shared.costs[n][0]), shared.costs[n][2]) for n in names]
+        for name in plan_residency(costs, self._planning_budget, bandwidth, shared.prefetch):
+            self._make_resident(name)
+
+    def _make_resident(self, name: str) -> None:
+        module = self.model.get_submodule(name)
+        streamer = module.__dict__["_offload_streamer"]
+        unpatch(module, _StreamedGroup, _internal=True)
+        self._patched.remove(module)
+        for _, _, p, dtype in streamer.packed_entries + streamer.other_entries:
+            _swap_to(p, self.device, dtype)  # same object, now on the device in the compute dtype
+        packed = self._transit.packed.pop(name, None)
+        ring = self._transit.ring
+        if ring is not None:
+            ring.holding = [None if g is packed else g for g in ring.holding]
+        stats = self._stats
+        stats.resident_groups.append(name)
+        stats.streamed_groups.remove(name)
+        stats.resident_bytes += streamer.nbytes
 
     def __enter__(self) -> OffloadHandle:
         return self
@@ -347,7 +380,8 @@ def offload(
     if not plan:
         raise ValueError(f"{what}: the model has no parameters to offload")
 
-    # residency: in execution (model) order, while it fits next to the groups in flight
+    # residency within the budget (see below); None: nothing to plan from measurements
+    planning_budget: int | None = None
     largest = max(g.nbytes for g in plan)
     if budget is None and target.type == "cuda":
         free, _ = torch.cuda.mem_get_info(target)
@@ -364,11 +398,19 @@ def offload(
             for g in plan:
                 g.resident = True  # never offload a model that fits
         else:
+            # groups that stream through the ring are measured on the first forward and
+            # then kept resident by how much of their transfer cannot be hidden; groups
+            # served by the narrow-weight path are never measured: fill for those in order
             room = budget - (prefetch + 1) * largest
             for g in plan:
-                if g.nbytes <= room:
+                rides_ring = any(
+                    not _narrow_layer(o, q, wants, shadowed, target) and (target != storage_device or wants[id(q)][0] != wants[id(q)][1])
+                    for o, _, q in g.params
+                )
+                if not rides_ring and g.nbytes <= room:
                     g.resident = True
                     room -= g.nbytes
+            planning_budget = budget - sum(g.nbytes for g in plan if g.resident)
 
     handle = OffloadHandle(model, target, prefetch)
     stats = handle._stats
@@ -382,7 +424,9 @@ def offload(
         raise
     if any(is_patched(m, _StreamedGroup) for m in handle._patched):
         # the order streamed groups ran in, closed at the end of every forward of the model
-        handle._hooks.append(model.register_forward_hook(_EndForward(handle._transit.order), always_call=True))
+        handle._planning_budget = planning_budget
+        after = handle._plan_from_measurements if planning_budget is not None else None
+        handle._hooks.append(model.register_forward_hook(_EndForward(handle._transit.order, after), always_call=True))
     stats.resident_groups = [g.name for g in plan if g.resident]
     stats.streamed_groups = [g.name for g in plan if not g.resident]
     handle._pinned = [id(p) for g in plan for _, _, p in g.params]
@@ -395,6 +439,24 @@ def offload(
     handle._record = OffloadRecord(handle)
     _undo.push(model, handle._record)
     return handle
+
+
+def _narrow_layer(
+    owner: nn.Module,
+    p: torch.Tensor,
+    wants: dict[int, tuple[torch.dtype, torch.dtype]],
+    shadowed: dict[int, torch.dtype],
+    target: torch.device,
+) -> bool:
+    """Whether ``p`` is served by the narrow-weight layer path (CPU matmul layers)."""
+    stored, compute = wants[id(p)]
+    narrow = shadowed.get(id(p), stored)
+    return (
+        _is_matmul_layer(owner)
+        and target.type == "cpu"
+        and narrow != compute
+        and all(shadowed.get(id(q), wants[id(q)][0]) == narrow for q in owner.parameters(recurse=False))
+    )
 
 
 def _install(
@@ -445,14 +507,7 @@ def _install(
         streamed: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]] = []
         for owner, pname, p in group.params:
             stored, compute = wants[id(p)]
-            narrow = shadowed.get(id(p), stored)
-            narrow_linear = (
-                _is_matmul_layer(owner)
-                and target.type == "cpu"
-                and narrow != compute
-                and all(shadowed.get(id(q), wants[id(q)][0]) == narrow for q in owner.parameters(recurse=False))
-            )
-            if narrow_linear:
+            if _narrow_layer(owner, p, wants, shadowed, target):
                 for q in owner.parameters(recurse=False):
                     if id(q) in shadowed:
                         handle._shadows.add(q, shadowed[id(q)])

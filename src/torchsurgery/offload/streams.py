@@ -17,6 +17,7 @@ buffer directly.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,11 +158,15 @@ class _Shared:
 class _EndForward:
     """A forward hook on the model closing the recorded execution order (picklable)."""
 
-    def __init__(self, order: OrderRecorder) -> None:
+    def __init__(self, order: OrderRecorder, after_first: Callable[[], None] | None = None) -> None:
         self.order = order
+        self.after_first = after_first
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         self.order.end_forward()
+        if self.after_first is not None:
+            after, self.after_first = self.after_first, None
+            after()  # e.g. plan residency from the first forward's measurements
 
 
 class _GroupStreamer:
