@@ -269,10 +269,13 @@ def offload(
         dtype: the compute dtype of floating weights (default: their current dtype).
         storage_dtype: the dtype weights are stored in (e.g. ``torch.bfloat16`` or
             ``torch.float8_e4m3fn``); modules selected by ``skip`` keep theirs.
-        budget: device bytes the weights may take. Groups are kept resident, in
-            execution order, while they fit next to the ``prefetch + 1`` largest streamed
-            groups. ``None``: nothing is resident on a CPU; on a GPU, what is free minus a
-            margin.
+        budget: device bytes the weights may take, next to the ``prefetch + 1`` largest
+            streamed groups in flight. A model that fits is kept whole. Otherwise the
+            groups that stream through the ring are measured on the first forward and
+            those whose transfers cannot be hidden behind compute are kept resident
+            (:func:`~torchsurgery.offload.planner.plan_residency`); groups served by the
+            CPU narrow-weight path are filled in execution order. ``None``: nothing is
+            resident on a CPU; on a GPU, what is free minus a margin.
         prefetch: how many groups ahead to bring in, along the order recorded on the
             first forward.
         pin_memory: pin host storage; default: when ``device`` is a GPU.
