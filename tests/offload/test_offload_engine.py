@@ -583,3 +583,42 @@ def test_budget_residency_is_planned_from_the_first_forwards_measurements() -> N
     assert s.resident_bytes + 2 * group_bytes <= budget and len(s.streamed_groups) == 6 - len(chosen)
     handle.remove()
     assert identity_map(model) == ids
+
+
+def test_streaming_from_a_checkpoint_file_for_models_larger_than_memory(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    reference = _Conv()
+    x = torch.randn(2, 4, 8)
+    with torch.no_grad():
+        expected = reference(x)
+    path = tmp_path / "conv.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, path)
+
+    # a skeleton model offloaded straight from its file: its weights never enter memory whole
+    with torchsurgery.skeleton():
+        model = _Conv()
+    ids = identity_map(model)
+    handle = offload(model, storage=path, dtype=torch.float32)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="inference only"):
+        model(x)  # gradients would need the weights in memory
+    handle.remove()
+    assert identity_map(model) == ids and all(p.is_meta for p in model.parameters())
+
+    # a real model: its parameters are meta while offloaded and come back from the file
+    real = copy.deepcopy(reference)
+    ids = identity_map(real)
+    handle = offload(real, storage=path)
+    assert all(p.is_meta for p in real.blocks.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(real(x), expected, rtol=0, atol=0)
+    handle.remove()
+    assert identity_map(real) == ids
+    for a, b in zip(real.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+    with pytest.raises(ValueError, match="lacks"):
+        offload(_Conv(blocks=5), storage=path)  # block 4 is not in the file

@@ -26,6 +26,7 @@ identity (values are those of the storage dtype when that was narrower).
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 
 from torchsurgery import _undo
+from torchsurgery._checkpoint import SafetensorsSource, open_source
 from torchsurgery.offload.grouping import find_groups
 from torchsurgery.offload.narrow import _is_matmul_layer, _NarrowMatmul, _Scratch, _Shadows
 from torchsurgery.offload.packing import FlatLayout, pack, unpack
@@ -126,6 +128,8 @@ class OffloadHandle:
         self._originals: list[tuple[torch.Tensor, torch.device, torch.dtype]] = []
         self._transit = _Shared(prefetch)
         self._planning_budget: int | None = None
+        self._reader: SafetensorsSource | None = None
+        self._file_keys: dict[int, str] = {}
         self._hooks: list[Any] = []
         self._scratch = _Scratch()
         self._shadows = _Shadows()
@@ -162,8 +166,17 @@ class OffloadHandle:
                     unpatch(module, kind, _internal=True)
         self._patched.clear()
         for tensor, device, dtype in reversed(self._originals):
-            _swap_to(tensor, device, dtype)
+            if tensor.is_meta and device.type != "meta":
+                # its values are in the checkpoint file it was streamed from
+                assert self._reader is not None
+                value = self._reader.read(self._file_keys[id(tensor)]).to(device=device, dtype=dtype)
+                torch.utils.swap_tensors(tensor, _wrap_like(tensor, value))
+            elif not (tensor.is_meta and device.type == "meta"):
+                _swap_to(tensor, device, dtype)
         self._originals.clear()
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
         self._scratch.buffers.clear()
         self._transit.ring = None
         self._transit.packed.clear()
@@ -260,6 +273,7 @@ def offload(
     groups: str | Sequence[str] = "blocks",
     skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP,
     master_dtype: torch.dtype | None = None,
+    storage: str | os.PathLike[str] | None = None,
 ) -> OffloadHandle:
     """Keep ``model``'s weights in storage and bring each group in just before it runs.
 
@@ -285,6 +299,11 @@ def offload(
             the optimizer updates and gradients land in) and the engine keeps a
             ``storage_dtype`` copy for forwards without gradients, refreshed whenever a
             parameter changes. ``None``: the parameters are stored in ``storage_dtype``.
+        storage: a safetensors checkpoint (file, sharded ``*.index.json`` or folder) with
+            the model's weights under its ``state_dict`` names: streamed groups are then
+            read from it on demand instead of being held in memory (for models larger than
+            RAM; inference only). The parameters are ``meta`` while offloaded; a model built
+            with :func:`~torchsurgery.skeleton` can be offloaded straight from its file.
 
     Returns:
         An :class:`OffloadHandle` (``stats()``, ``remove()``, context manager).
@@ -415,7 +434,35 @@ def offload(
                     room -= g.nbytes
             planning_budget = budget - sum(g.nbytes for g in plan if g.resident)
 
+    file_keys: dict[int, str] = {}
+    reader: SafetensorsSource | None = None
+    if storage is not None:
+        source = open_source(storage, what)
+        if not isinstance(source, SafetensorsSource):
+            source.close()
+            raise ValueError(f"{what}: storage must be a safetensors checkpoint (file, *.index.json or folder), got {storage!r}")
+        reader = source
+        stored_entries = reader.entries()
+        state_names: dict[int, list[str]] = {}
+        for key, tensor in model.state_dict(keep_vars=True).items():
+            state_names.setdefault(id(tensor), []).append(key)
+        problems = []
+        for g in plan:
+            for _, pname, p in g.params:
+                if g.resident or id(p) in file_keys:
+                    continue
+                found = [k for k in state_names.get(id(p), []) if k in stored_entries]
+                if not found or stored_entries[found[0]].shape != tuple(p.shape):
+                    problems.append(f"{g.name}.{pname}" if g.name else pname)
+                else:
+                    file_keys[id(p)] = found[0]
+        if problems:
+            reader.close()
+            raise ValueError(f"{what}: {storage!r} lacks (or mis-shapes) {len(problems)} weights, e.g. {problems[:3]}")
+
     handle = OffloadHandle(model, target, prefetch)
+    handle._reader = reader
+    handle._file_keys = file_keys
     stats = handle._stats
     try:
         _install(model, plan, wants, shadowed, handle, target, storage_device, pin)
@@ -433,8 +480,8 @@ def offload(
     stats.resident_groups = [g.name for g in plan if g.resident]
     stats.streamed_groups = [g.name for g in plan if not g.resident]
     handle._pinned = [id(p) for g in plan for _, _, p in g.params]
-    for key in handle._pinned:
-        _undo.pinned[key] = "an active offload"
+    for pinned_id in handle._pinned:
+        _undo.pinned[pinned_id] = "an active offload"
     # a model dropped while offloaded must not leave its ids pinned (ids are reused)
     weakref.finalize(model, _unpin, list(handle._pinned))
     stats.resident_bytes = sum(g.nbytes for g in plan if g.resident)
@@ -483,7 +530,7 @@ def _install(
             stored, compute = wants[id(p)]
             if group.resident:
                 moves.append((f"{group.name}:{pname}", p, target, compute, False))
-            else:
+            elif id(p) not in handle._file_keys:
                 moves.append((f"{group.name}:{pname}", p, storage_device, stored, pin))
     for module in model.modules():
         for bname, b in module._buffers.items():
@@ -510,7 +557,7 @@ def _install(
         streamed: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]] = []
         for owner, pname, p in group.params:
             stored, compute = wants[id(p)]
-            if _narrow_layer(owner, p, wants, shadowed, target):
+            if not handle._file_keys and _narrow_layer(owner, p, wants, shadowed, target):
                 for q in owner.parameters(recurse=False):
                     if id(q) in shadowed:
                         handle._shadows.add(q, shadowed[id(q)])
@@ -519,13 +566,27 @@ def _install(
                     _undo.records(owner)[-1].internal = True
                     handle._patched.append(owner)
                 continue
-            if p.device != target or p.dtype != compute:
+            if p.device != target or p.dtype != compute or id(p) in handle._file_keys:
                 streamed.append((owner, pname, p, compute))
         if streamed:
             # pack what this group streams into one flat host buffer, the weights' only host copy
             packable = [e for e in streamed if id(e[2]) not in packed_ids and type(e[2]) in (torch.Tensor, nn.Parameter)]
             packed = None
-            if packable:
+            if packable and handle._reader is not None:
+                # the weights stay in the file: the parameters become meta (same objects)
+                params = [e[2] for e in packable]
+                keys = tuple(handle._file_keys[id(q)] for q in params)
+                entries = handle._reader.entries()
+                layout = FlatLayout.of(params, [entries[k].dtype for k in keys])
+                for param in params:
+                    if not any(t is param for t, _, _ in handle._originals):
+                        handle._originals.append((param, param.device, param.dtype))
+                    if not param.is_meta:
+                        torch.utils.swap_tensors(param, _wrap_like(param, torch.empty_like(param, device="meta")))
+                    packed_ids.add(id(param))
+                packed = PackedGroup(group.name, layout, None, handle._reader, keys)
+                handle._transit.packed[group.name] = packed
+            elif packable:
                 params = [e[2] for e in packable]
                 layout = FlatLayout.of(params)
                 host = pack(params, layout, pin_memory=pin)

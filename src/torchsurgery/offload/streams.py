@@ -33,11 +33,21 @@ from torchsurgery.patching import Patch
 
 @dataclass(eq=False)
 class PackedGroup:
-    """A group's weights in one flat host buffer."""
+    """A group's weights in one flat host buffer, or read from a checkpoint file on demand."""
 
     name: str
     layout: FlatLayout
-    host: torch.Tensor
+    host: torch.Tensor | None
+    source: Any = None  # a torchsurgery._checkpoint source when the weights stay in a file
+    keys: tuple[str, ...] = ()
+
+    def fill(self, out: torch.Tensor) -> None:
+        """Write the group's bytes into ``out`` (a CPU uint8 buffer) from memory or the file."""
+        if self.host is not None:
+            out[: self.layout.nbytes].copy_(self.host)
+            return
+        for key, view in zip(self.keys, unpack(out, self.layout), strict=True):
+            self.source.read(key, out=view)
 
 
 class Ring:
@@ -66,6 +76,7 @@ class Ring:
         self.released: list[Any] = [None] * len(self.buffers)  # last-use-done events
         self.in_use: set[int] = set()
         self.side = torch.cuda.Stream(device) if self.cuda else None
+        self.staging: torch.Tensor | None = None
         self.prefetched = 0
         self.misses = 0
 
@@ -74,15 +85,22 @@ class Ring:
         n = group.layout.nbytes
         if self.cuda:
             assert self.side is not None
+            source = group.host
+            if source is None:  # from the file, through one reused pinned staging buffer
+                if self.staging is None or self.staging.numel() < n:
+                    self.staging = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=True)
+                self.side.synchronize()  # the staging buffer's previous copy has finished
+                group.fill(self.staging)
+                source = self.staging[:n]
             with torch.cuda.stream(self.side):
                 if self.released[slot] is not None:
                     self.side.wait_event(self.released[slot])  # never overwrite a slot still being read
-                buffer[:n].copy_(group.host, non_blocking=True)
+                buffer[:n].copy_(source, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self.side)
             self.ready[slot] = event
         else:
-            buffer[:n].copy_(group.host)
+            group.fill(buffer)
         self.holding[slot] = group
 
     def _free_slot(self, keep: set[int]) -> int | None:
@@ -101,8 +119,9 @@ class Ring:
             self.misses += 1
             slot = self._free_slot(set())
             if slot is None:  # every slot busy (nested groups): a temporary buffer
-                temporary = group.host.to(self.device, non_blocking=True)
-                return -1, unpack(temporary, group.layout)
+                temporary = torch.empty(group.layout.nbytes, dtype=torch.uint8)
+                group.fill(temporary)
+                return -1, unpack(temporary.to(self.device), group.layout)
             self._load(group, slot)
         else:
             self.prefetched += 1
@@ -204,6 +223,11 @@ class _GroupStreamer:
         shared.order.ran(self.name)
         try:
             direct = self.other_entries
+            if self.packed is not None and self.packed.host is None and torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"torchsurgery.offload: group {self.name!r} streams from a checkpoint file, which "
+                    "serves inference only; run the model under torch.no_grad()"
+                )
             if self.packed is not None and shared.ring is not None and not torch.is_grad_enabled():
                 upcoming = [shared.packed[n] for n in shared.order.ahead(self.name, shared.prefetch) if n in shared.packed]
                 self.slot, views = shared.ring.enter(self.packed, upcoming)
