@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 CONSTRAINTS := $(VENV)/constraints.txt
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo test lint unit bench clean
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -19,15 +19,19 @@ $(VENV)/.torch:
 	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(CONSTRAINTS)
 	touch $@
 
+$(VENV)/.cli: $(VENV)/.torch pyproject.toml
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[cli]"
+	touch $@
+
 $(VENV)/.dev: $(VENV)/.torch pyproject.toml
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev]"
-	touch $@
+	touch $@ $(VENV)/.cli
 
 $(VENV)/.bench: $(VENV)/.dev
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev,bench]"
 	touch $@
 
-demo: $(VENV)/.dev
+demo: $(VENV)/.cli
 	mkdir -p out
 	$(PY) -m torchsurgery trace --hook 'encoder.layer.*' \
 		--text "A cat sat on the mat." --text "Surgery on a live model, undone exactly." \
