@@ -1,27 +1,26 @@
 """The ``offload`` engine: weights live in storage and come in group by group.
 
-Weights are kept in *storage* (host memory, optionally in a compact ``storage_dtype``)
-and brought to ``device``/``dtype`` just before their group runs, then released. Groups
-that fit in ``budget`` bytes stay resident on the device instead. On a CPU the same
-engine runs with synchronous transfers; with a storage dtype narrower than the compute
-dtype it is "layerwise casting" and halves the weights' memory.
+Weights are kept in *storage* (host memory, optionally in a compact ``storage_dtype``, or
+a checkpoint file) and brought to ``device``/``dtype`` just before their group runs, then
+released. Within a ``budget``, groups whose transfers cannot be hidden behind compute
+stay resident instead. With a storage dtype narrower than the compute dtype it is
+"layerwise casting" and halves the weights' memory.
 
 Mechanics, chosen so that nothing about the model's identity changes:
 
 * storage and residency conversions swap data into the existing parameter objects
   (``torch.utils.swap_tensors``), so optimizers and user references stay valid;
-* a streamed group's root module gets a patch whose forward puts converted weights into
-  its modules' ``_parameters`` for the duration of the group's forward (a differentiable
-  conversion, so gradients reach the stored weights) and puts the stored parameters back
-  in a ``finally``, also on ``KeyboardInterrupt`` (which skips torch's ``always_call`` hooks);
-* on a CPU, ``nn.Linear`` layers stored narrower than they compute get a patch that
-  reads the narrow weight directly: for a few tokens a fused, compiled kernel reduces
-  straight from the narrow weight (half the memory traffic of the full-width model),
-  otherwise the weight is cast once for the matmul.
+* a streamed group's weights are packed into one flat host buffer that the parameters
+  are views into, and its root module gets a patch whose forward brings the group in
+  through a ring of device buffers (:mod:`torchsurgery.offload.streams`) and puts the
+  stored parameters back in a ``finally``, also on ``KeyboardInterrupt``;
+* on a CPU, ``nn.Linear`` (and transformers ``Conv1D``) layers stored narrower than they
+  compute read the narrow weight directly (:mod:`torchsurgery.offload.narrow`).
 
-Everything is recorded in the model's undo log; :meth:`OffloadHandle.remove` (or
-``torchsurgery.restore``) puts every tensor back on its device in its dtype, with its
-identity (values are those of the storage dtype when that was narrower).
+This module plans (groups, residency, dtypes), installs and removes. Everything is
+recorded in the model's undo log; :meth:`OffloadHandle.remove` (or ``torchsurgery.restore``)
+puts every tensor back on its device in its dtype, with its identity (values are those of
+the storage dtype when that was narrower).
 """
 
 from __future__ import annotations
