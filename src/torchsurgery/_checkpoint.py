@@ -15,6 +15,7 @@ before any tensor is read. ``.pt``/``.bin`` files go through
 
 from __future__ import annotations
 
+import abc
 import io
 import json
 import math
@@ -66,17 +67,18 @@ class Entry:
     dtype: torch.dtype
 
 
-class Source:
+class Source(abc.ABC):
     """A checkpoint opened for reading: :meth:`entries` first, then :meth:`read` per tensor."""
 
+    @abc.abstractmethod
     def entries(self) -> dict[str, Entry]:
-        raise NotImplementedError  # pragma: no cover - every source overrides it
+        """Every stored tensor's name, shape and dtype, without reading any data."""
 
+    @abc.abstractmethod
     def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor stored under ``key``; written into ``out`` when given (same shape and dtype)."""
-        raise NotImplementedError  # pragma: no cover
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - sources without files have nothing to release
         """Release open files."""
 
 

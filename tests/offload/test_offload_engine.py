@@ -139,12 +139,17 @@ def test_real_minilm_with_bf16_storage() -> None:
     torch.testing.assert_close(after.float(), after)  # back to fp32 after the block
 
 
-def test_diffusers_model_from_a_small_config() -> None:
+def tiny_unet(size: int, channels: tuple[int, int], groups: int) -> nn.Module:
     diffusers = pytest.importorskip("diffusers")
-    model = diffusers.UNet2DModel(
-        sample_size=8, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(8, 16),
-        down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=4,
+    return diffusers.UNet2DModel(
+        sample_size=size, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=channels,
+        down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
+        norm_num_groups=groups,
     ).eval()
+
+
+def test_diffusers_model_from_a_small_config() -> None:
+    model = tiny_unet(8, (8, 16), 4)
     x, t = torch.randn(1, 3, 8, 8), torch.tensor([10])
     with torch.no_grad():
         expected = model(x, t).sample
@@ -377,11 +382,7 @@ def test_cuda_streaming_matches_the_resident_model(make: Any) -> None:
 
 @pytest.mark.cuda
 def test_cuda_diffusers_unet_memory_is_flat_over_many_forwards() -> None:
-    diffusers = pytest.importorskip("diffusers")
-    model = diffusers.UNet2DModel(
-        sample_size=16, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(32, 64),
-        down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=8,
-    ).eval()
+    model = tiny_unet(16, (32, 64), 8)
     resident = copy.deepcopy(model).cuda()
     x, t = torch.randn(1, 3, 16, 16, device="cuda"), torch.tensor([10], device="cuda")
     with torch.no_grad():
