@@ -50,6 +50,15 @@ class HookFunction:
             default returns its input (capture only).
         unpack_idx: which tensor leaf of the module's (nested) output or input to use.
         allow_shape_change: let the editing function return a differently shaped tensor.
+        edit_on: in distributed runs, ``"all"`` (default) runs the editing function on
+            every rank, on identical input, so only the input travels; ``"rank0"`` runs it
+            on the first rank of the ranks sharing that input and broadcasts the result,
+            for edits that are not deterministic (the result is then a constant for
+            autograd on every rank).
+        edit_batch: with data parallelism, ``"global"`` (default) gives the editing
+            function the whole batch gathered from every data-parallel rank (the same
+            input as one process on that batch); ``"local"`` gives it this rank's rows
+            only, which saves the gather.
 
     Example:
         >>> import torch
@@ -72,6 +81,8 @@ class HookFunction:
         unpack_idx: int = 0,
         *,
         allow_shape_change: bool = False,
+        edit_on: str = "all",
+        edit_batch: str = "global",
     ) -> None:
         if not isinstance(module_name, str):
             raise TypeError(f"torchsurgery.HookFunction: module_name must be a str, got {module_name!r}")
@@ -87,11 +98,19 @@ class HookFunction:
             )
         if not isinstance(unpack_idx, int) or unpack_idx < 0:
             raise ValueError(f"torchsurgery.HookFunction: unpack_idx must be an int >= 0, got {unpack_idx!r}")
+        if edit_on not in ("all", "rank0"):
+            raise ValueError(f"torchsurgery.HookFunction: edit_on must be 'all' or 'rank0', got {edit_on!r}")
+        if edit_batch not in ("global", "local"):
+            raise ValueError(
+                f"torchsurgery.HookFunction: edit_batch must be 'global' or 'local', got {edit_batch!r}"
+            )
         self.module_name = module_name
         self.expected_shape: tuple[int | None, ...] | None = expected_shape
         self.editing_function: EditingFunction = editing_function or default_editing_function
         self.unpack_idx = unpack_idx
         self.allow_shape_change = allow_shape_change
+        self.edit_on = edit_on
+        self.edit_batch = edit_batch
 
     @property
     def edits(self) -> bool:

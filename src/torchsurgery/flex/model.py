@@ -20,6 +20,7 @@ or dropping the wrapper) removes every hook and leaves the model exactly as it w
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import weakref
 from argparse import Namespace
@@ -36,7 +37,7 @@ from torchsurgery._names import glob_match, is_glob, no_match_message
 from torchsurgery.flex._pytree import flatten
 from torchsurgery.flex.groups import HookGroups, name_matches
 from torchsurgery.flex.hook_function import EditingFunction, HookFunction
-from torchsurgery.flex.routing import LocalRouting, Routing, check_expected_shape
+from torchsurgery.flex.routing import LocalRouting, Routing
 
 __all__ = ["FlexModel"]
 
@@ -67,7 +68,8 @@ class _Runtime:
         self.in_forward = False
         self.pending_copies = False
 
-    def capture(self, key: str, tensor: torch.Tensor) -> None:
+    def capture(self, key: str, tensor: torch.Tensor, into: OutputPtr | None = None) -> None:
+        """Append a CPU copy of ``tensor`` to ``output_ptr[key]`` (or to ``into[key]``)."""
         value = tensor.detach()
         if value.device.type == "cpu":
             value = value.clone()  # an alias would change with later in-place edits
@@ -79,7 +81,7 @@ class _Runtime:
             self.pending_copies = True
         else:
             value = value.to("cpu")
-        self.output_ptr.setdefault(key, []).append(value)
+        (self.output_ptr if into is None else into).setdefault(key, []).append(value)
 
     def run(self, binding: _Binding, module: nn.Module | None, obj: Any) -> Any:
         """Capture and edit the chosen tensor of ``obj``; ``None`` when nothing changed."""
@@ -93,26 +95,29 @@ class _Runtime:
                 f"but the {binding.hook_type} value holds only {len(leaves)} tensor(s)"
             )
         local = leaves[hook.unpack_idx]
-        full = self.routing.gather(local, hook)
-        if self.routing.saves_outputs():
-            self.capture(binding.key, full)
-        if not hook.edits:
+        edit = functools.partial(self.edit, binding, module) if hook.edits else None
+        new_local = self.routing.route(self, binding, module, local, edit)
+        if new_local is None:
             return None
-        edited = hook.editing_function(module, full, self.save_ctx, self.trainable_modules)  # type: ignore[arg-type]
+        new_leaves = list(leaves)
+        new_leaves[hook.unpack_idx] = new_local
+        return rebuild(new_leaves)
+
+    def edit(self, binding: _Binding, module: nn.Module | None, full: torch.Tensor) -> torch.Tensor:
+        """Run the editing function of ``binding`` on the full tensor and check its result."""
+        edited = binding.hook.editing_function(module, full, self.save_ctx, self.trainable_modules)  # type: ignore[arg-type]
         if not isinstance(edited, torch.Tensor):
             raise TypeError(
                 f"torchsurgery.FlexModel: the editing function of the hook on {binding.name!r} returned "
                 f"{type(edited).__name__}; it must return a Tensor"
             )
-        if edited.shape != full.shape and not hook.allow_shape_change:
+        if edited.shape != full.shape and not binding.hook.allow_shape_change:
             raise ValueError(
                 f"torchsurgery.FlexModel: the editing function of the hook on {binding.name!r} changed the "
                 f"shape from {list(full.shape)} to {list(edited.shape)}; return the same shape, or create "
                 "the HookFunction with allow_shape_change=True"
             )
-        new_leaves = list(leaves)
-        new_leaves[hook.unpack_idx] = self.routing.scatter(edited, local, hook)
-        return rebuild(new_leaves)
+        return edited
 
 
 def _make_torch_hook(binding: _Binding, runtime: _Runtime, owner: nn.Module | None) -> Callable[..., Any]:
@@ -143,6 +148,31 @@ def _make_torch_hook(binding: _Binding, runtime: _Runtime, owner: nn.Module | No
     return tensor_hook
 
 
+def _distributed_available() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available()
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The model inside DDP, DataParallel and ``torch.compile`` wrappers (names without their prefixes).
+
+    FSDP2 (``fully_shard``) swaps classes in place and adds no prefix, so it needs nothing here.
+
+    Example:
+        >>> m = nn.Linear(1, 1)
+        >>> unwrap(nn.DataParallel(m)) is m
+        True
+    """
+    while True:
+        if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            module = module.module
+        elif isinstance(getattr(module, "_orig_mod", None), nn.Module):
+            module = module._orig_mod  # type: ignore[assignment]
+        else:
+            return module
+
+
 def _remove_bindings(bindings: list[_Binding]) -> None:
     for binding in bindings:
         if binding.handle is not None:
@@ -156,15 +186,17 @@ class FlexRecord(_undo.Record):
 
     kind = "flex"
 
-    def __init__(self, bindings: list[_Binding]) -> None:
+    def __init__(self, bindings: list[_Binding], routing: Routing) -> None:
         super().__init__()
         self.bindings = bindings
+        self.routing = routing
 
     def describe(self) -> str:
         return f"FlexModel wrapper ({len(self.bindings)} hooks)"
 
     def undo(self, module: nn.Module) -> None:
         _remove_bindings(self.bindings)
+        self.routing.close()
         _undo.remove(module, self)
 
 
@@ -174,6 +206,7 @@ def _finalize(module_ref: weakref.ReferenceType[nn.Module], record: FlexRecord) 
         record.undo(module)
     else:
         _remove_bindings(record.bindings)
+        record.routing.close()
 
 
 class FlexModel(nn.Module):
@@ -220,6 +253,8 @@ class FlexModel(nn.Module):
         pipeline_parallel_size: int = 1,
         data_parallel_size: int = 1,
         process_group: Any = None,
+        *,
+        device_mesh: Any = None,
     ) -> None:
         what = "torchsurgery.FlexModel"
         if not isinstance(module, nn.Module):
@@ -234,21 +269,22 @@ class FlexModel(nn.Module):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{what}: {key} must be a positive int, got {value!r}")
         super().__init__()
-        if process_group is not None or any(v > 1 for v in sizes.values()):
-            if importlib.util.find_spec("torchsurgery.distributed") is None:
+        if process_group is not None or device_mesh is not None or any(v > 1 for v in sizes.values()):
+            if importlib.util.find_spec("torch.distributed") is None or not _distributed_available():
                 raise RuntimeError(
-                    f"{what}: {sizes} with process_group={process_group!r} need distributed support, "
-                    "which this installation of torchsurgery does not include; run in one process "
-                    "(all sizes 1) or install a version with torchsurgery.distributed"
+                    f"{what}: {sizes} with process_group={process_group!r} need torch.distributed, "
+                    "which this build of torch does not include; run in one process (all sizes 1)"
                 )
             from torchsurgery.distributed import make_routing
 
-            routing: Routing = make_routing(flex_model=self, process_group=process_group, **sizes)
+            routing: Routing = make_routing(process_group=process_group, device_mesh=device_mesh, **sizes)
+            layout = routing.layout  # type: ignore[attr-defined]
+            tensor_parallel_size, pipeline_parallel_size, data_parallel_size = layout.tp_size, layout.pp_size, layout.dp_size
         else:
             routing = LocalRouting()
         runtime = _Runtime(output_ptr, routing)
         bindings: list[_Binding] = []
-        record = FlexRecord(bindings)
+        record = FlexRecord(bindings, routing)
         d = self.__dict__
         # Not a child: the wrapper's module surface *is* the wrapped model's (no "module." prefix).
         d["module"] = module
@@ -367,13 +403,14 @@ class FlexModel(nn.Module):
         marks = {key: len(values) for key, values in output_ptr.items()}
         runtime.in_forward = True
         try:
-            outputs = self.module(*args, **kwargs)
+            outputs = runtime.routing.forward(self.module, args, kwargs)
         except BaseException:
             for key in list(output_ptr):
                 if key not in marks:
                     del output_ptr[key]
                 else:
                     del output_ptr[key][marks[key] :]
+            runtime.routing.end_forward(output_ptr, failed=True)
             raise
         finally:
             runtime.in_forward = False
@@ -390,17 +427,19 @@ class FlexModel(nn.Module):
     def _targets(self, hook: HookFunction, hook_type: str) -> list[tuple[str, nn.Module | torch.Tensor, nn.Module | None]]:
         what = f"torchsurgery.FlexModel ({hook_type} hook)"
         pattern = hook.module_name
+        root = unwrap(self.module)
+        routing = self._runtime.routing
         if hook_type == "tensor":
-            params = dict(self.module.named_parameters())
+            params = dict(root.named_parameters())
             names = [n for n in params if glob_match(pattern, n)] if is_glob(pattern) else [n for n in params if n == pattern]
-            if not names:
+            if not routing.matched_anywhere(bool(names), hook_type, pattern):
                 raise ValueError(no_match_message(what, pattern, list(params)).replace("submodule", "parameter"))
-            return [(n, params[n], self.module.get_submodule(n.rpartition(".")[0])) for n in names]
-        modules = dict(self.module.named_modules())
+            return [(n, params[n], root.get_submodule(n.rpartition(".")[0])) for n in names]
+        modules = dict(root.named_modules())
         names = [n for n in modules if glob_match(pattern, n)]
-        if not names:
+        if not routing.matched_anywhere(bool(names), hook_type, pattern):
             raise ValueError(no_match_message(what, pattern, [n for n in modules if n]))
-        return [(n, modules[n], None) for n in names]
+        return [(n, modules[n], None) for n in names]  # none here: another pipeline stage holds it
 
     def _register(self, hook: HookFunction, hook_type: str) -> None:
         self._check_alive(f"register ({hook_type})")
@@ -458,6 +497,7 @@ class FlexModel(nn.Module):
         """Expose ``module`` to every editing function as ``modules[name]``."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"torchsurgery.FlexModel.register_trainable_module: expected an nn.Module, got {module!r}")
+        self._runtime.routing.prepare_trainable(module)
         self.trainable_modules[name] = module
 
     # ---------------------------------------------------------------- groups
@@ -494,13 +534,14 @@ class FlexModel(nn.Module):
         if hook_type not in HOOK_TYPES:
             raise ValueError(f"{what}: hook_type must be one of {HOOK_TYPES}, got {hook_type!r}")
         if isinstance(group_constructor, str):
+            root = unwrap(self.module)
             names = (
-                [n for n, _ in self.module.named_parameters()]
+                [n for n, _ in root.named_parameters()]
                 if hook_type == "tensor"
-                else [n for n, _ in self.module.named_modules() if n]
+                else [n for n, _ in root.named_modules() if n]
             )
             matched = [n for n in names if name_matches(group_constructor, n)]
-            if not matched:
+            if not self._runtime.routing.matched_anywhere(bool(matched), hook_type, group_constructor):
                 raise ValueError(no_match_message(what, group_constructor, names))
             hooks = [HookFunction(n, expected_shape, editing_function, unpack_idx) for n in matched]
         elif isinstance(group_constructor, HookFunction):
@@ -541,15 +582,15 @@ class FlexModel(nn.Module):
             ValueError: unknown parameter (near names listed) or a shape mismatch.
         """
         what = "torchsurgery.FlexModel.get_module_parameter"
-        params = dict(self.module.named_parameters())
+        params = dict(unwrap(self.module).named_parameters())
         if parameter_name not in params:
-            raise ValueError(no_match_message(what, parameter_name, list(params)).replace("submodule", "parameter"))
+            message = no_match_message(what, parameter_name, list(params)).replace("submodule", "parameter")
+            if self.pp_size > 1:
+                message += "; with pipeline parallelism, ask on the ranks of the stage that holds it"
+            raise ValueError(message)
         local = params[parameter_name].detach()
         probe = HookFunction(parameter_name, expected_shape)
-        gather = getattr(self._runtime.routing, "gather_parameter", None)
-        full = gather(local, probe) if gather is not None else local
-        check_expected_shape(full, probe)
-        return full.to("cpu", copy=True)
+        return self._runtime.routing.gather_parameter(local, probe).to("cpu", copy=True)
 
     # --------------------------------------------------------------- restore
 

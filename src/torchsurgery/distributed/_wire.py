@@ -1,0 +1,92 @@
+"""Named tensors packed into one byte buffer, and sent between ranks as one message.
+
+Captures shipped to rank 0 and activations passed between pipeline stages travel as a
+single ``uint8`` tensor: a JSON header (names, dtypes, shapes, offsets) followed by the
+raw bytes, each tensor aligned to 16 bytes so the receiver views it in place. JSON, not
+pickle: nothing a peer sends is ever executed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+_ALIGN = 16
+_DTYPES = {str(t): t for t in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    torch.float8_e4m3fn, torch.float8_e5m2,
+)}
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.bool else flat.to(torch.uint8)
+
+
+def pack(items: Sequence[tuple[str, torch.Tensor]], *, device: torch.device, status: int = 0) -> torch.Tensor:
+    """One ``uint8`` buffer on ``device`` holding ``items`` and a status code.
+
+    Example:
+        >>> buf = pack([("a", torch.arange(3.0))], device=torch.device("cpu"))
+        >>> status, items = unpack(buf)
+        >>> status, items[0][0], items[0][1].tolist()
+        (0, 'a', [0.0, 1.0, 2.0])
+    """
+    entries = []
+    chunks: list[torch.Tensor] = []
+    offset = 0
+    for name, tensor in items:
+        if str(tensor.dtype) not in _DTYPES:
+            raise TypeError(f"torchsurgery.distributed: cannot send a {tensor.dtype} tensor ({name!r})")
+        data = _bytes_of(tensor).to(device)
+        pad = -offset % _ALIGN
+        if pad:
+            chunks.append(torch.zeros(pad, dtype=torch.uint8, device=device))
+            offset += pad
+        entries.append([name, str(tensor.dtype), list(tensor.shape), offset])
+        chunks.append(data)
+        offset += data.numel()
+    header = json.dumps({"status": status, "items": entries}).encode()
+    head = torch.tensor(list(len(header).to_bytes(8, "little")) + list(header), dtype=torch.uint8, device=device)
+    pad = -head.numel() % _ALIGN
+    parts = [head, torch.zeros(pad, dtype=torch.uint8, device=device), *chunks]
+    return torch.cat(parts) if len(parts) > 1 else head
+
+
+def unpack(buffer: torch.Tensor) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+    """The status and named tensors of a :func:`pack` buffer (views into it)."""
+    raw = buffer[:8].cpu().tolist()
+    length = int.from_bytes(bytes(raw), "little")
+    header = json.loads(bytes(buffer[8 : 8 + length].cpu().tolist()).decode())
+    start = 8 + length
+    start += -start % _ALIGN
+    items = []
+    for name, dtype_name, shape, offset in header["items"]:
+        dtype = _DTYPES[dtype_name]
+        count = 1
+        for d in shape:
+            count *= d
+        size = torch.empty((), dtype=dtype).element_size()
+        data = buffer[start + offset : start + offset + count * size]
+        tensor = data.to(torch.bool) if dtype == torch.bool else data.view(dtype)
+        items.append((name, tensor.reshape(shape)))
+    return int(header["status"]), items
+
+
+def send(buffer: torch.Tensor, *, dst: int, group: dist.ProcessGroup) -> None:
+    """Send a buffer (length first) to the global rank ``dst`` over ``group``."""
+    dist.send(torch.tensor([buffer.numel()], dtype=torch.int64, device=buffer.device), dst=dst, group=group)
+    dist.send(buffer, dst=dst, group=group)
+
+
+def recv(*, src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    """Receive a buffer sent by :func:`send` from the global rank ``src``."""
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(size, src=src, group=group)
+    buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(buffer, src=src, group=group)
+    return buffer

@@ -1,0 +1,293 @@
+"""Routing activations between the ranks of a ``pp x dp x tp`` layout for FlexModel hooks.
+
+For each hook call on each rank:
+
+1. **tensor parallel**: the local shard becomes the full tensor. A ``DTensor`` is
+   gathered with ``full_tensor()``; a plain tensor along the dimension that
+   :mod:`~torchsurgery.distributed.sharding` finds. Capture-only hooks gather to the
+   first tensor-parallel rank alone; editing hooks gather to every rank.
+2. **capture**: the first tensor-parallel rank of each data-parallel replica and stage
+   keeps a CPU copy; at the end of the forward (or backward) every copy goes to rank 0
+   in one message per rank, where data-parallel pieces are concatenated along the batch
+   dimension (sizes may differ) and each stage's keys are added in stage order.
+3. **edit**: by default every rank of the stage runs the editing function on the same
+   input (the global batch, gathered over data-parallel ranks; or, with
+   ``edit_batch="local"``, its own batch), so nothing but the input travels; with
+   ``edit_on="rank0"`` the first rank runs it and broadcasts the result (for edits that
+   are not deterministic). Every rank then learns whether any rank's edit raised, so a
+   failure stops every rank with the rank and the hook named instead of a hang.
+4. **scatter**: each rank keeps its own batch rows and its own shard of the edited
+   tensor. Gathers are differentiable, so gradients reach every rank's activations.
+
+Pipeline stages are driven by :mod:`~torchsurgery.distributed.pipeline`.
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.hooks import RemovableHandle
+
+from torchsurgery.distributed import _wire, pipeline
+from torchsurgery.distributed.collectives import (
+    agree_on_failure,
+    broadcast_from_root,
+    gather_along,
+    gather_to_root,
+    piece_sizes,
+)
+from torchsurgery.distributed.layout import Layout
+from torchsurgery.distributed.sharding import dim_from_expected_shape, dim_from_plan
+from torchsurgery.flex.routing import check_expected_shape
+
+__all__ = ["DistributedRouting"]
+
+_WHAT = "torchsurgery.FlexModel"
+_BACKWARD = ("full_backward", "full_backward_pre", "tensor")
+OutputPtr = dict[str, list[torch.Tensor]]
+
+
+class DistributedRouting:
+    """Routes hook activations over a :class:`~torchsurgery.distributed.layout.Layout`.
+
+    Args:
+        layout: this rank's place in the layout and its groups.
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.pending: OutputPtr = {}
+        self._runtime: Any = None
+        self._plan_dims: dict[int, int | None] = {}
+        self._callback_queued = False
+        self._grad_handles: list[RemovableHandle] = []
+        # captures go straight to output_ptr when no other rank has any to send
+        self._direct = layout.dp_size == 1 and layout.pp_size == 1
+
+    # --------------------------------------------------------------- shards
+
+    def _shard_dim(self, local: torch.Tensor, binding: Any, module: nn.Module | None) -> int | None:
+        layout = self.layout
+        expected = binding.hook.expected_shape
+        if expected is not None and layout.dp_size > 1:
+            expected = (None, *expected[1:])  # the batch entry is the global batch's
+        if layout.tp_size == 1:
+            if expected is not None:
+                check_expected_shape(local, Namespace(expected_shape=expected, module_name=binding.name))
+            return None
+        if expected is not None:
+            return dim_from_expected_shape(local, expected, binding.name, layout.tp_size)
+        if module is None or binding.hook_type not in ("forward", "full_backward_pre"):
+            return None
+        key = id(module)
+        if key not in self._plan_dims:
+            self._plan_dims[key] = dim_from_plan(module, local.dim())
+        return self._plan_dims[key]
+
+    # ---------------------------------------------------------------- hooks
+
+    def route(
+        self,
+        runtime: Any,
+        binding: Any,
+        module: nn.Module | None,
+        local: torch.Tensor,
+        edit: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> torch.Tensor | None:
+        """Capture (and edit) one hook's activation; the new local tensor, or ``None``."""
+        layout = self.layout
+        self._runtime = runtime
+        if binding.hook_type in _BACKWARD and not self._direct and not self._callback_queued:
+            # ship gradient captures when this backward ends, on every rank alike
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        is_dtensor = isinstance(local, DTensor)
+        dim = None if is_dtensor else self._shard_dim(local, binding, module)
+        full: torch.Tensor | None
+        if is_dtensor:
+            full = local.full_tensor()
+        elif dim is not None:
+            if edit is None:
+                full = gather_to_root(local, dim, layout.tp_group)
+            else:
+                full = gather_along(local, dim, layout.tp_group, [local.shape[dim]] * layout.tp_size)
+        else:
+            full = local
+        if layout.tp_rank == 0:
+            assert full is not None
+            if self._direct:
+                runtime.capture(binding.key, full)
+            else:
+                runtime.capture(binding.key, full, self.pending)
+        if edit is None:
+            return None
+        assert full is not None
+        edited = self._edit(binding, full, edit)
+        if is_dtensor:
+            mesh = local.device_mesh
+            whole = DTensor.from_local(edited, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            return whole.redistribute(mesh, local.placements)
+        if dim is not None:
+            return edited.chunk(layout.tp_size, dim)[layout.tp_rank]
+        return edited
+
+    def _edit(self, binding: Any, full: torch.Tensor, edit: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        layout = self.layout
+        hook = binding.hook
+        target, sizes = full, None
+        share = layout.tp_group
+        if layout.dp_size > 1 and hook.edit_batch == "global":
+            sizes = piece_sizes(full, 0, layout.dp_group, layout.device)
+            target = gather_along(full, 0, layout.dp_group, sizes)
+            share = layout.stage_group
+        error: BaseException | None = None
+        result: torch.Tensor | None = None
+        if hook.edit_on == "all" or dist.get_rank(share) == 0:
+            try:
+                result = edit(target)
+            except Exception as exc:  # every rank must hear of it before anyone raises
+                error = exc
+        if hook.edit_on == "rank0":
+            # a constant for autograd on every rank alike: only one rank computed it
+            sent = result.detach() if result is not None else None
+            result = broadcast_from_root(sent, share, layout.device)
+        failed = agree_on_failure(result is None, layout.stage_group, layout.device)
+        if failed:
+            ranks = dist.get_process_group_ranks(layout.stage_group)
+            names = [ranks[i] for i in failed]
+            message = (
+                f"{_WHAT}: the editing function of the hook on {binding.name!r} raised on rank(s) {names}; "
+                "every rank of the stage stops here (see the traceback of those ranks)"
+            )
+            if error is not None:
+                error.add_note(message)
+                raise error
+            raise RuntimeError(message)
+        assert result is not None
+        if sizes is not None:
+            offset = sum(sizes[: layout.dp_rank])
+            result = result.narrow(0, offset, sizes[layout.dp_rank])
+        return result
+
+    # --------------------------------------------------------------- forward
+
+    def forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run this rank's part of the model (its pipeline stage)."""
+        self.pending = {}
+        self._callback_queued = False
+        return pipeline.run_stage(module, args, kwargs, self.layout)
+
+    def end_forward(self, output_ptr: OutputPtr, *, failed: bool = False) -> None:
+        """Ship this forward's captures to rank 0; raise there and everywhere if a rank failed."""
+        if self._direct:
+            return
+        self._exchange(output_ptr, failed)
+
+    def _end_backward(self) -> None:
+        self._callback_queued = False
+        if self._runtime is not None:
+            self._exchange(self._runtime.output_ptr, False)
+
+    def _exchange(self, output_ptr: OutputPtr, failed: bool) -> None:
+        layout = self.layout
+        pending, self.pending = self.pending, {}
+        items = [(key, t) for key, values in pending.items() for t in values]
+        buffer = None
+        if items and not layout.is_root and not failed:
+            buffer = _wire.pack(items, device=layout.device)
+        meta = torch.tensor([int(failed), 0 if buffer is None else buffer.numel()], dtype=torch.int64, device=layout.device)
+        metas = [torch.empty_like(meta) for _ in layout.ranks]
+        dist.all_gather(metas, meta, group=layout.group)
+        order = sorted(layout.ranks)  # all_gather answers in group-rank order: ascending global ranks
+        states = {order[i]: (int(m[0]), int(m[1])) for i, m in enumerate(metas)}
+        bad = [rank for rank, (f, _) in states.items() if f]
+        if bad:
+            if failed:
+                return  # this rank's own exception is already on its way
+            raise RuntimeError(
+                f"{_WHAT}: rank(s) {bad} failed in this pass; every rank of the layout stops "
+                "(see the traceback of those ranks)"
+            )
+        root = layout.ranks[0]
+        if not layout.is_root:
+            if buffer is not None:
+                _wire.send(buffer, dst=root, group=layout.group)
+            return
+        received: dict[int, OutputPtr] = {0: pending}
+        for position, rank in enumerate(layout.ranks):
+            if position and states[rank][1]:
+                _, named = _wire.unpack(_wire.recv(src=rank, group=layout.group, device=layout.device))
+                part: OutputPtr = {}
+                for key, tensor in named:
+                    part.setdefault(key, []).append(tensor.to("cpu", copy=True))
+                received[position] = part
+        self._merge(output_ptr, received)
+
+    def _merge(self, output_ptr: OutputPtr, received: dict[int, OutputPtr]) -> None:
+        layout = self.layout
+        step = layout.tp_size
+        for stage in range(layout.pp_size):
+            replicas = [
+                received.get((stage * layout.dp_size + d) * step, {}) for d in range(layout.dp_size)
+            ]
+            keys: dict[str, None] = {}
+            for part in replicas:
+                keys.update(dict.fromkeys(part))
+            for key in keys:
+                count = max(len(part.get(key, ())) for part in replicas)
+                for i in range(count):
+                    pieces = [part[key][i] for part in replicas if i < len(part.get(key, ()))]
+                    output_ptr.setdefault(key, []).append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+
+    # ----------------------------------------------------------- the rest
+
+    def matched_anywhere(self, found: bool, hook_type: str, name: str) -> bool:
+        """Whether a hook's module exists on some stage (every rank calls this)."""
+        layout = self.layout
+        if layout.pp_size == 1:
+            return found
+        if hook_type in _BACKWARD:
+            raise ValueError(
+                f"{_WHAT}: gradient hooks ({hook_type} on {name!r}) are not supported with "
+                f"pipeline_parallel_size {layout.pp_size}: gradients stop at stage boundaries"
+            )
+        flag = torch.tensor([int(found)], device=layout.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=layout.pp_group)
+        return bool(flag.item())
+
+    def gather_parameter(self, local: torch.Tensor, hook: Any) -> torch.Tensor:
+        """A parameter unsharded: a DTensor's ``full_tensor()``, or gathered by its ``expected_shape``."""
+        if isinstance(local, DTensor):
+            return local.full_tensor()
+        dim = dim_from_expected_shape(local, hook.expected_shape, hook.module_name, self.layout.tp_size)
+        if dim is None or self.layout.tp_size == 1:
+            return local
+        return gather_along(local, dim, self.layout.tp_group, [local.shape[dim]] * self.layout.tp_size)
+
+    def prepare_trainable(self, module: nn.Module) -> None:
+        """Start every rank's copy of a trainable module equal; sum its gradients over the stage."""
+        layout = self.layout
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor.data, src=layout.ranks[0], group=layout.group)
+        for param in module.parameters():
+            if param.requires_grad:
+                self._grad_handles.append(param.register_hook(self._sum_over_stage))
+
+    def _sum_over_stage(self, grad: torch.Tensor) -> torch.Tensor:
+        # each rank's gradient covers only its shard and its batch rows
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=self.layout.stage_group)
+        return total
+
+    def close(self) -> None:
+        """Remove the gradient hooks put on trainable modules."""
+        for handle in self._grad_handles:
+            handle.remove()
+        self._grad_handles.clear()

@@ -1,0 +1,114 @@
+"""Tensor parallel hooks on gloo: a hand-made column/row-parallel MLP (with expected_shape)
+and a transformers Llama parallelised with DTensor (no hints), against one process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _models import MLP, tensor_parallel_mlp
+from _spawn import spawn
+from torch import nn
+
+from torchsurgery import FlexModel, HookFunction
+
+pytestmark = pytest.mark.distributed
+HIDDEN = 16
+
+
+def _mlp_case() -> tuple[MLP, torch.Tensor, nn.Linear]:
+    torch.manual_seed(0)
+    return MLP(8, HIDDEN), torch.randn(3, 5, 8), nn.Linear(HIDDEN, HIDDEN)
+
+
+def _probe_edit(module: nn.Module, x: torch.Tensor, ctx: Any, modules: nn.ModuleDict) -> torch.Tensor:
+    return x + 0.5 * modules["probe"](x)
+
+
+def _run_mlp(flex: FlexModel, x: torch.Tensor, probe: nn.Linear) -> torch.Tensor:
+    flex.register_trainable_module("probe", probe)
+    flex.register_forward_hook(HookFunction("fc1", (None, None, HIDDEN), _probe_edit))
+    flex.register_forward_hook(HookFunction("fc2"))
+    flex.register_full_backward_pre_hook(HookFunction("fc1", (None, None, HIDDEN)))
+    y = flex(x)
+    (y**2).sum().backward()
+    return y
+
+
+def _tp_mlp_worker(rank: int, world: int) -> dict[str, Any]:
+    reference, x, probe = _mlp_case()
+    model = tensor_parallel_mlp(reference, rank, world)
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(model, out, tensor_parallel_size=world)
+    y = _run_mlp(flex, x, probe)
+    result: dict[str, Any] = {
+        "y": y.detach(),
+        "out": out,
+        "fc1_weight_grad": model.fc1.weight.grad,
+        "fc2_weight_grad": model.fc2.weight.grad,
+        "probe_grad": probe.weight.grad,
+        "fc1_weight": flex.get_module_parameter("fc1.weight", (HIDDEN, None)),
+    }
+
+    # one rank's editing function raises: every rank fails, naming it, and nobody hangs
+    def boom(module: nn.Module, t: torch.Tensor, ctx: Any, modules: Any) -> torch.Tensor:
+        if dist.get_rank() == 1:
+            raise ValueError("boom on purpose")
+        return t
+
+    flex.restore()
+    failing = FlexModel(model, {}, tensor_parallel_size=world)
+    failing.register_forward_hook(HookFunction("fc1", (None, None, HIDDEN), boom))
+    try:
+        failing(x)
+        result["failure"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        result["failure"] = f"{type(exc).__name__}: {exc} {getattr(exc, '__notes__', '')}"
+    failing.restore()
+
+    # a random edit run once and broadcast: every rank continues with the same values
+    torch.manual_seed(100 + rank)
+    noisy = FlexModel(model, {}, tensor_parallel_size=world)
+    noisy.register_forward_hook(HookFunction(
+        "fc1", (None, None, HIDDEN), lambda m, t, c, mods: t + torch.randn_like(t), edit_on="rank0"
+    ))
+    gathered = [torch.empty(3, 5, 8) for _ in range(world)]
+    dist.all_gather(gathered, noisy(x).detach())
+    result["rank0_edit_agrees"] = all(torch.equal(gathered[0], g) for g in gathered)
+    noisy.restore()
+
+    try:
+        FlexModel(model, {}, tensor_parallel_size=3)
+        result["size_error"] = "no error"
+    except ValueError as exc:
+        result["size_error"] = str(exc)
+    result["hooks_left"] = sum(len(m._forward_hooks) + len(m._backward_pre_hooks) for m in model.modules())
+    return result
+
+
+def test_tensor_parallel_mlp_matches_one_process() -> None:
+    results = spawn(_tp_mlp_worker, 2)
+    reference, x, probe = _mlp_case()
+    out: dict[str, list[torch.Tensor]] = {}
+    y = _run_mlp(FlexModel(reference, out), x, probe)
+    got = results[0]
+
+    torch.testing.assert_close(got["y"], y.detach())
+    assert sorted(got["out"]) == sorted(out) == ["fc1", "fc1#2", "fc2"]
+    for key in out:
+        assert len(got["out"][key]) == 1
+        torch.testing.assert_close(got["out"][key][0], out[key][0])
+    # each rank holds its shard of the gradients; together they are one process's
+    torch.testing.assert_close(torch.cat([r["fc1_weight_grad"] for r in results], 0), reference.fc1.weight.grad)
+    torch.testing.assert_close(torch.cat([r["fc2_weight_grad"] for r in results], 1), reference.fc2.weight.grad)
+    for r in results:
+        torch.testing.assert_close(r["probe_grad"], probe.weight.grad)
+        torch.testing.assert_close(r["fc1_weight"], reference.fc1.weight.detach())
+        assert "rank(s) [1]" in r["failure"] and "'fc1'" in r["failure"], r["failure"]
+        assert r["rank0_edit_agrees"] is True
+        assert "3 x pipeline_parallel_size 1 x data_parallel_size 1 = 3" in r["size_error"]
+        assert "2 rank(s)" in r["size_error"]
+        assert r["hooks_left"] == 0
+    assert results[1]["failure"].startswith("ValueError: boom on purpose")
