@@ -112,3 +112,80 @@ def test_tensor_parallel_mlp_matches_one_process() -> None:
         assert "2 rank(s)" in r["size_error"]
         assert r["hooks_left"] == 0
     assert results[1]["failure"].startswith("ValueError: boom on purpose")
+
+
+def _llama() -> tuple[nn.Module, torch.Tensor]:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    return model, torch.randint(0, 64, (2, 6))
+
+
+def _hook_llama(flex: FlexModel) -> None:
+    def double(module: nn.Module, x: torch.Tensor, ctx: Any, modules: Any) -> torch.Tensor:
+        ctx.up_shapes = [*getattr(ctx, "up_shapes", []), tuple(x.shape)]
+        return x * 2
+
+    flex.register_forward_hook(HookFunction("model.layers.*.self_attn.q_proj"))  # column-parallel
+    flex.register_forward_hook(HookFunction("model.layers.*.self_attn.o_proj"))  # row-parallel
+    flex.register_forward_hook(HookFunction("model.layers.*.mlp.up_proj", editing_function=double))
+    flex.register_forward_hook(HookFunction("model.layers.*.mlp"))  # a block: whole
+    flex.register_forward_pre_hook(HookFunction("model.layers.0.mlp.down_proj"))  # a DTensor input
+
+
+def _tp_llama_worker(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model, ids = _llama()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    plan = {f"model.layers.*.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}
+    plan.update({"model.layers.*.mlp.gate_proj": ColwiseParallel(), "model.layers.*.mlp.up_proj": ColwiseParallel()})
+    plan.update({"model.layers.*.self_attn.o_proj": RowwiseParallel(), "model.layers.*.mlp.down_proj": RowwiseParallel()})
+    parallelize_module(model, mesh, plan)
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(model, out, device_mesh=mesh)
+    _hook_llama(flex)
+    logits = flex(ids).logits
+    logits.float().pow(2).mean().backward()
+    grads = {
+        name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+        for name, p in model.named_parameters()
+    }
+    return {
+        "logits": logits.detach(),
+        "out": out,
+        "grads": grads,
+        "up_shapes": flex.save_ctx.up_shapes,
+        "q_weight": flex.get_module_parameter("model.layers.0.self_attn.q_proj.weight"),
+        "tp_size": flex.tp_size,
+    }
+
+
+def test_dtensor_llama_needs_no_hints() -> None:
+    results = spawn(_tp_llama_worker, 2)
+    model, ids = _llama()
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(model, out)
+    _hook_llama(flex)
+    logits = flex(ids).logits
+    logits.float().pow(2).mean().backward()
+    got = results[0]
+
+    torch.testing.assert_close(got["logits"], logits.detach())
+    assert list(got["out"]) == list(out)
+    for key, values in out.items():
+        torch.testing.assert_close(got["out"][key][0], values[0], msg=key)
+    assert got["tp_size"] == 2
+    for r in results:
+        assert r["up_shapes"] == flex.save_ctx.up_shapes  # the edit saw full tensors
+        torch.testing.assert_close(r["q_weight"], model.model.layers[0].self_attn.q_proj.weight.detach())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(r["grads"][name], p.grad, msg=name)
+    assert results[1]["out"] == {}  # only rank 0 writes output_ptr

@@ -1,0 +1,143 @@
+"""Data parallel hooks on gloo: DDP with unequal batches and FSDP2 with equal ones, against
+one process on the whole batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _models import MLP
+from _spawn import spawn
+from torch import nn
+
+from torchsurgery import FlexModel, HookFunction
+
+pytestmark = pytest.mark.distributed
+
+
+def _case(rows: int) -> tuple[MLP, torch.Tensor, nn.Linear]:
+    torch.manual_seed(0)
+    return MLP(8, 16), torch.randn(rows, 8), nn.Linear(16, 16)
+
+
+def _center(module: nn.Module, x: torch.Tensor, ctx: Any, modules: nn.ModuleDict) -> torch.Tensor:
+    # depends on the whole batch: a data-parallel rank alone would get it wrong
+    return x - x.mean(0, keepdim=True) + 0.1 * modules["probe"](x)
+
+
+def _register(flex: FlexModel, probe: nn.Linear, fc2_edit: Any, **fc2: Any) -> None:
+    flex.register_trainable_module("probe", probe)
+    flex.register_forward_hook(HookFunction("fc1"))
+    flex.register_forward_hook(HookFunction("act", editing_function=_center))
+    flex.register_forward_hook(HookFunction("fc2", editing_function=fc2_edit, **fc2))
+    flex.register_full_backward_pre_hook(HookFunction("fc2"))
+
+
+def _local_center(module: nn.Module, x: torch.Tensor, ctx: Any, modules: Any) -> torch.Tensor:
+    return x - x.mean(0, keepdim=True)
+
+
+def _split_center(sizes: list[int]) -> Any:
+    # the reference for edit_batch="local": each rank's rows centred on their own
+    def edit(module: nn.Module, x: torch.Tensor, ctx: Any, modules: Any) -> torch.Tensor:
+        return torch.cat([part - part.mean(0, keepdim=True) for part in x.split(sizes)])
+
+    return edit
+
+
+def _dp_worker(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    result: dict[str, Any] = {}
+    # DDP, unequal batches: rank 0 holds rows 0-2, rank 1 rows 3-4
+    reference, x, probe = _case(5)
+    rows = x[:3] if rank == 0 else x[3:]
+    ddp = DistributedDataParallel(reference)
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(ddp, out, data_parallel_size=world)
+    _register(flex, probe, _local_center, edit_batch="local")
+    y = flex(rows)
+    (y**2).sum().backward()
+    result["ddp"] = {
+        "y": y.detach(), "out": out, "probe_grad": probe.weight.grad,
+        "grads": {n: p.grad for n, p in reference.named_parameters()},
+    }
+
+    # one rank's edit raises: both fail, naming it
+    def boom(module: nn.Module, t: torch.Tensor, ctx: Any, modules: Any) -> torch.Tensor:
+        if dist.get_rank() == 1:
+            raise ValueError("boom on purpose")
+        return t
+
+    flex.restore()
+    failing = FlexModel(ddp, {}, data_parallel_size=world)
+    failing.register_forward_hook(HookFunction("act", editing_function=boom))
+    try:
+        failing(rows)
+        result["failure"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        result["failure"] = f"{type(exc).__name__}: {exc}"
+    failing.restore()
+
+    # FSDP2, equal batches
+    reference, x, probe = _case(4)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    fully_shard(reference, mesh=mesh)
+    out = {}
+    flex = FlexModel(reference, out, device_mesh=mesh)
+    _register(flex, probe, lambda m, t, c, mods: t * 1.5)
+    y = flex(x.chunk(world)[rank])
+    (y**2).sum().backward()
+    result["fsdp"] = {
+        "y": y.detach(), "out": out, "probe_grad": probe.weight.grad,
+        "grads": {n: p.grad.full_tensor() for n, p in reference.named_parameters()},
+        "fc1_weight": flex.get_module_parameter("fc1.weight"),
+    }
+    return result
+
+
+def _reference(rows: int, fc2_edit: Any) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]], MLP, nn.Linear]:
+    model, x, probe = _case(rows)
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(model, out)
+    _register(flex, probe, fc2_edit)
+    y = flex(x)
+    (y**2).sum().backward()
+    return y.detach(), out, model, probe
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return spawn(_dp_worker, 2)
+
+
+@pytest.mark.parametrize(("wrapper", "rows", "sizes"), [("ddp", 5, [3, 2]), ("fsdp", 4, [2, 2])])
+def test_data_parallel_matches_one_process(results: list[dict[str, Any]], wrapper: str, rows: int, sizes: list[int]) -> None:
+    edit = _split_center(sizes) if wrapper == "ddp" else (lambda m, t, c, mods: t * 1.5)
+    y, out, model, probe = _reference(rows, edit)
+    got = [r[wrapper] for r in results]
+    torch.testing.assert_close(torch.cat([g["y"] for g in got]), y)
+    # rank 0 alone holds the captures, the whole batch in rank order; forward and backward
+    assert list(got[0]["out"]) == list(out) == ["fc1", "act", "fc2", "fc2#2"]
+    assert got[1]["out"] == {}
+    for key, values in out.items():
+        assert len(got[0]["out"][key]) == 1, key
+        torch.testing.assert_close(got[0]["out"][key][0], values[0], msg=key)
+    for g in got:
+        torch.testing.assert_close(g["probe_grad"], probe.weight.grad)
+        for name, p in model.named_parameters():
+            # DDP and FSDP2 average over the 2 ranks; one process sums the whole batch
+            torch.testing.assert_close(g["grads"][name] * len(got), p.grad, msg=name)
+    if wrapper == "fsdp":
+        for g in got:
+            torch.testing.assert_close(g["fc1_weight"], model.fc1.weight.detach())
+
+
+def test_a_failing_edit_stops_every_rank(results: list[dict[str, Any]]) -> None:
+    assert results[0]["failure"].startswith("RuntimeError") and "rank(s) [1]" in results[0]["failure"]
+    assert "'act'" in results[0]["failure"]
+    assert results[1]["failure"] == "ValueError: boom on purpose"
