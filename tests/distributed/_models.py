@@ -27,14 +27,14 @@ class _SumOverRanks(torch.autograd.Function):
     """Megatron's row-parallel reduction: all-reduce forward, identity backward."""
 
     @staticmethod
-    def forward(ctx: Any, partial: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, partial: torch.Tensor, group: Any) -> torch.Tensor:
         total = partial.clone()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=group)
         return total
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -52,20 +52,22 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Columns ``rank`` of ``full``'s weight: takes a sharded input, returns the whole output."""
 
-    def __init__(self, full: nn.Linear, rank: int, world: int) -> None:
+    def __init__(self, full: nn.Linear, rank: int, world: int, group: Any = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(full.weight.detach().chunk(world, 1)[rank].clone())
         self.bias = nn.Parameter(full.bias.detach().clone())
+        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SumOverRanks.apply(F.linear(x, self.weight)) + self.bias
+        return _SumOverRanks.apply(F.linear(x, self.weight), self.group) + self.bias
 
 
-def tensor_parallel_mlp(reference: MLP, rank: int, world: int) -> MLP:
-    """The same MLP with ``fc1`` column-parallel and ``fc2`` row-parallel over ``world`` ranks."""
+def tensor_parallel_mlp(reference: MLP, rank: int, world: int, group: Any = None) -> MLP:
+    """The same MLP with ``fc1`` column-parallel and ``fc2`` row-parallel over ``world`` ranks
+    (of ``group``, default all)."""
     model = MLP(reference.fc1.in_features, reference.fc1.out_features)
     model.fc1 = ColumnParallelLinear(reference.fc1, rank, world)  # type: ignore[assignment]
-    model.fc2 = RowParallelLinear(reference.fc2, rank, world)  # type: ignore[assignment]
+    model.fc2 = RowParallelLinear(reference.fc2, rank, world, group)  # type: ignore[assignment]
     return model
 
 

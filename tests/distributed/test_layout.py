@@ -1,0 +1,131 @@
+"""Layouts over 4 gloo ranks: Megatron order, a 2x2 (dp, tp) device mesh on a hand-made
+tensor-parallel MLP, 4 pipeline stages, and 2 stages x 2 data-parallel replicas."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _models import MLP, Stack, stage_of, tensor_parallel_mlp
+from _spawn import spawn
+from torch import nn
+
+from torchsurgery import FlexModel, HookFunction
+from torchsurgery.distributed import make_layout
+
+pytestmark = pytest.mark.distributed
+ROWS = [3, 2]  # unequal data-parallel batches
+
+
+def _mlp_case() -> tuple[MLP, torch.Tensor, nn.Linear]:
+    torch.manual_seed(0)
+    return MLP(8, 16), torch.randn(sum(ROWS), 4, 8), nn.Linear(16, 16)
+
+
+def _center(module: nn.Module, x: torch.Tensor, ctx: Any, modules: nn.ModuleDict) -> torch.Tensor:
+    return x - x.mean(0, keepdim=True) + 0.1 * modules["probe"](x)
+
+
+def _register_mlp(flex: FlexModel, probe: nn.Linear) -> None:
+    flex.register_trainable_module("probe", probe)
+    flex.register_forward_hook(HookFunction("fc1", (None, None, 16), _center))
+    flex.register_forward_hook(HookFunction("fc2"))
+
+
+def _stack_case() -> tuple[Stack, torch.Tensor]:
+    torch.manual_seed(0)
+    return Stack(4, 8), torch.randn(sum(ROWS), 8)
+
+
+def _four_rank_worker(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    result: dict[str, Any] = {}
+    layout = make_layout(tensor_parallel_size=2, data_parallel_size=2)
+    result["coords"] = (layout.pp_rank, layout.dp_rank, layout.tp_rank)
+    result["tp_ranks"] = dist.get_process_group_ranks(layout.tp_group)
+    result["dp_ranks"] = dist.get_process_group_ranks(layout.dp_group)
+
+    # (dp, tp) = 2 x 2 from a device mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    reference, x, probe = _mlp_case()
+    model = tensor_parallel_mlp(reference, tp, 2, mesh.get_group("tp"))
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(model, out, device_mesh=mesh)
+    _register_mlp(flex, probe)
+    y = flex(x.split(ROWS)[dp])
+    (y**2).sum().backward()
+    result["mlp"] = {
+        "dp": dp, "tp": tp, "y": y.detach(), "out": out, "probe_grad": probe.weight.grad,
+        "fc1_grad": model.fc1.weight.grad, "sizes": (flex.tp_size, flex.dp_size, flex.pp_size),
+    }
+
+    # 4 pipeline stages; stages 0 and 2 capture nothing
+    stack, xs = _stack_case()
+    out = {}
+    flex = FlexModel(stage_of(copy.deepcopy(stack), rank, 4), out, pipeline_parallel_size=4)
+    flex.register_forward_hook(HookFunction("layers.1"))
+    flex.register_forward_hook(HookFunction("layers.3"))
+    result["pp4"] = {"y": flex(xs), "out": out}
+
+    # 2 stages x 2 data-parallel replicas (Megatron order: ranks 0,1 are stage 0)
+    pp, dpr = rank // 2, rank % 2
+    out = {}
+    flex = FlexModel(stage_of(copy.deepcopy(stack), pp, 2), out, pipeline_parallel_size=2, data_parallel_size=2)
+    flex.register_forward_hook(HookFunction("layers.*"))
+    result["pp2dp2"] = {"y": flex(xs.split(ROWS)[dpr]), "out": out}
+    return result
+
+
+def test_four_ranks_match_one_process() -> None:
+    results = spawn(_four_rank_worker, 4)
+
+    # Megatron order: tensor-parallel ranks contiguous, data-parallel next
+    assert [r["coords"] for r in results] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert [r["tp_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["dp_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+
+    # 2 x 2 (dp, tp)
+    reference, x, probe = _mlp_case()
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(reference, out)
+    _register_mlp(flex, probe)
+    y = flex(x)
+    (y**2).sum().backward()
+    mlp = [r["mlp"] for r in results]
+    assert all(m["sizes"] == (2, 2, 1) for m in mlp)
+    for m in mlp:
+        torch.testing.assert_close(m["y"], y.split(ROWS)[m["dp"]])
+        torch.testing.assert_close(m["probe_grad"], probe.weight.grad)
+    assert list(mlp[0]["out"]) == list(out)
+    for key, values in out.items():
+        torch.testing.assert_close(mlp[0]["out"][key][0], values[0], msg=key)
+    assert all(m["out"] == {} for m in mlp[1:])
+    # each replica's shard gradient covers its rows: summed over replicas, one process's shard
+    for tp in range(2):
+        shard = sum(m["fc1_grad"] for m in mlp if m["tp"] == tp)
+        torch.testing.assert_close(shard, reference.fc1.weight.grad.chunk(2, 0)[tp])
+
+    stack, xs = _stack_case()
+    out = {}
+    flex = FlexModel(stack, out)
+    flex.register_forward_hook(HookFunction("layers.*"))
+    ys = flex(xs)
+
+    pp4 = [r["pp4"] for r in results]
+    assert [p["y"] is None for p in pp4] == [True, True, True, False]
+    torch.testing.assert_close(pp4[3]["y"], ys)
+    assert list(pp4[0]["out"]) == ["layers.1", "layers.3"]
+    for key in ("layers.1", "layers.3"):
+        torch.testing.assert_close(pp4[0]["out"][key][0], out[key][0])
+
+    both = [r["pp2dp2"] for r in results]
+    torch.testing.assert_close(both[2]["y"], ys.split(ROWS)[0])
+    torch.testing.assert_close(both[3]["y"], ys.split(ROWS)[1])
+    assert list(both[0]["out"]) == list(out)
+    for key, values in out.items():
+        torch.testing.assert_close(both[0]["out"][key][0], values[0], msg=key)

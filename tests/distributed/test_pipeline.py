@@ -1,0 +1,80 @@
+"""Pipeline parallel hooks on gloo: a model split in two stages that keep their names."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from _models import Stack, stage_of
+from _spawn import spawn
+from torch import nn
+
+from torchsurgery import FlexModel, HookFunction
+
+pytestmark = pytest.mark.distributed
+
+
+def _case() -> tuple[Stack, torch.Tensor]:
+    torch.manual_seed(0)
+    return Stack(4, 8), torch.randn(3, 8)
+
+
+def _register(flex: FlexModel) -> None:
+    flex.register_forward_hook(HookFunction("layers.*"))  # each stage hooks the layers it holds
+    flex.register_forward_hook(HookFunction("layers.3.fc1", editing_function=lambda m, x, c, mods: -x))
+    flex.register_forward_hook(HookFunction("head"))  # held by the last stage alone
+
+
+def _pp_worker(rank: int, world: int) -> dict[str, Any]:
+    model, x = _case()
+    stage = stage_of(copy.deepcopy(model), rank, world)
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(stage, out, pipeline_parallel_size=world)
+    _register(flex)
+    result: dict[str, Any] = {"y": flex(x), "out": {k: list(v) for k, v in out.items()}}
+    try:
+        flex.register_forward_hook(HookFunction("layers.9"))
+        result["typo"] = "no error"
+    except ValueError as exc:
+        result["typo"] = str(exc)
+
+    # an edit fails on stage 0: stage 1 is told instead of waiting, and both raise
+    def boom(module: nn.Module, t: torch.Tensor, ctx: Any, modules: Any) -> torch.Tensor:
+        raise ValueError("boom on purpose")
+
+    failing = FlexModel(stage_of(copy.deepcopy(model), rank, world), {}, pipeline_parallel_size=world)
+    failing.register_forward_hook(HookFunction("layers.0", editing_function=boom))
+    try:
+        failing(x)
+        result["failure"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        result["failure"] = f"{type(exc).__name__}: {exc}"
+    out.clear()
+    result["again"] = flex(x)  # the first wrapper still works after the failure
+    result["again_keys"] = list(out)
+    return result
+
+
+def test_two_stages_match_one_process() -> None:
+    results = spawn(_pp_worker, 2)
+    model, x = _case()
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(model, out)
+    _register(flex)
+    y = flex(x)
+
+    assert results[0]["y"] is None  # the output comes out of the last stage
+    torch.testing.assert_close(results[1]["y"], y)
+    torch.testing.assert_close(results[1]["again"], y)
+    got = results[0]["out"]
+    assert list(got) == list(out) == ["layers.0", "layers.1", "layers.2", "layers.3.fc1", "layers.3", "head"]
+    for key, values in out.items():
+        torch.testing.assert_close(got[key][0], values[0], msg=key)
+    assert results[1]["out"] == {}
+    assert results[0]["again_keys"] == list(out)
+    for r in results:
+        assert "'layers.9' matches no submodule" in r["typo"]
+    assert results[0]["failure"] == "ValueError: boom on purpose"
+    assert results[1]["failure"].startswith("RuntimeError") and "stage 0 failed" in results[1]["failure"]
