@@ -129,3 +129,45 @@ def test_four_ranks_match_one_process() -> None:
     assert list(both[0]["out"]) == list(out)
     for key, values in out.items():
         torch.testing.assert_close(both[0]["out"][key][0], values[0], msg=key)
+
+
+def test_sizes_above_one_without_a_process_group_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    model = MLP()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        FlexModel(model, {}, tensor_parallel_size=2)
+    assert not dist.is_initialized()  # nothing was started behind the user's back
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_layout_errors_name_the_numbers_and_the_fix() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with pytest.raises(ValueError, match=r"2 x pipeline_parallel_size 1 x data_parallel_size 1 = 2.*1 rank"):
+        make_layout(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="named among"):
+        make_layout(device_mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("model",)))
+    with pytest.raises(ValueError, match="disagrees with the device mesh"):
+        make_layout(data_parallel_size=2, device_mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)))
+    layout = make_layout(device_mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))
+    assert (layout.tp_size, layout.dp_size, layout.pp_size, layout.is_root) == (1, 1, 1, True)
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_ddp_wrapped_models_use_the_bare_model_names() -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(2, 8)
+    expected = model.fc1(x)
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(DistributedDataParallel(model), out)
+    flex.register_forward_hook(HookFunction("fc1"))  # not "module.fc1"
+    flex(x)
+    torch.testing.assert_close(out["fc1"][0], expected.detach())
+    torch.testing.assert_close(flex.get_module_parameter("fc2.bias"), model.fc2.bias.detach())
+    flex.restore()
+    assert not model.fc1._forward_hooks

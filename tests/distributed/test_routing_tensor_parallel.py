@@ -141,7 +141,11 @@ def _hook_llama(flex: FlexModel) -> None:
 def _tp_llama_worker(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     model, ids = _llama()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))

@@ -462,6 +462,10 @@ def test_bad_arguments_are_refused() -> None:
         HookFunction("x", expected_shape=(1, "a"))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="callable"):
         HookFunction("x", editing_function=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="edit_on must be 'all' or 'rank0', got 'rank1'"):
+        HookFunction("x", edit_on="rank1")
+    with pytest.raises(ValueError, match="edit_batch must be 'global' or 'local'"):
+        HookFunction("x", edit_batch="everything")
     flex = FlexModel(nn.Linear(2, 2), {})
     with pytest.raises(ValueError, match="hook_type"):
         flex.create_hook_group("g", "x", hook_type="sideways")

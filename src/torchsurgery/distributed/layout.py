@@ -133,6 +133,13 @@ def _from_ranks(
     )
 
 
+def _world() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    if world is None:  # _ensure_initialized() ran first; this is for the type checker
+        raise RuntimeError(f"{_WHAT}: torch.distributed has no default process group")
+    return world
+
+
 def make_layout(
     *,
     tensor_parallel_size: int = 1,
@@ -189,11 +196,11 @@ def make_layout(
         if process_group is not None:
             group = process_group
         elif len(ranks) == dist.get_world_size():
-            group = dist.group.WORLD
+            group = _world()
         else:
             group = dist.new_group(list(ranks), use_local_synchronization=True)
     else:
-        group = process_group or dist.group.WORLD
+        group = process_group or _world()
         ranks = tuple(dist.get_process_group_ranks(group))
         if dist.get_rank() not in ranks:
             raise ValueError(f"{_WHAT}: rank {dist.get_rank()} is not in process_group (ranks {list(ranks)})")

@@ -107,11 +107,11 @@ class DistributedRouting:
             # ship gradient captures when this backward ends, on every rank alike
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        is_dtensor = isinstance(local, DTensor)
-        dim = None if is_dtensor else self._shard_dim(local, binding, module)
+        dtensor = local if isinstance(local, DTensor) else None
+        dim = None if dtensor is not None else self._shard_dim(local, binding, module)
         full: torch.Tensor | None
-        if is_dtensor:
-            full = local.full_tensor()
+        if dtensor is not None:
+            full = dtensor.full_tensor()
         elif dim is not None:
             if edit is None:
                 full = gather_to_root(local, dim, layout.tp_group)
@@ -129,10 +129,10 @@ class DistributedRouting:
             return None
         assert full is not None
         edited = self._edit(binding, full, edit)
-        if is_dtensor:
-            mesh = local.device_mesh
+        if dtensor is not None:
+            mesh = dtensor.device_mesh
             whole = DTensor.from_local(edited, mesh, [Replicate()] * mesh.ndim, run_check=False)
-            return whole.redistribute(mesh, local.placements)
+            return whole.redistribute(mesh, dtensor.placements)
         if dim is not None:
             return edited.chunk(layout.tp_size, dim)[layout.tp_rank]
         return edited
