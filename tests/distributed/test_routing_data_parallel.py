@@ -27,12 +27,14 @@ def _center(module: nn.Module, x: torch.Tensor, ctx: Any, modules: nn.ModuleDict
     return x - x.mean(0, keepdim=True) + 0.1 * modules["probe"](x)
 
 
-def _register(flex: FlexModel, probe: nn.Linear, fc2_edit: Any, **fc2: Any) -> None:
+def _register(flex: FlexModel, probe: nn.Linear, fc2_edit: Any, *, grad_hook: bool = True, **fc2: Any) -> None:
     flex.register_trainable_module("probe", probe)
     flex.register_forward_hook(HookFunction("fc1"))
     flex.register_forward_hook(HookFunction("act", editing_function=_center))
     flex.register_forward_hook(HookFunction("fc2", editing_function=fc2_edit, **fc2))
     flex.register_full_backward_pre_hook(HookFunction("fc2"))
+    if grad_hook:
+        flex.register_hook(HookFunction("fc1.weight"))  # a parameter's gradient: summed over replicas
 
 
 def _local_center(module: nn.Module, x: torch.Tensor, ctx: Any, modules: Any) -> torch.Tensor:
@@ -89,7 +91,12 @@ def _dp_worker(rank: int, world: int) -> dict[str, Any]:
     fully_shard(reference, mesh=mesh)
     out = {}
     flex = FlexModel(reference, out, device_mesh=mesh)
-    _register(flex, probe, lambda m, t, c, mods: t * 1.5)
+    try:
+        flex.register_hook(HookFunction("fc1.weight"))
+        result["fsdp_grad_hook"] = "no error"
+    except ValueError as exc:
+        result["fsdp_grad_hook"] = str(exc)
+    _register(flex, probe, lambda m, t, c, mods: t * 1.5, grad_hook=False)
     y = flex(x.chunk(world)[rank])
     (y**2).sum().backward()
     result["fsdp"] = {
@@ -122,11 +129,12 @@ def test_data_parallel_matches_one_process(results: list[dict[str, Any]], wrappe
     got = [r[wrapper] for r in results]
     torch.testing.assert_close(torch.cat([g["y"] for g in got]), y)
     # rank 0 alone holds the captures, the whole batch in rank order; forward and backward
-    assert list(got[0]["out"]) == list(out) == ["fc1", "act", "fc2", "fc2#2"]
-    assert got[1]["out"] == {}
-    for key, values in out.items():
+    expected = ["fc1", "act", "fc2", "fc2#2", "fc1.weight"][: 5 if wrapper == "ddp" else 4]
+    assert list(got[0]["out"]) == expected
+    for key in expected:
         assert len(got[0]["out"][key]) == 1, key
-        torch.testing.assert_close(got[0]["out"][key][0], values[0], msg=key)
+        torch.testing.assert_close(got[0]["out"][key][0], out[key][0], msg=key)
+    assert got[1]["out"] == {}
     for g in got:
         torch.testing.assert_close(g["probe_grad"], probe.weight.grad)
         for name, p in model.named_parameters():
@@ -135,6 +143,8 @@ def test_data_parallel_matches_one_process(results: list[dict[str, Any]], wrappe
     if wrapper == "fsdp":
         for g in got:
             torch.testing.assert_close(g["fc1_weight"], model.fc1.weight.detach())
+        for r in results:  # FSDP2 assigns gradients directly: a gradient hook would never run
+            assert "param.grad.full_tensor()" in r["fsdp_grad_hook"]
 
 
 def test_a_failing_edit_stops_every_rank(results: list[dict[str, Any]]) -> None:

@@ -9,7 +9,9 @@ For each hook call on each rank:
 2. **capture**: the first tensor-parallel rank of each data-parallel replica and stage
    keeps a CPU copy; at the end of the forward (or backward) every copy goes to rank 0
    in one message per rank, where data-parallel pieces are concatenated along the batch
-   dimension (sizes may differ) and each stage's keys are added in stage order.
+   dimension (sizes may differ) and each stage's keys are added in stage order. A
+   parameter's gradient (``register_hook``) has no batch dimension: the replicas'
+   gradients are summed, which is one process's gradient of the summed loss.
 3. **edit**: by default every rank of the stage runs the editing function on the same
    input (the global batch, gathered over data-parallel ranks; or, with
    ``edit_batch="local"``, its own batch), so nothing but the input travels; with
@@ -66,6 +68,7 @@ class DistributedRouting:
         self._runtime: Any = None
         self._plan_dims: dict[int, int | None] = {}
         self._callback_queued = False
+        self._summed: set[str] = set()  # parameter-gradient keys: replicas' pieces add up
         self._grad_handles: list[RemovableHandle] = []
         # captures go straight to output_ptr when no other rank has any to send
         self._direct = layout.dp_size == 1 and layout.pp_size == 1
@@ -121,6 +124,8 @@ class DistributedRouting:
             full = local
         if layout.tp_rank == 0:
             assert full is not None
+            if binding.hook_type == "tensor":
+                self._summed.add(binding.key)
             if self._direct:
                 runtime.capture(binding.key, full)
             else:
@@ -142,7 +147,8 @@ class DistributedRouting:
         hook = binding.hook
         target, sizes = full, None
         share = layout.tp_group
-        if layout.dp_size > 1 and hook.edit_batch == "global":
+        # a parameter's gradient has no batch dimension: its edit sees this rank's gradient
+        if layout.dp_size > 1 and hook.edit_batch == "global" and binding.hook_type != "tensor":
             sizes = piece_sizes(full, 0, layout.dp_group, layout.device)
             target = gather_along(full, 0, layout.dp_group, sizes)
             share = layout.stage_group
@@ -243,7 +249,13 @@ class DistributedRouting:
                 count = max(len(part.get(key, ())) for part in replicas)
                 for i in range(count):
                     pieces = [part[key][i] for part in replicas if i < len(part.get(key, ()))]
-                    output_ptr.setdefault(key, []).append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+                    if len(pieces) == 1:
+                        value = pieces[0]
+                    elif key in self._summed:
+                        value = torch.stack(pieces).sum(0)
+                    else:
+                        value = torch.cat(pieces)
+                    output_ptr.setdefault(key, []).append(value)
 
     # ----------------------------------------------------------- the rest
 

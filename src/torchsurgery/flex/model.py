@@ -154,6 +154,14 @@ def _distributed_available() -> bool:
     return dist.is_available()
 
 
+def _is_fully_sharded(model: nn.Module) -> bool:
+    if not _distributed_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def unwrap(module: nn.Module) -> nn.Module:
     """The model inside DDP, DataParallel and ``torch.compile`` wrappers (names without their prefixes).
 
@@ -430,6 +438,11 @@ class FlexModel(nn.Module):
         root = unwrap(self.module)
         routing = self._runtime.routing
         if hook_type == "tensor":
+            if _is_fully_sharded(root):
+                raise ValueError(
+                    f"{what}: {pattern!r}: FSDP2 hands each parameter its reduced gradient directly, "
+                    "so a gradient hook on it never runs; read param.grad.full_tensor() after backward"
+                )
             params = dict(root.named_parameters())
             names = [n for n in params if glob_match(pattern, n)] if is_glob(pattern) else [n for n in params if n == pattern]
             if not routing.matched_anywhere(bool(names), hook_type, pattern):
