@@ -12,6 +12,12 @@ edit), runs the editing function, and puts the result back in the same structure
 Hooks stay registered for the wrapper's lifetime; a forward's ``groups`` only switch
 them on and off, so hook order never changes and nothing is re-registered per call.
 
+In distributed runs (parallel sizes above 1, a process group or a device mesh) the
+routing is :class:`torchsurgery.distributed.DistributedRouting`: editing functions see
+whole tensors (tensor-parallel shards gathered, data-parallel batches assembled), the
+model gets its local part back, captures reach rank 0 alone, and with pipeline
+parallelism the wrapper runs this rank's stage and passes activations on.
+
 The wrapper shares the wrapped model's parameter, buffer and child dictionaries, so
 ``state_dict()``, ``parameters()``, ``to()``, ``train()`` and friends act on the wrapped
 model with its own names. :meth:`FlexModel.restore` (or ``torchsurgery.restore(model)``,
@@ -228,15 +234,32 @@ class FlexModel(nn.Module):
     Args:
         module: the model to wrap (not copied).
         output_ptr: the dict captures are appended to.
-        tensor_parallel_size: tensor-parallel size (distributed runs).
-        pipeline_parallel_size: pipeline-parallel size (distributed runs).
-        data_parallel_size: data-parallel size (distributed runs).
-        process_group: restrict a distributed run to this group.
+        tensor_parallel_size: ranks per tensor-parallel group; ranks are laid out as in
+            Megatron-LM (tensor-parallel ranks contiguous, then data-parallel, then
+            pipeline stages).
+        pipeline_parallel_size: pipeline stages. ``module`` is then this rank's stage:
+            the first stage gets ``forward``'s arguments, each later stage the tensors
+            the previous one returned; the last stage's ranks return the output, the
+            others ``None``. Hooks may name modules another stage holds.
+        data_parallel_size: data-parallel replicas, each with its own batch (sizes may
+            differ). ``module`` may be wrapped in DDP or sharded with FSDP2; hook names
+            are the bare model's.
+        process_group: lay out only this group's ranks (default: the whole world).
+        device_mesh: a ``DeviceMesh`` whose dimensions are named among ``pp``, ``dp``,
+            ``tp``; it gives the sizes and the rank order.
+
+    Across ranks: ``output_ptr`` is filled on the layout's first rank alone (global rank 0
+    by default), at the end of each forward (and each backward, for gradient hooks);
+    ``save_ctx`` is each rank's own; trainable modules are copied from rank 0 when
+    registered and their gradients are summed over the ranks of a stage, so every rank
+    holds the gradient one process would compute.
 
     Raises:
         TypeError: ``module`` is not a module or ``output_ptr`` not a dict.
-        ValueError: a parallel size is not a positive integer.
-        RuntimeError: distributed sizes were given but distributed support is unavailable.
+        ValueError: a parallel size is not a positive integer, or the sizes do not
+            multiply to the number of ranks (the numbers are named).
+        RuntimeError: parallel sizes were given but no process group exists (and this
+            is not a torchrun launch), or torch was built without distributed support.
 
     Example:
         >>> import torch
