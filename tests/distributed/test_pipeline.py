@@ -34,6 +34,11 @@ def _pp_worker(rank: int, world: int) -> dict[str, Any]:
     flex = FlexModel(stage, out, pipeline_parallel_size=world)
     _register(flex)
     result: dict[str, Any] = {"y": flex(x), "out": {k: list(v) for k, v in out.items()}}
+    # a group made by name holds different hooks on each stage (none on stage 0)
+    flex.create_hook_group("heads", "head")
+    out.clear()
+    flex(x, groups="heads")
+    result["group_keys"] = list(out)
     try:
         flex.register_forward_hook(HookFunction("layers.9"))
         result["typo"] = "no error"
@@ -73,7 +78,8 @@ def test_two_stages_match_one_process() -> None:
     for key, values in out.items():
         torch.testing.assert_close(got[key][0], values[0], msg=key)
     assert results[1]["out"] == {}
-    assert results[0]["again_keys"] == list(out)
+    assert results[0]["group_keys"] == ["head#2"]  # "head" already had a hook
+    assert results[0]["again_keys"] == [*out, "head#2"]
     for r in results:
         assert "'layers.9' matches no submodule" in r["typo"]
     assert results[0]["failure"] == "ValueError: boom on purpose"

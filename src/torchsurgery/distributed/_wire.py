@@ -51,7 +51,7 @@ def pack(items: Sequence[tuple[str, torch.Tensor]], *, device: torch.device, sta
         chunks.append(data)
         offset += data.numel()
     header = json.dumps({"status": status, "items": entries}).encode()
-    head = torch.tensor(list(len(header).to_bytes(8, "little")) + list(header), dtype=torch.uint8, device=device)
+    head = torch.frombuffer(bytearray(len(header).to_bytes(8, "little") + header), dtype=torch.uint8).to(device)
     pad = -head.numel() % _ALIGN
     parts = [head, torch.zeros(pad, dtype=torch.uint8, device=device), *chunks]
     return torch.cat(parts) if len(parts) > 1 else head

@@ -23,6 +23,9 @@ __all__ = ["Layout", "make_layout"]
 
 AXES = ("pp", "dp", "tp")
 _WHAT = "torchsurgery.FlexModel"
+# Layouts already built, so wrapping models again (a notebook habit) creates no new groups.
+# Keyed by the parent group object itself: a re-initialised world is a new object.
+_BUILT: dict[tuple[object, ...], Layout] = {}
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,13 @@ def _subgroup(ranks: Sequence[int], cache: dict[tuple[int, ...], dist.ProcessGro
 def _from_ranks(
     ranks: tuple[int, ...], group: dist.ProcessGroup, tp_size: int, dp_size: int, pp_size: int
 ) -> Layout:
+    key = (group, ranks, tp_size, dp_size, pp_size)
+    if key not in _BUILT:
+        _BUILT[key] = _build(ranks, group, tp_size, dp_size, pp_size)
+    return _BUILT[key]
+
+
+def _build(ranks: tuple[int, ...], group: dist.ProcessGroup, tp_size: int, dp_size: int, pp_size: int) -> Layout:
     me = dist.get_rank()
     position = ranks.index(me)
     pp, dp, tp = layout_position(position, tp_size=tp_size, dp_size=dp_size)

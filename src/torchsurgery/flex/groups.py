@@ -32,6 +32,8 @@ class HookGroups:
 
     def __init__(self) -> None:
         self._groups: dict[HookFunction, set[str]] = {}
+        # groups created with no member here (a pipeline stage that holds none of its modules)
+        self._declared: set[str] = {ALL}
 
     def register(self, hook: HookFunction) -> None:
         self._groups.setdefault(hook, set()).add(ALL)
@@ -53,6 +55,7 @@ class HookGroups:
         return chosen
 
     def add(self, hooks: Iterable[HookFunction], group: str) -> None:
+        self._declared.add(group)
         for hook in hooks:
             self._groups.setdefault(hook, {ALL}).add(group)
 
@@ -69,7 +72,7 @@ class HookGroups:
         return [h for h, gs in self._groups.items() if group in gs]
 
     def known(self) -> set[str]:
-        return set().union(*self._groups.values()) if self._groups else {ALL}
+        return self._declared.union(*self._groups.values())
 
     def active(self, groups: str | Iterable[str], complement: bool, what: str) -> set[HookFunction]:
         wanted = {groups} if isinstance(groups, str) else set(groups)

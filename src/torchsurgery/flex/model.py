@@ -455,7 +455,10 @@ class FlexModel(nn.Module):
 
     # --------------------------------------------------------- registration
 
-    def _targets(self, hook: HookFunction, hook_type: str) -> list[tuple[str, nn.Module | torch.Tensor, nn.Module | None]]:
+    def _targets(
+        self, hook: HookFunction, hook_type: str, *, local: bool = False
+    ) -> list[tuple[str, nn.Module | torch.Tensor, nn.Module | None]]:
+        """What ``hook`` binds to here; ``local``: a name this process already matched."""
         what = f"torchsurgery.FlexModel ({hook_type} hook)"
         pattern = hook.module_name
         root = unwrap(self.module)
@@ -468,22 +471,22 @@ class FlexModel(nn.Module):
                 )
             params = dict(root.named_parameters())
             names = [n for n in params if glob_match(pattern, n)] if is_glob(pattern) else [n for n in params if n == pattern]
-            if not routing.matched_anywhere(bool(names), hook_type, pattern):
+            if not local and not routing.matched_anywhere(bool(names), hook_type, pattern):
                 raise ValueError(no_match_message(what, pattern, list(params)).replace("submodule", "parameter"))
             return [(n, params[n], root.get_submodule(n.rpartition(".")[0])) for n in names]
         modules = dict(root.named_modules())
         names = [n for n in modules if glob_match(pattern, n)]
-        if not routing.matched_anywhere(bool(names), hook_type, pattern):
+        if not local and not routing.matched_anywhere(bool(names), hook_type, pattern):
             raise ValueError(no_match_message(what, pattern, [n for n in modules if n]))
         return [(n, modules[n], None) for n in names]  # none here: another pipeline stage holds it
 
-    def _register(self, hook: HookFunction, hook_type: str) -> None:
+    def _register(self, hook: HookFunction, hook_type: str, *, local: bool = False) -> None:
         self._check_alive(f"register ({hook_type})")
         if not isinstance(hook, HookFunction):
             raise TypeError(f"torchsurgery.FlexModel: expected a HookFunction, got {type(hook).__name__}")
         if any(b.hook is hook and b.hook_type == hook_type for b in self._bindings):
             raise ValueError(f"torchsurgery.FlexModel: {hook!r} is already registered as a {hook_type} hook")
-        targets = self._targets(hook, hook_type)
+        targets = self._targets(hook, hook_type, local=local)
         added: list[_Binding] = []
         try:
             for name, target, owner in targets:
@@ -580,6 +583,9 @@ class FlexModel(nn.Module):
             if not self._runtime.routing.matched_anywhere(bool(matched), hook_type, group_constructor):
                 raise ValueError(no_match_message(what, group_constructor, names))
             hooks = [HookFunction(n, expected_shape, editing_function, unpack_idx) for n in matched]
+            # pipeline stages match different names: no stage-wide check per created hook
+            for hook in hooks:
+                self._register(hook, hook_type, local=True)
         elif isinstance(group_constructor, HookFunction):
             hooks = [group_constructor]
         else:
