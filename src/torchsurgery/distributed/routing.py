@@ -112,27 +112,21 @@ class DistributedRouting:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         dtensor = local if isinstance(local, DTensor) else None
         dim = None if dtensor is not None else self._shard_dim(local, binding, module)
-        full: torch.Tensor | None
         if dtensor is not None:
             full = dtensor.full_tensor()
-        elif dim is not None:
-            if edit is None:
-                full = gather_to_root(local, dim, layout.tp_group)
-            else:
-                full = gather_along(local, dim, layout.tp_group, [local.shape[dim]] * layout.tp_size)
-        else:
+        elif dim is None:
             full = local
+        elif edit is None:
+            whole = gather_to_root(local, dim, layout.tp_group)  # only rank 0 of the group needs it
+            if whole is not None:
+                self._capture(runtime, binding, whole)
+            return None
+        else:
+            full = gather_along(local, dim, layout.tp_group, [local.shape[dim]] * layout.tp_size)
         if layout.tp_rank == 0:
-            assert full is not None
-            if binding.hook_type == "tensor":
-                self._summed.add(binding.key)
-            if self._direct:
-                runtime.capture(binding.key, full)
-            else:
-                runtime.capture(binding.key, full, self.pending)
+            self._capture(runtime, binding, full)
         if edit is None:
             return None
-        assert full is not None
         edited = self._edit(binding, full, edit)
         if dtensor is not None:
             mesh = dtensor.device_mesh
@@ -141,6 +135,11 @@ class DistributedRouting:
         if dim is not None:
             return edited.chunk(layout.tp_size, dim)[layout.tp_rank]
         return edited
+
+    def _capture(self, runtime: Any, binding: Any, full: torch.Tensor) -> None:
+        if binding.hook_type == "tensor":
+            self._summed.add(binding.key)
+        runtime.capture(binding.key, full, None if self._direct else self.pending)
 
     def _edit(self, binding: Any, full: torch.Tensor, edit: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         layout = self.layout
