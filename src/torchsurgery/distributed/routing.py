@@ -55,6 +55,14 @@ _BACKWARD = ("full_backward", "full_backward_pre", "tensor")
 OutputPtr = dict[str, list[torch.Tensor]]
 
 
+def _receive_all(into: list[tuple[torch.Tensor, int]], group: dist.ProcessGroup) -> None:
+    """Receive into each tensor from its global rank, all at once."""
+    if into:
+        ops = [dist.P2POp(dist.irecv, tensor, rank, group) for tensor, rank in into]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
 class DistributedRouting:
     """Routes hook activations over a :class:`~torchsurgery.distributed.layout.Layout`.
 
@@ -184,12 +192,12 @@ class DistributedRouting:
 
     def forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run this rank's part of the model (its pipeline stage)."""
-        self.pending = {}
+        # captures made outside the wrapper (generate) stay pending: they ship with this pass
         self._callback_queued = False
         return pipeline.run_stage(module, args, kwargs, self.layout)
 
     def end_forward(self, output_ptr: OutputPtr, *, failed: bool = False) -> None:
-        """Ship this forward's captures to rank 0; raise there and everywhere if a rank failed."""
+        """Ship this forward's captures to rank 0, which raises if a sender failed."""
         if self._direct:
             return
         self._exchange(output_ptr, failed)
@@ -200,38 +208,42 @@ class DistributedRouting:
             self._exchange(self._runtime.output_ptr, False)
 
     def _exchange(self, output_ptr: OutputPtr, failed: bool) -> None:
+        # Point to point only: each sender (the first tensor-parallel rank of every replica
+        # and stage) sends rank 0 a two-number head (failed, size) and then its captures;
+        # a collective here would cost every rank a round trip per forward.
         layout = self.layout
         pending, self.pending = self.pending, {}
-        items = [(key, t) for key, values in pending.items() for t in values]
-        buffer = None
-        if items and not layout.is_root and not failed:
-            buffer = _wire.pack(items, device=layout.device)
-        meta = torch.tensor([int(failed), 0 if buffer is None else buffer.numel()], dtype=torch.int64, device=layout.device)
-        metas = [torch.empty_like(meta) for _ in layout.ranks]
-        dist.all_gather(metas, meta, group=layout.group)
-        order = sorted(layout.ranks)  # all_gather answers in group-rank order: ascending global ranks
-        states = {order[i]: (int(m[0]), int(m[1])) for i, m in enumerate(metas)}
-        bad = [rank for rank, (f, _) in states.items() if f]
-        if bad:
-            if failed:
-                return  # this rank's own exception is already on its way
-            raise RuntimeError(
-                f"{_WHAT}: rank(s) {bad} failed in this pass; every rank of the layout stops "
-                "(see the traceback of those ranks)"
-            )
-        root = layout.ranks[0]
+        root, group, device = layout.ranks[0], layout.group, layout.device
         if not layout.is_root:
+            if layout.tp_rank != 0:
+                return
+            items = [(key, t) for key, values in pending.items() for t in values]
+            buffer = _wire.pack(items, device=device) if items and not failed else None
+            head = torch.tensor([int(failed), 0 if buffer is None else buffer.numel()], dtype=torch.int64, device=device)
+            dist.send(head, dst=root, group=group)
             if buffer is not None:
-                _wire.send(buffer, dst=root, group=layout.group)
+                dist.send(buffer, dst=root, group=group)
             return
+        senders = [(p, layout.ranks[p]) for p in range(layout.tp_size, len(layout.ranks), layout.tp_size)]
+        heads = {p: torch.empty(2, dtype=torch.int64, device=device) for p, _ in senders}
+        _receive_all([(heads[p], rank) for p, rank in senders], group)
+        buffers = {p: torch.empty(int(heads[p][1]), dtype=torch.uint8, device=device) for p, _ in senders if heads[p][1]}
+        # always drained, so the next pass starts with nothing in flight
+        _receive_all([(buffers[p], rank) for p, rank in senders if p in buffers], group)
+        bad = [rank for p, rank in senders if heads[p][0]]
+        if failed:
+            return  # this rank's own exception is already on its way
+        if bad:
+            raise RuntimeError(
+                f"{_WHAT}: rank(s) {bad} failed in this pass, so their captures are missing; "
+                "see the traceback of those ranks"
+            )
         received: dict[int, OutputPtr] = {0: pending}
-        for position, rank in enumerate(layout.ranks):
-            if position and states[rank][1]:
-                _, named = _wire.unpack(_wire.recv(src=rank, group=layout.group, device=layout.device))
-                part: OutputPtr = {}
-                for key, tensor in named:
-                    part.setdefault(key, []).append(tensor.to("cpu", copy=True))
-                received[position] = part
+        for p, buffer in buffers.items():
+            part: OutputPtr = {}
+            for key, tensor in _wire.unpack(buffer)[1]:
+                part.setdefault(key, []).append(tensor.to("cpu", copy=True))
+            received[p] = part
         self._merge(output_ptr, received)
 
     def _merge(self, output_ptr: OutputPtr, received: dict[int, OutputPtr]) -> None:
