@@ -36,3 +36,16 @@ def test_status_travels_without_tensors() -> None:
 def test_an_unsupported_dtype_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match="'q'"):
         pack([("q", torch.zeros(2, dtype=torch.uint16))], device=CPU)
+
+
+def test_frames_carry_data_that_fits_and_signal_what_does_not() -> None:
+    from torchsurgery.distributed._wire import FRAME_HEAD, frame, next_capacity, read_head
+
+    data = torch.arange(10, dtype=torch.uint8)
+    first, rest = frame(data, status=0, capacity=16, device=CPU)
+    assert rest is None and first.numel() == FRAME_HEAD + 16
+    assert read_head(first) == (0, 10) and torch.equal(first[FRAME_HEAD : FRAME_HEAD + 10], data)
+    first, rest = frame(data, status=1, capacity=4, device=CPU)  # too big: follows on its own
+    assert read_head(first) == (1, 10) and rest is data
+    # both ends move to the same capacity: grow to fit, shrink when far too big, else keep
+    assert [next_capacity(4, 10), next_capacity(16, 10), next_capacity(64, 10)] == [10, 16, 10]

@@ -90,3 +90,38 @@ def recv(*, src: int, group: dist.ProcessGroup, device: torch.device) -> torch.T
     buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.recv(buffer, src=src, group=group)
     return buffer
+
+
+# Framed messages. A sender that talks to the same receiver every pass (captures shipped
+# to rank 0) sends one frame of ``FRAME_HEAD + capacity`` bytes: a head (status, size) and
+# the data when it fits. Data that does not fit follows in a second message, and both ends
+# then adopt the new capacity by the same rule, so the next pass needs one message again.
+FRAME_HEAD = 16
+
+
+def next_capacity(capacity: int, size: int) -> int:
+    """The capacity both ends use after a pass that carried ``size`` bytes."""
+    return size if size > capacity or size < capacity // 4 else capacity
+
+
+def frame(data: torch.Tensor | None, *, status: int, capacity: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The first message (head and, if it fits, ``data``) and the overflow message, if any.
+
+    Example:
+        >>> first, rest = frame(torch.arange(3, dtype=torch.uint8), status=0, capacity=8, device=torch.device("cpu"))
+        >>> read_head(first), rest is None, first[FRAME_HEAD:FRAME_HEAD + 3].tolist()
+        ((0, 3), True, [0, 1, 2])
+    """
+    size = 0 if data is None else data.numel()
+    first = torch.zeros(FRAME_HEAD + capacity, dtype=torch.uint8, device=device)
+    first[:FRAME_HEAD].view(torch.int64).copy_(torch.tensor([status, size]))
+    if data is not None and size <= capacity:
+        first[FRAME_HEAD : FRAME_HEAD + size] = data
+        return first, None
+    return first, data
+
+
+def read_head(first: torch.Tensor) -> tuple[int, int]:
+    """``(status, size)`` of a frame."""
+    status, size = first[:FRAME_HEAD].view(torch.int64).tolist()
+    return int(status), int(size)

@@ -57,9 +57,9 @@ OutputPtr = dict[str, list[torch.Tensor]]
 
 def _receive_all(into: list[tuple[torch.Tensor, int]], group: dist.ProcessGroup) -> None:
     """Receive into each tensor from its global rank, all at once."""
-    if into:
-        ops = [dist.P2POp(dist.irecv, tensor, rank, group) for tensor, rank in into]
-        for work in dist.batch_isend_irecv(ops):
+    works = [dist.irecv(tensor, src=rank, group=group) for tensor, rank in into]
+    for work in works:
+        if work is not None:  # None only for ranks outside the group, which none are
             work.wait()
 
 
@@ -78,6 +78,9 @@ class DistributedRouting:
         self._callback_queued = False
         self._summed: set[str] = set()  # parameter-gradient keys: replicas' pieces add up
         self._grad_handles: list[RemovableHandle] = []
+        self._sends: list[tuple[Any, torch.Tensor]] = []
+        # frame capacity per sender position (rank 0 keeps every sender's; a sender its own at 0)
+        self._capacity: dict[int, int] = dict.fromkeys(range(len(layout.ranks)), 0)
         # captures go straight to output_ptr when no other rank has any to send
         self._direct = layout.dp_size == 1 and layout.pp_size == 1
 
@@ -209,8 +212,8 @@ class DistributedRouting:
 
     def _exchange(self, output_ptr: OutputPtr, failed: bool) -> None:
         # Point to point only: each sender (the first tensor-parallel rank of every replica
-        # and stage) sends rank 0 a two-number head (failed, size) and then its captures;
-        # a collective here would cost every rank a round trip per forward.
+        # and stage) sends rank 0 one frame per pass, (failed, size) and its captures; a
+        # collective here would cost every rank a round trip per forward.
         layout = self.layout
         pending, self.pending = self.pending, {}
         root, group, device = layout.ranks[0], layout.group, layout.device
@@ -218,18 +221,23 @@ class DistributedRouting:
             if layout.tp_rank != 0:
                 return
             items = [(key, t) for key, values in pending.items() for t in values]
-            buffer = _wire.pack(items, device=device) if items and not failed else None
-            head = torch.tensor([int(failed), 0 if buffer is None else buffer.numel()], dtype=torch.int64, device=device)
-            dist.send(head, dst=root, group=group)
-            if buffer is not None:
-                dist.send(buffer, dst=root, group=group)
+            data = _wire.pack(items, device=device) if items and not failed else None
+            first, rest = _wire.frame(data, status=int(failed), capacity=self._capacity[0], device=device)
+            self._capacity[0] = _wire.next_capacity(self._capacity[0], 0 if data is None else data.numel())
+            self._settle_sends()
+            # not waited for here: this rank goes on while rank 0 receives
+            self._sends = [(dist.isend(t, dst=root, group=group), t) for t in (first, rest) if t is not None]
             return
         senders = [(p, layout.ranks[p]) for p in range(layout.tp_size, len(layout.ranks), layout.tp_size)]
-        heads = {p: torch.empty(2, dtype=torch.int64, device=device) for p, _ in senders}
-        _receive_all([(heads[p], rank) for p, rank in senders], group)
-        buffers = {p: torch.empty(int(heads[p][1]), dtype=torch.uint8, device=device) for p, _ in senders if heads[p][1]}
+        firsts = {p: torch.empty(_wire.FRAME_HEAD + self._capacity[p], dtype=torch.uint8, device=device) for p, _ in senders}
+        _receive_all([(firsts[p], rank) for p, rank in senders], group)
+        heads = {p: _wire.read_head(firsts[p]) for p, _ in senders}
+        overflow = {p: torch.empty(size, dtype=torch.uint8, device=device) for p, (_, size) in heads.items() if size > self._capacity[p]}
         # always drained, so the next pass starts with nothing in flight
-        _receive_all([(buffers[p], rank) for p, rank in senders if p in buffers], group)
+        _receive_all([(overflow[p], rank) for p, rank in senders if p in overflow], group)
+        buffers = {p: overflow.get(p, firsts[p][_wire.FRAME_HEAD : _wire.FRAME_HEAD + size]) for p, (_, size) in heads.items() if size}
+        for p, (_, size) in heads.items():
+            self._capacity[p] = _wire.next_capacity(self._capacity[p], size)
         bad = [rank for p, rank in senders if heads[p][0]]
         if failed:
             return  # this rank's own exception is already on its way
@@ -245,6 +253,13 @@ class DistributedRouting:
                 part.setdefault(key, []).append(tensor.to("cpu", copy=True))
             received[p] = part
         self._merge(output_ptr, received)
+
+    def _settle_sends(self) -> None:
+        """Wait for the previous pass's sends (their tensors stay alive until then)."""
+        for work, _ in self._sends:
+            if work is not None:
+                work.wait()
+        self._sends = []
 
     def _merge(self, output_ptr: OutputPtr, received: dict[int, OutputPtr]) -> None:
         layout = self.layout
@@ -310,7 +325,8 @@ class DistributedRouting:
         return total
 
     def close(self) -> None:
-        """Remove the gradient hooks put on trainable modules."""
+        """Finish sending captures; remove the gradient hooks put on trainable modules."""
+        self._settle_sends()
         for handle in self._grad_handles:
             handle.remove()
         self._grad_handles.clear()
