@@ -250,7 +250,8 @@ class DistributedRouting:
         for p, buffer in buffers.items():
             part: OutputPtr = {}
             for key, tensor in _wire.unpack(buffer)[1]:
-                part.setdefault(key, []).append(tensor.to("cpu", copy=True))
+                # views of a buffer received for this pass alone: no copy needed on a CPU
+                part.setdefault(key, []).append(tensor.cpu())
             received[p] = part
         self._merge(output_ptr, received)
 
