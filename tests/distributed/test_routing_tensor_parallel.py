@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _faults import outcome, raises_on
 from _models import MLP, tensor_parallel_mlp
 from _spawn import spawn
 from torch import nn
@@ -53,19 +54,10 @@ def _tp_mlp_worker(rank: int, world: int) -> dict[str, Any]:
     }
 
     # one rank's editing function raises: every rank fails, naming it, and nobody hangs
-    def boom(module: nn.Module, t: torch.Tensor, ctx: Any, modules: Any) -> torch.Tensor:
-        if dist.get_rank() == 1:
-            raise ValueError("boom on purpose")
-        return t
-
     flex.restore()
     failing = FlexModel(model, {}, tensor_parallel_size=world)
-    failing.register_forward_hook(HookFunction("fc1", (None, None, HIDDEN), boom))
-    try:
-        failing(x)
-        result["failure"] = "no error"
-    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
-        result["failure"] = f"{type(exc).__name__}: {exc} {getattr(exc, '__notes__', '')}"
+    failing.register_forward_hook(HookFunction("fc1", (None, None, HIDDEN), raises_on(1)))
+    result["failure"] = outcome(lambda: failing(x))
     failing.restore()
 
     # a random edit run once and broadcast: every rank continues with the same values
