@@ -27,7 +27,6 @@ or dropping the wrapper) removes every hook and leaves the model exactly as it w
 from __future__ import annotations
 
 import functools
-import importlib.util
 import weakref
 from argparse import Namespace
 from collections.abc import Callable, Iterable, Sequence
@@ -301,15 +300,16 @@ class FlexModel(nn.Module):
                 raise ValueError(f"{what}: {key} must be a positive int, got {value!r}")
         super().__init__()
         if process_group is not None or device_mesh is not None or any(v > 1 for v in sizes.values()):
-            if importlib.util.find_spec("torch.distributed") is None or not _distributed_available():
+            if not _distributed_available():
                 raise RuntimeError(
                     f"{what}: {sizes} with process_group={process_group!r} need torch.distributed, "
                     "which this build of torch does not include; run in one process (all sizes 1)"
                 )
-            from torchsurgery.distributed import make_routing
+            from torchsurgery.distributed import DistributedRouting, make_layout
 
-            routing: Routing = make_routing(process_group=process_group, device_mesh=device_mesh, **sizes)
-            layout = routing.layout  # type: ignore[attr-defined]
+            layout = make_layout(process_group=process_group, device_mesh=device_mesh, **sizes)
+            routing: Routing = DistributedRouting(layout)
+            # a device mesh gives the sizes
             tensor_parallel_size, pipeline_parallel_size, data_parallel_size = layout.tp_size, layout.pp_size, layout.dp_size
         else:
             routing = LocalRouting()
