@@ -49,6 +49,10 @@ def _pp_worker(rank: int, world: int) -> dict[str, Any]:
     failing = FlexModel(stage_of(copy.deepcopy(model), rank, world), {}, pipeline_parallel_size=world)
     failing.register_forward_hook(HookFunction("layers.0", editing_function=raises_on(None)))
     result["failure"] = outcome(lambda: failing(x))
+    # an edit fails on the last stage: rank 0, which collects the captures, raises too
+    late = FlexModel(stage_of(copy.deepcopy(model), rank, world), {}, pipeline_parallel_size=world)
+    late.register_forward_hook(HookFunction("layers.3", editing_function=raises_on(None)))
+    result["late_failure"] = outcome(lambda: late(x))
     out.clear()
     result["again"] = flex(x)  # the first wrapper still works after the failure
     result["again_keys"] = list(out)
@@ -77,3 +81,5 @@ def test_two_stages_match_one_process() -> None:
         assert "'layers.9' matches no submodule" in r["typo"]
     assert results[0]["failure"].startswith("ValueError: boom on purpose")
     assert results[1]["failure"].startswith("RuntimeError") and "stage 0 failed" in results[1]["failure"]
+    assert results[0]["late_failure"].startswith("RuntimeError") and "rank(s) [1] failed" in results[0]["late_failure"]
+    assert results[1]["late_failure"].startswith("ValueError: boom on purpose")
