@@ -78,6 +78,14 @@ def _four_rank_worker(rank: int, world: int) -> dict[str, Any]:
     flex = FlexModel(stage_of(copy.deepcopy(stack), pp, 2), out, pipeline_parallel_size=2, data_parallel_size=2)
     flex.register_forward_hook(HookFunction("layers.*"))
     result["pp2dp2"] = {"y": flex(xs.split(ROWS)[dpr]), "out": out}
+
+    # restricted to ranks 2 and 3: rank 2 holds output_ptr, ranks 0 and 1 take no part
+    group = dist.new_group([2, 3], use_local_synchronization=True) if rank >= 2 else None
+    if group is not None:
+        out = {}
+        flex = FlexModel(copy.deepcopy(stack), out, data_parallel_size=2, process_group=group)
+        flex.register_forward_hook(HookFunction("layers.*"))
+        result["group"] = {"y": flex(xs.split(ROWS)[rank - 2]), "out": out}
     return result
 
 
@@ -129,6 +137,13 @@ def test_four_ranks_match_one_process() -> None:
     assert list(both[0]["out"]) == list(out)
     for key, values in out.items():
         torch.testing.assert_close(both[0]["out"][key][0], values[0], msg=key)
+
+    grouped = [r["group"] for r in results[2:]]
+    for part, g in zip(ys.split(ROWS), grouped, strict=True):
+        torch.testing.assert_close(g["y"], part)
+    assert list(grouped[0]["out"]) == list(out) and grouped[1]["out"] == {}
+    for key, values in out.items():
+        torch.testing.assert_close(grouped[0]["out"][key][0], values[0], msg=key)
 
 
 def test_sizes_above_one_without_a_process_group_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
