@@ -27,6 +27,43 @@ def _register(flex: FlexModel) -> None:
     flex.register_forward_hook(HookFunction("head"))  # held by the last stage alone
 
 
+def _register_training(flex: FlexModel) -> None:
+    flex.register_forward_hook(HookFunction("layers.*"))
+    flex.register_forward_hook(HookFunction("layers.2.fc1", editing_function=lambda m, x, c, mods: 0.5 * x))
+    flex.register_full_backward_pre_hook(HookFunction("layers.*"))  # gradients of every block's output
+
+
+def _pp_backward_worker(rank: int, world: int) -> dict[str, Any]:
+    model, x = _case()
+    stage = stage_of(model, rank, world)
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(stage, out, pipeline_parallel_size=world)
+    _register_training(flex)
+    y = flex(x)
+    flex.backward((y**2).sum() if y is not None else None)
+    return {"out": out, "grads": {n: p.grad for n, p in stage.named_parameters()}}
+
+
+def test_backward_runs_through_every_stage() -> None:
+    results = spawn(_pp_backward_worker, 2)
+    model, x = _case()
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(model, out)
+    _register_training(flex)
+    flex.backward((flex(x) ** 2).sum())
+
+    grads = {**results[0]["grads"], **results[1]["grads"]}
+    assert sorted(grads) == sorted(n for n, _ in model.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    got = results[0]["out"]
+    assert sorted(got) == sorted(out) and len(out) == 9  # 4 blocks + the edit, then 4 gradients
+    for key, values in out.items():
+        assert len(got[key]) == 1, key
+        torch.testing.assert_close(got[key][0], values[0], msg=key)
+    assert results[1]["out"] == {}
+
+
 def _pp_worker(rank: int, world: int) -> dict[str, Any]:
     model, x = _case()
     stage = stage_of(copy.deepcopy(model), rank, world)

@@ -471,6 +471,8 @@ def test_bad_arguments_are_refused() -> None:
         flex.create_hook_group("g", "x", hook_type="sideways")
     with pytest.raises(ValueError, match="parameter"):
         flex.get_module_parameter("nope")
+    with pytest.raises(TypeError, match="expected the loss tensor, got NoneType"):
+        flex.backward(None)
     torch.testing.assert_close(flex.get_module_parameter("weight", (2, 2)), flex.module.weight.detach())
     flex.restore()
 

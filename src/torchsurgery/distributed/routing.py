@@ -21,7 +21,9 @@ For each hook call on each rank:
 4. **scatter**: each rank keeps its own batch rows and its own shard of the edited
    tensor. Gathers are differentiable, so gradients reach every rank's activations.
 
-Pipeline stages are driven by :mod:`~torchsurgery.distributed.pipeline`.
+Pipeline stages, forward and backward, are driven by
+:class:`~torchsurgery.distributed.pipeline.Pipeline`; under pipeline parallelism the
+captures of gradient hooks ship when ``FlexModel.backward`` returns.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.hooks import RemovableHandle
 
-from torchsurgery.distributed import _wire, pipeline
+from torchsurgery.distributed import _wire
 from torchsurgery.distributed.collectives import (
     agree_on_failure,
     broadcast_from_root,
@@ -45,6 +47,7 @@ from torchsurgery.distributed.collectives import (
     piece_sizes,
 )
 from torchsurgery.distributed.layout import Layout
+from torchsurgery.distributed.pipeline import Pipeline
 from torchsurgery.distributed.sharding import dim_from_expected_shape, dim_from_plan
 from torchsurgery.flex.routing import check_expected_shape
 
@@ -83,6 +86,8 @@ class DistributedRouting:
         self._capacity: dict[int, int] = dict.fromkeys(range(len(layout.ranks)), 0)
         # captures go straight to output_ptr when no other rank has any to send
         self._direct = layout.dp_size == 1 and layout.pp_size == 1
+        self._pipeline = Pipeline(layout)
+        self._in_backward = False  # inside backward(): pipeline stages ship captures afterwards
 
     # --------------------------------------------------------------- shards
 
@@ -117,7 +122,12 @@ class DistributedRouting:
         """Capture (and edit) one hook's activation; the new local tensor, or ``None``."""
         layout = self.layout
         self._runtime = runtime
-        if binding.hook_type in _BACKWARD and not self._direct and not self._callback_queued:
+        if binding.hook_type in _BACKWARD and layout.pp_size > 1 and not self._in_backward:
+            raise RuntimeError(
+                f"{_WHAT}: a gradient hook on {binding.name!r} ran in a backward that did not go "
+                "through the pipeline; call flex.backward(loss) on every rank (loss on the last stage)"
+            )
+        if binding.hook_type in _BACKWARD and not self._direct and not self._in_backward and not self._callback_queued:
             # ship gradient captures when this backward ends, on every rank alike
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -197,7 +207,27 @@ class DistributedRouting:
         """Run this rank's part of the model (its pipeline stage)."""
         # captures made outside the wrapper (generate) stay pending: they ship with this pass
         self._callback_queued = False
-        return pipeline.run_stage(module, args, kwargs, self.layout)
+        if self.layout.pp_size == 1:
+            return module(*args, **kwargs)
+        return self._pipeline.forward(module, args, kwargs)
+
+    def backward(self, runtime: Any, loss: torch.Tensor | None) -> None:
+        """Backward on every rank: through the pipeline stages, then captures to rank 0."""
+        if self.layout.pp_size == 1:
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(f"{_WHAT}.backward: expected the loss tensor, got {type(loss).__name__}")
+            loss.backward()
+            return
+        self._runtime = runtime
+        self._in_backward = True
+        try:
+            self._pipeline.backward(loss)
+        except BaseException:
+            self._exchange(runtime.output_ptr, True)
+            raise
+        finally:
+            self._in_backward = False
+        self._exchange(runtime.output_ptr, False)
 
     def end_forward(self, output_ptr: OutputPtr, *, failed: bool = False) -> None:
         """Ship this forward's captures to rank 0, which raises if a sender failed."""
@@ -291,11 +321,6 @@ class DistributedRouting:
         layout = self.layout
         if layout.pp_size == 1:
             return found
-        if hook_type in _BACKWARD:
-            raise ValueError(
-                f"{_WHAT}: gradient hooks ({hook_type} on {name!r}) are not supported with "
-                f"pipeline_parallel_size {layout.pp_size}: gradients stop at stage boundaries"
-            )
         flag = torch.tensor([int(found)], device=layout.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=layout.pp_group)
         return bool(flag.item())

@@ -239,7 +239,8 @@ class FlexModel(nn.Module):
         pipeline_parallel_size: pipeline stages. ``module`` is then this rank's stage:
             the first stage gets ``forward``'s arguments, each later stage the tensors
             the previous one returned; the last stage's ranks return the output, the
-            others ``None``. Hooks may name modules another stage holds.
+            others ``None``; :meth:`backward` runs the backward through every stage.
+            Hooks may name modules another stage holds.
         data_parallel_size: data-parallel replicas, each with its own batch (sizes may
             differ). ``module`` may be wrapped in DDP or sharded with FSDP2; hook names
             are the bare model's.
@@ -452,6 +453,22 @@ class FlexModel(nn.Module):
                 binding.active = True  # a group choice lasts one forward
         runtime.routing.end_forward(output_ptr)
         return outputs
+
+    def backward(self, loss: torch.Tensor | None = None) -> None:
+        """Run the backward of ``loss``, through every pipeline stage when there are several.
+
+        In one process, and with tensor or data parallelism, this is ``loss.backward()``.
+        With pipeline stages, call it on every rank after the forward: with the loss on the
+        last stage's ranks and ``None`` on the others, which go on from the gradients the
+        next stage sends back. Gradient hooks then run on every stage and their captures
+        reach rank 0 when it returns.
+
+        Raises:
+            TypeError: no loss tensor where one is needed (one process, or the last stage).
+            RuntimeError: another rank's backward failed (pipeline stages).
+        """
+        self._check_alive("backward")
+        self._runtime.routing.backward(self._runtime, loss)
 
     # --------------------------------------------------------- registration
 

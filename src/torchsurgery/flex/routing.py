@@ -38,6 +38,10 @@ class Routing(Protocol):
         """Called once after every forward, also a failed one (``failed=True``)."""
         ...
 
+    def backward(self, runtime: Any, loss: torch.Tensor | None) -> None:
+        """Run the backward of ``loss`` (``None`` on processes that hold no loss)."""
+        ...
+
     def matched_anywhere(self, found: bool, hook_type: str, name: str) -> bool:
         """Whether a hook's target exists in some process (pipeline stages hold parts)."""
         ...
@@ -94,6 +98,11 @@ class LocalRouting:
 
     def end_forward(self, output_ptr: dict[str, list[torch.Tensor]], *, failed: bool = False) -> None:
         return None
+
+    def backward(self, runtime: Any, loss: torch.Tensor | None) -> None:
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"torchsurgery.FlexModel.backward: expected the loss tensor, got {type(loss).__name__}")
+        loss.backward()
 
     def matched_anywhere(self, found: bool, hook_type: str, name: str) -> bool:
         return found
