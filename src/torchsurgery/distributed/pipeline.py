@@ -107,7 +107,8 @@ class Pipeline:
                 loss.backward()
             else:
                 grads = [t for _, t in self._receive(1, "backward")]
-                torch.autograd.backward(self._sent, grads)
+                if self._sent:  # nothing sent needed gradients: nothing to go back through
+                    torch.autograd.backward(self._sent, grads)
             if not first:
                 grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in self._received]
                 sent = True
