@@ -37,16 +37,33 @@ class _SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
+class _CopyToRanks(torch.autograd.Function):
+    """Megatron's column-parallel input: identity forward, all-reduce backward (each rank's
+    input gradient covers only its shard of the output)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        total = grad.clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
 class ColumnParallelLinear(nn.Module):
     """Rows ``rank`` of ``full``'s weight: the output is sharded on the last dimension."""
 
-    def __init__(self, full: nn.Linear, rank: int, world: int) -> None:
+    def __init__(self, full: nn.Linear, rank: int, world: int, group: Any = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(full.weight.detach().chunk(world, 0)[rank].clone())
         self.bias = nn.Parameter(full.bias.detach().chunk(world, 0)[rank].clone())
+        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(_CopyToRanks.apply(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -66,7 +83,7 @@ def tensor_parallel_mlp(reference: MLP, rank: int, world: int, group: Any = None
     """The same MLP with ``fc1`` column-parallel and ``fc2`` row-parallel over ``world`` ranks
     (of ``group``, default all)."""
     model = MLP(reference.fc1.in_features, reference.fc1.out_features)
-    model.fc1 = ColumnParallelLinear(reference.fc1, rank, world)  # type: ignore[assignment]
+    model.fc1 = ColumnParallelLinear(reference.fc1, rank, world, group)  # type: ignore[assignment]
     model.fc2 = RowParallelLinear(reference.fc2, rank, world, group)  # type: ignore[assignment]
     return model
 

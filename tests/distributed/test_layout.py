@@ -40,6 +40,12 @@ def _stack_case() -> tuple[Stack, torch.Tensor]:
     return Stack(4, 8), torch.randn(sum(ROWS), 8)
 
 
+def _register_stack(flex: FlexModel) -> None:
+    flex.register_forward_hook(HookFunction("layers.*.fc1", (None, 16)))  # column-parallel: sharded
+    flex.register_forward_hook(HookFunction("layers.2.fc1", (None, 16), lambda m, x, c, mods: 2 * x))
+    flex.register_full_backward_pre_hook(HookFunction("layers.*"))
+
+
 def _four_rank_worker(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -78,6 +84,22 @@ def _four_rank_worker(rank: int, world: int) -> dict[str, Any]:
     flex = FlexModel(stage_of(copy.deepcopy(stack), pp, 2), out, pipeline_parallel_size=2, data_parallel_size=2)
     flex.register_forward_hook(HookFunction("layers.*"))
     result["pp2dp2"] = {"y": flex(xs.split(ROWS)[dpr]), "out": out}
+
+    # 2 stages x 2 tensor-parallel ranks from a (pp, tp) mesh, forward and backward
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp, tp = mesh.get_local_rank("pp"), mesh.get_local_rank("tp")
+    stage = stage_of(copy.deepcopy(stack), pp, 2)
+    for name, layer in list(stage.layers.items()):
+        stage.layers[name] = tensor_parallel_mlp(layer, tp, 2, mesh.get_group("tp"))
+    out = {}
+    flex = FlexModel(stage, out, device_mesh=mesh)
+    _register_stack(flex)
+    y = flex(xs)
+    flex.backward((y**2).sum() if y is not None else None)
+    result["pp2tp2"] = {
+        "pp": pp, "tp": tp, "y": y, "out": out,
+        "grads": {n: p.grad for n, p in stage.named_parameters()},
+    }
 
     # restricted to ranks 2 and 3: rank 2 holds output_ptr, ranks 0 and 1 take no part
     group = dist.new_group([2, 3], use_local_synchronization=True) if rank >= 2 else None
@@ -137,6 +159,35 @@ def test_four_ranks_match_one_process() -> None:
     assert list(both[0]["out"]) == list(out)
     for key, values in out.items():
         torch.testing.assert_close(both[0]["out"][key][0], values[0], msg=key)
+
+    # (pp, tp) = 2 x 2
+    edited, xs = _stack_case()
+    edited_out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(edited, edited_out)
+    _register_stack(flex)
+    edited_ys = flex(xs)
+    flex.backward((edited_ys**2).sum())
+    staged = [r["pp2tp2"] for r in results]
+    for b in staged:
+        assert (b["y"] is None) == (b["pp"] == 0)
+        if b["y"] is not None:
+            torch.testing.assert_close(b["y"], edited_ys)
+    assert sorted(staged[0]["out"]) == sorted(edited_out) and len(edited_out) == 9
+    for key, values in edited_out.items():
+        torch.testing.assert_close(staged[0]["out"][key][0], values[0], msg=key)
+    assert all(b["out"] == {} for b in staged[1:])
+    for name, p in edited.named_parameters():
+        holders = [b for b in staged if name in b["grads"]]
+        assert len(holders) == 2, name  # the two tensor-parallel ranks of one stage
+        if name.endswith("fc1.weight") or name.endswith("fc1.bias"):
+            shards = [b["grads"][name] for b in sorted(holders, key=lambda b: b["tp"])]
+            torch.testing.assert_close(torch.cat(shards), p.grad, msg=name)
+        elif name.endswith("fc2.weight"):
+            shards = [b["grads"][name] for b in sorted(holders, key=lambda b: b["tp"])]
+            torch.testing.assert_close(torch.cat(shards, 1), p.grad, msg=name)
+        else:
+            for b in holders:
+                torch.testing.assert_close(b["grads"][name], p.grad, msg=name)
 
     grouped = [r["group"] for r in results[2:]]
     for part, g in zip(ys.split(ROWS), grouped, strict=True):
