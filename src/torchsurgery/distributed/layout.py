@@ -65,7 +65,7 @@ class Layout:
     @property
     def position(self) -> int:
         """This rank's position in :attr:`ranks`."""
-        return (self.pp_rank * self.dp_size + self.dp_rank) * self.tp_size + self.tp_rank
+        return position_of(self.pp_rank, self.dp_rank, self.tp_rank, tp_size=self.tp_size, dp_size=self.dp_size)
 
     @property
     def is_root(self) -> bool:
@@ -78,7 +78,12 @@ class Layout:
 
     def global_rank(self, *, pp: int, dp: int, tp: int) -> int:
         """The global rank at the given coordinates."""
-        return self.ranks[(pp * self.dp_size + dp) * self.tp_size + tp]
+        return self.ranks[position_of(pp, dp, tp, tp_size=self.tp_size, dp_size=self.dp_size)]
+
+
+def position_of(pp: int, dp: int, tp: int, *, tp_size: int, dp_size: int) -> int:
+    """The position in layout order of the coordinates ``(pp, dp, tp)``."""
+    return (pp * dp_size + dp) * tp_size + tp
 
 
 def layout_position(position: int, *, tp_size: int, dp_size: int) -> tuple[int, int, int]:
@@ -130,7 +135,7 @@ def _build(ranks: tuple[int, ...], group: dist.ProcessGroup, tp_size: int, dp_si
     cache: dict[tuple[int, ...], dist.ProcessGroup] = {ranks: group}
 
     def at(p: int, d: int, t: int) -> int:
-        return ranks[(p * dp_size + d) * tp_size + t]
+        return ranks[position_of(p, d, t, tp_size=tp_size, dp_size=dp_size)]
 
     return Layout(
         tp_size=tp_size, dp_size=dp_size, pp_size=pp_size, tp_rank=tp, dp_rank=dp, pp_rank=pp,
