@@ -25,6 +25,7 @@ the storage dtype when that was narrower).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from collections.abc import Callable, Sequence
@@ -36,10 +37,11 @@ from torch import nn
 
 from torchsurgery import _undo
 from torchsurgery._checkpoint import SafetensorsSource, open_source
+from torchsurgery.offload.device import OffloadDevice, resolve_device
 from torchsurgery.offload.grouping import find_groups
 from torchsurgery.offload.narrow import _is_matmul_layer, _NarrowMatmul, _Scratch, _Shadows
 from torchsurgery.offload.packing import FlatLayout, pack, unpack
-from torchsurgery.offload.planner import GroupCost, plan_residency
+from torchsurgery.offload.planner import plan_residency
 from torchsurgery.offload.stats import OffloadStats
 from torchsurgery.offload.streams import (
     PackedGroup,
@@ -119,13 +121,14 @@ class OffloadHandle:
         (True, True, torch.float32)
     """
 
-    def __init__(self, model: nn.Module, device: torch.device, prefetch: int = 1) -> None:
+    def __init__(self, model: nn.Module, device: OffloadDevice, prefetch: int = 1) -> None:
         self.model = model
-        self.device = device
+        self.device = device.device
+        self._device = device
         self._stats = OffloadStats()
         self._patched: list[nn.Module] = []
         self._originals: list[tuple[torch.Tensor, torch.device, torch.dtype]] = []
-        self._transit = _Shared(prefetch)
+        self._transit = _Shared(device, self._stats, prefetch)
         self._planning_budget: int | None = None
         self._reader: SafetensorsSource | None = None
         self._file_keys: dict[int, str] = {}
@@ -136,11 +139,11 @@ class OffloadHandle:
         self._record: OffloadRecord | None = None
 
     def stats(self) -> OffloadStats:
-        """A snapshot of the statistics."""
+        """A snapshot of the statistics (waits for the timing events of the groups that ran)."""
+        hint = self._transit.hint()
         s = self._stats
-        return OffloadStats(
-            s.bytes_moved, s.transfers, s.seconds_waiting, s.peak_device_bytes, s.resident_bytes,
-            list(s.resident_groups), list(s.streamed_groups), self._transit.hint(),
+        return dataclasses.replace(
+            s, resident_groups=list(s.resident_groups), streamed_groups=list(s.streamed_groups), hint=hint
         )
 
     @property
@@ -191,13 +194,10 @@ class OffloadHandle:
         shared = self._transit
         if self._planning_budget is None or self._record is None:
             return
-        names = [n for n in dict.fromkeys(shared.order.recorded) if n in shared.costs and n in shared.packed]
-        if not names:
+        names = [n for n in dict.fromkeys(shared.order.recorded) if n in shared.packed]
+        costs, bandwidth = shared.measured(names)  # timings read through the device seam
+        if not costs:
             return
-        moved = sum(shared.costs[n][0] for n in names)
-        seconds = sum(shared.costs[n][1] for n in names)
-        bandwidth = moved / seconds if seconds > 0 else float("inf")
-        costs = [GroupCost(n, int(shared.costs[n][0]), shared.costs[n][2]) for n in names]
         for name in plan_residency(costs, self._planning_budget, bandwidth, shared.prefetch):
             self._make_resident(name)
 
@@ -229,10 +229,10 @@ def _unpin(keys: list[int]) -> None:
         _undo.pinned.pop(key, None)
 
 
-def _swap_to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, pin: bool = False) -> None:
+def _swap_to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, pin: OffloadDevice | None = None) -> None:
     data = tensor.detach().to(device=device, dtype=dtype, copy=True)
-    if pin and data.device.type == "cpu":
-        data = data.pin_memory()
+    if pin is not None and data.device.type == "cpu":
+        data = pin.pin(data)
     if type(tensor) in (torch.Tensor, nn.Parameter) and weakref.getweakrefs(tensor):
         # e.g. torch.compile's guards hold weak references, which swap_tensors refuses;
         # for plain tensors, setting .data keeps the object just as well
@@ -262,7 +262,7 @@ def _check_dtype(value: Any, arg: str) -> torch.dtype | None:
 
 def offload(
     model: nn.Module,
-    device: str | torch.device = "cpu",
+    device: str | torch.device | OffloadDevice = "cpu",
     *,
     dtype: torch.dtype | None = None,
     storage_dtype: torch.dtype | None = None,
@@ -278,7 +278,9 @@ def offload(
 
     Args:
         model: the model (changed in place; nothing is copied).
-        device: where the computation runs.
+        device: where the computation runs: ``"cpu"`` or a device of the accelerator this
+            PyTorch reports (``"cuda"``, also for ROCm; ``"xpu"``, ``"mps"``, ...), or an
+            :class:`~torchsurgery.offload.device.OffloadDevice` (e.g. a simulated one).
         dtype: the compute dtype of floating weights (default: their current dtype).
         storage_dtype: the dtype weights are stored in (e.g. ``torch.bfloat16`` or
             ``torch.float8_e4m3fn``); modules selected by ``skip`` keep theirs.
@@ -288,10 +290,10 @@ def offload(
             those whose transfers cannot be hidden behind compute are kept resident
             (:func:`~torchsurgery.offload.planner.plan_residency`); groups served by the
             CPU narrow-weight path are filled in execution order. ``None``: nothing is
-            resident on a CPU; on a GPU, what is free minus a margin.
+            resident on a CPU; on an accelerator, what is free minus a margin.
         prefetch: how many groups ahead to bring in, along the order recorded on the
             first forward.
-        pin_memory: pin host storage; default: when ``device`` is a GPU.
+        pin_memory: pin host storage; default: when ``device`` is an accelerator that can.
         groups: ``"blocks"``, ``"leaves"`` or a list of qualified module names.
         skip: ``(module, name) -> bool``; selected modules keep their own dtype.
         master_dtype: for training: the parameters themselves stay in this dtype (what
@@ -309,8 +311,8 @@ def offload(
 
     Raises:
         TypeError: an argument of the wrong kind.
-        ValueError: a device that does not exist, a budget below the largest group, an
-            unknown group name.
+        ValueError: a device that does not exist, ``pin_memory=True`` where host memory
+            cannot be pinned, a budget below the largest group, an unknown group name.
         RuntimeError: the model is already offloaded (by torchsurgery, accelerate or diffusers).
 
     Example:
@@ -329,17 +331,8 @@ def offload(
     what = "torchsurgery.offload"
     _undo.check_not_compiling("offload")
     _undo.check_module(model, what)
-    try:
-        target = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"{what}: {device!r} is not a device ({exc})") from exc
-    if target.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"{what}: device {device!r} asked for, but CUDA is not available")
-        if target.index is not None and target.index >= torch.cuda.device_count():
-            raise ValueError(f"{what}: {device!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
-    elif target.type != "cpu":
-        raise ValueError(f"{what}: device must be 'cpu' or a CUDA device, got {device!r}")
+    seam = resolve_device(device, what)
+    target = seam.device
     compute_dtype = _check_dtype(dtype, "dtype")
     store_dtype = _check_dtype(storage_dtype, "storage_dtype")
     master = _check_dtype(master_dtype, "master_dtype")
@@ -350,7 +343,12 @@ def offload(
     problem = _already_offloaded(model)
     if problem:
         raise RuntimeError(f"{what}: cannot offload the model: {problem}")
-    pin = target.type == "cuda" if pin_memory is None else pin_memory
+    if pin_memory and not seam.can_pin:
+        raise ValueError(
+            f"{what}: pin_memory=True, but host memory cannot be pinned for {str(target)!r} "
+            "(page-locked memory needs an accelerator); pass pin_memory=False"
+        )
+    pin = (not seam.host_compute and seam.can_pin) if pin_memory is None else pin_memory
     storage_device = torch.device("cpu")
 
     names = find_groups(model, groups, what)
@@ -404,9 +402,8 @@ def offload(
     # residency within the budget (see below); None: nothing to plan from measurements
     planning_budget: int | None = None
     largest = max(g.nbytes for g in plan)
-    if budget is None and target.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(target)
-        budget = max(0, int(free * 0.9) - (256 << 20))
+    if budget is None and not seam.host_compute:
+        budget = max(0, int(seam.free_memory() * 0.9) - (256 << 20))
     if budget is not None:
         if budget < largest:
             big = max(plan, key=lambda g: g.nbytes)
@@ -425,7 +422,7 @@ def offload(
             room = budget - (prefetch + 1) * largest
             for g in plan:
                 rides_ring = any(
-                    not _narrow_layer(o, q, wants, shadowed, target) and (target != storage_device or wants[id(q)][0] != wants[id(q)][1])
+                    not _narrow_layer(o, q, wants, shadowed, seam) and (not seam.host_compute or wants[id(q)][0] != wants[id(q)][1])
                     for o, _, q in g.params
                 )
                 if not rides_ring and g.nbytes <= room:
@@ -459,12 +456,12 @@ def offload(
             reader.close()
             raise ValueError(f"{what}: {storage!r} lacks (or mis-shapes) {len(problems)} weights, e.g. {problems[:3]}")
 
-    handle = OffloadHandle(model, target, prefetch)
+    handle = OffloadHandle(model, seam, prefetch)
     handle._reader = reader
     handle._file_keys = file_keys
     stats = handle._stats
     try:
-        _install(model, plan, wants, shadowed, handle, target, storage_device, pin)
+        _install(model, plan, wants, shadowed, handle, seam, storage_device, pin)
     except BaseException:
         record = OffloadRecord(handle)
         handle._record = record
@@ -495,14 +492,14 @@ def _narrow_layer(
     p: torch.Tensor,
     wants: dict[int, tuple[torch.dtype, torch.dtype]],
     shadowed: dict[int, torch.dtype],
-    target: torch.device,
+    device: OffloadDevice,
 ) -> bool:
     """Whether ``p`` is served by the narrow-weight layer path (CPU matmul layers)."""
     stored, compute = wants[id(p)]
     narrow = shadowed.get(id(p), stored)
     return (
         _is_matmul_layer(owner)
-        and target.type == "cpu"
+        and device.host_compute
         and narrow != compute
         and all(shadowed.get(id(q), wants[id(q)][0]) == narrow for q in owner.parameters(recurse=False))
     )
@@ -514,11 +511,12 @@ def _install(
     wants: dict[int, tuple[torch.dtype, torch.dtype]],
     shadowed: dict[int, torch.dtype],
     handle: OffloadHandle,
-    target: torch.device,
+    device: OffloadDevice,
     storage_device: torch.device,
     pin: bool,
 ) -> None:
     """Convert storage and residency, then hook the streamed groups (undone by remove())."""
+    target = device.device
     moves: list[tuple[str, torch.Tensor, torch.device, torch.dtype, bool]] = []
     done: set[int] = set()
     for group in plan:
@@ -536,17 +534,17 @@ def _install(
             if b is not None and b.device != target and id(b) not in done:
                 done.add(id(b))
                 moves.append((bname, b, target, b.dtype, False))
-    for name, tensor, device, dtype, _ in moves:
-        if tensor.device != device or tensor.dtype != dtype:
+    for name, tensor, to, dtype, _ in moves:
+        if tensor.device != to or tensor.dtype != dtype:
             if type(tensor) in (torch.Tensor, nn.Parameter) and tensor._use_count() == 1:  # type: ignore[attr-defined]
                 continue  # _swap_to copes with weak references to plain tensors
             problem = _swap_blocker(name, tensor, None, "torchsurgery.offload")
             if problem:
                 raise RuntimeError(problem)
-    for _, tensor, device, dtype, pin_it in moves:
-        if tensor.device != device or tensor.dtype != dtype or (pin_it and not tensor.is_pinned()):
+    for _, tensor, to, dtype, pin_it in moves:
+        if tensor.device != to or tensor.dtype != dtype or (pin_it and not device.is_pinned(tensor)):
             handle._originals.append((tensor, tensor.device, tensor.dtype))
-            _swap_to(tensor, device, dtype, pin=pin_it)
+            _swap_to(tensor, to, dtype, pin=device if pin_it else None)
 
     stats = handle._stats
     packed_ids: set[int] = set()
@@ -556,7 +554,7 @@ def _install(
         streamed: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]] = []
         for owner, pname, p in group.params:
             stored, compute = wants[id(p)]
-            if not handle._file_keys and _narrow_layer(owner, p, wants, shadowed, target):
+            if not handle._file_keys and _narrow_layer(owner, p, wants, shadowed, device):
                 for q in owner.parameters(recurse=False):
                     if id(q) in shadowed:
                         handle._shadows.add(q, shadowed[id(q)])
@@ -565,7 +563,7 @@ def _install(
                     _undo.records(owner)[-1].internal = True
                     handle._patched.append(owner)
                 continue
-            if p.device != target or p.dtype != compute or id(p) in handle._file_keys:
+            if not device.host_compute or p.device != target or p.dtype != compute or id(p) in handle._file_keys:
                 streamed.append((owner, pname, p, compute))
         if streamed:
             # pack what this group streams into one flat host buffer, the weights' only host copy
@@ -588,7 +586,7 @@ def _install(
             elif packable:
                 params = [e[2] for e in packable]
                 layout = FlatLayout.of(params)
-                host = pack(params, layout, pin_memory=pin)
+                host = pack(params, layout, out=device.pinned_empty(layout.nbytes) if pin else None)
                 for param, view in zip(params, unpack(host, layout), strict=True):
                     if not any(t is param for t, _, _ in handle._originals):
                         handle._originals.append((param, param.device, param.dtype))
@@ -597,8 +595,8 @@ def _install(
                 packed = PackedGroup(group.name, layout, host)
                 handle._transit.packed[group.name] = packed
             others = [e for e in streamed if not any(e is q for q in packable)]
-            streamer = _GroupStreamer(group.name, packable, others, packed, target, stats, handle._transit)
+            streamer = _GroupStreamer(group.name, packable, others, packed, handle._transit)
             patch(group.module, _StreamedGroup, streamer)
             _undo.records(group.module)[-1].internal = True
             handle._patched.append(group.module)
-    handle._transit.ring = Ring(list(handle._transit.packed.values()), target, slots=handle._transit.prefetch + 1)
+    handle._transit.ring = Ring(list(handle._transit.packed.values()), device, slots=handle._transit.prefetch + 1)

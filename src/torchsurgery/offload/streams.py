@@ -7,7 +7,9 @@ buffers and the modules get views of that slot (cast to the compute dtype on the
 device when the storage dtype differs). While a group computes, the next groups along
 the recorded execution order are copied into other slots on a side stream, each copy
 ordered after the last use of its slot by events, so results are exactly those of the
-resident model. On a CPU the same machinery runs with plain synchronous copies.
+resident model. Every device operation, timing included, goes through one
+:class:`~torchsurgery.offload.device.OffloadDevice`; on a CPU the same machinery runs with
+plain synchronous copies, and the test suite runs it on a simulated asynchronous device.
 
 Forwards that record gradients do not use the ring (autograd keeps the weights it saved
 until backward, and a slot would be overwritten by then); they convert from the host
@@ -16,7 +18,6 @@ buffer directly.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchsurgery.offload.device import OffloadDevice
 from torchsurgery.offload.order import OrderRecorder
 from torchsurgery.offload.packing import FlatLayout, unpack
 from torchsurgery.offload.planner import GroupCost, stall_hint
@@ -53,54 +55,66 @@ class PackedGroup:
 class Ring:
     """``slots`` device buffers, each big enough for the largest packed group.
 
+    Every device operation goes through ``device`` (an
+    :class:`~torchsurgery.offload.device.OffloadDevice`). Each slot carries two events: its
+    copy's end (``ready``; the compute stream waits on it before reading the slot) and its
+    last use's end (``released``; the copy stream waits on it before overwriting the slot).
+
     Example:
         >>> import torch
+        >>> from torchsurgery.offload.device import resolve_device
         >>> from torchsurgery.offload.packing import FlatLayout, pack
         >>> weights = [torch.arange(3.0)]
         >>> layout = FlatLayout.of(weights)
         >>> group = PackedGroup("g", layout, pack(weights, layout))
-        >>> ring = Ring([group], torch.device("cpu"), slots=2)
-        >>> slot, views = ring.enter(group, [])
+        >>> ring = Ring([group], resolve_device("cpu", "example"), slots=2)
+        >>> slot, views, _ = ring.enter(group, [])
         >>> views[0]
         tensor([0., 1., 2.])
         >>> ring.exit(slot)
     """
 
-    def __init__(self, groups: list[PackedGroup], device: torch.device, slots: int) -> None:
+    def __init__(self, groups: list[PackedGroup], device: OffloadDevice, slots: int) -> None:
         self.device = device
-        self.cuda = device.type == "cuda"
         size = max((g.layout.nbytes for g in groups), default=0)
-        self.buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(max(1, slots))]
+        self.buffers = [device.empty(size) for _ in range(max(1, slots))]
         self.holding: list[PackedGroup | None] = [None] * len(self.buffers)
         self.ready: list[Any] = [None] * len(self.buffers)  # copy-done events
         self.released: list[Any] = [None] * len(self.buffers)  # last-use-done events
+        self.copy_start: list[Any] = [None] * len(self.buffers)  # for timing the copies
         self.in_use: set[int] = set()
-        self.side = torch.cuda.Stream(device) if self.cuda else None
+        self.side = device.new_stream()
         self.staging: torch.Tensor | None = None
+        self.staged: Any = None  # the end of the last copy that read the staging buffer
         self.prefetched = 0
         self.misses = 0
 
     def _load(self, group: PackedGroup, slot: int) -> None:
+        device = self.device
         buffer = self.buffers[slot]
         n = group.layout.nbytes
-        if self.cuda:
-            assert self.side is not None
-            source = group.host
-            if source is None:  # from the file, through one reused pinned staging buffer
-                if self.staging is None or self.staging.numel() < n:
-                    self.staging = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=True)
-                self.side.synchronize()  # the staging buffer's previous copy has finished
-                group.fill(self.staging)
-                source = self.staging[:n]
-            with torch.cuda.stream(self.side):
-                if self.released[slot] is not None:
-                    self.side.wait_event(self.released[slot])  # never overwrite a slot still being read
-                buffer[:n].copy_(source, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.side)
-            self.ready[slot] = event
-        else:
+        if device.host_compute:  # the slot is host memory: fill it in place, no copy
+            self.copy_start[slot] = device.record(self.side)
             group.fill(buffer)
+            self.ready[slot] = device.record(self.side)
+            self.holding[slot] = group
+            return
+        source = group.host
+        if source is None:  # from the file, through one reused (pinned) staging buffer
+            if self.staging is None:
+                size = buffer.numel()
+                self.staging = device.pinned_empty(size) if device.can_pin else torch.empty(size, dtype=torch.uint8)
+            if self.staged is not None:
+                device.synchronize(self.staged)  # the staging buffer's previous copy has read it
+            group.fill(self.staging)
+            source = self.staging[:n]
+        if self.released[slot] is not None:
+            device.wait(self.side, self.released[slot])  # never overwrite a slot still being read
+        self.copy_start[slot] = device.record(self.side)
+        device.copy_(buffer[:n], source, self.side)
+        self.ready[slot] = device.record(self.side)
+        if group.host is None:
+            self.staged = self.ready[slot]
         self.holding[slot] = group
 
     def _free_slot(self, keep: set[int]) -> int | None:
@@ -112,23 +126,35 @@ class Ring:
                 return slot
         return None
 
-    def enter(self, group: PackedGroup, upcoming: list[PackedGroup]) -> tuple[int, list[torch.Tensor]]:
-        """Make ``group`` available on the device; prefetch ``upcoming``. Returns (slot, views)."""
+    def enter(
+        self, group: PackedGroup, upcoming: list[PackedGroup]
+    ) -> tuple[int, list[torch.Tensor], tuple[Any, Any] | None]:
+        """Make ``group`` available on the device; prefetch ``upcoming``.
+
+        Returns:
+            (slot, views of the weights, the (start, end) events of the copy that brought
+            them in, or ``None`` when there was none to time).
+        """
+        device = self.device
         slot = next((s for s, g in enumerate(self.holding) if g is group and s not in self.in_use), None)
         if slot is None:
             self.misses += 1
             slot = self._free_slot(set())
-            if slot is None:  # every slot busy (nested groups): a temporary buffer
+            if slot is None:  # every slot busy (nested groups): a temporary buffer, in stream order
                 temporary = torch.empty(group.layout.nbytes, dtype=torch.uint8)
                 group.fill(temporary)
-                return -1, unpack(temporary.to(self.device), group.layout)
+                if device.host_compute:
+                    return -1, unpack(temporary, group.layout), None
+                buffer = device.empty(group.layout.nbytes)
+                device.copy_(buffer, temporary, device.current_stream())
+                return -1, unpack(buffer, group.layout), None
             self._load(group, slot)
         else:
             self.prefetched += 1
-        if self.cuda and self.ready[slot] is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
+        device.wait(device.current_stream(), self.ready[slot])
         self.in_use.add(slot)
         views = unpack(self.buffers[slot], group.layout)
+        timing = (self.copy_start[slot], self.ready[slot])
         keep = {slot}
         for following in upcoming:
             if any(g is following for g in self.holding):
@@ -138,40 +164,77 @@ class Ring:
                 break
             self._load(following, target)
             keep.add(target)
-        return slot, views
+        return slot, views, timing
 
     def exit(self, slot: int) -> None:
         """The group in ``slot`` finished computing; the slot may be refilled after this point."""
         if slot < 0:
             return
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self.released[slot] = event
+        self.released[slot] = self.device.record(self.device.current_stream())
         self.in_use.discard(slot)
 
 
-class _Shared:
-    """What a handle's streamed groups share: bytes in flight, execution order, measured costs."""
+@dataclass(eq=False)
+class _Measure:
+    """The events bracketing one run of a group, read once they completed."""
 
-    def __init__(self, prefetch: int = 1) -> None:
+    name: str
+    nbytes: int
+    start: Any  # compute stream, before the group's weights were asked for
+    ready: Any  # compute stream, once they are in
+    copy: tuple[Any, Any] | None  # copy stream, around the copy that brought them in
+    end: Any = None  # compute stream, once the group finished
+
+
+class _Shared:
+    """What a handle's streamed groups share: the device, bytes in flight, execution order, measured costs."""
+
+    _SETTLE_EVERY = 1024  # pending measurements before they are read anyway (bounds their events)
+
+    def __init__(self, device: OffloadDevice, stats: OffloadStats, prefetch: int = 1) -> None:
+        self.device = device
+        self.stats = stats
         self.current = 0
         self.prefetch = prefetch
         self.order = OrderRecorder()
         self.packed: dict[str, PackedGroup] = {}
         self.ring: Ring | None = None
+        self.pending: list[_Measure] = []
         self.costs: dict[str, list[float]] = {}  # name -> [bytes, transfer seconds, compute seconds]
 
+    def settle(self) -> None:
+        """Read the timings of the groups that finished (waits for their events on the device)."""
+        device, stats = self.device, self.stats
+        still: list[_Measure] = []
+        for m in self.pending:
+            if m.end is None:
+                still.append(m)  # running now
+                continue
+            waited = device.elapsed(m.start, m.ready)
+            transfer = device.elapsed(*m.copy) if m.copy is not None else waited
+            stats.seconds_waiting += waited
+            stats.seconds_transferring += transfer
+            self.costs[m.name] = [m.nbytes, transfer, device.elapsed(m.ready, m.end)]
+        self.pending = still
+
+    def measured(self, names: list[str]) -> tuple[list[GroupCost], float]:
+        """The settled costs of ``names`` (in order, repeats kept) and the link's bytes per second."""
+        self.settle()
+        known = [n for n in names if n in self.costs]
+        once = list(dict.fromkeys(known))
+        moved = sum(self.costs[n][0] for n in once)
+        seconds = sum(self.costs[n][1] for n in once)
+        bandwidth = moved / seconds if seconds > 0 else float("inf")
+        return [GroupCost(n, int(self.costs[n][0]), self.costs[n][2]) for n in known], bandwidth
+
     def hint(self) -> str:
-        names = [n for n in dict.fromkeys(self.order.recorded) if n in self.costs]
-        if not names:
+        groups, bandwidth = self.measured(self.order.recorded)
+        if not groups:
             return "no streamed group has run yet"
-        moved = sum(self.costs[n][0] for n in names)
-        seconds = sum(self.costs[n][1] for n in names)
-        if seconds <= 0:
+        if bandwidth == float("inf"):
             return "compute-bound: every transfer is hidden behind compute"
-        groups = [GroupCost(n or "<root>", int(self.costs[n][0]), self.costs[n][2]) for n in self.order.recorded if n in self.costs]
-        return stall_hint(groups, [], bandwidth=moved / seconds)
+        named = [GroupCost(g.name or "<root>", g.nbytes, g.compute_s) for g in groups]
+        return stall_hint(named, [], bandwidth=bandwidth)
 
 
 class _EndForward:
@@ -197,30 +260,28 @@ class _GroupStreamer:
         packed_entries: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]],
         other_entries: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]],
         packed: PackedGroup | None,
-        target: torch.device,
-        stats: OffloadStats,
         transit: _Shared,
     ) -> None:
         self.name = name
         self.packed_entries = packed_entries
         self.other_entries = other_entries
         self.packed = packed
-        self.target = target
-        self.stats = stats
         self.transit = transit
         self.nbytes = sum(p.numel() * dtype.itemsize for _, _, p, dtype in packed_entries + other_entries)
         self.depth = 0
-        self.ready_at = 0.0
         self.slot: int | None = None
+        self.measure: _Measure | None = None
 
     @torch.compiler.disable  # transfers stay outside compiled regions; the group's compute compiles
     def bring_in(self) -> None:
         self.depth += 1
         if self.depth > 1:
             return  # re-entered (a shared module): already in
-        start = time.perf_counter()
         shared = self.transit
+        device = shared.device
+        start = device.record(device.current_stream())
         shared.order.ran(self.name)
+        copy = None
         try:
             direct = self.other_entries
             if self.packed is not None and self.packed.host is None and torch.is_grad_enabled():
@@ -230,22 +291,20 @@ class _GroupStreamer:
                 )
             if self.packed is not None and shared.ring is not None and not torch.is_grad_enabled():
                 upcoming = [shared.packed[n] for n in shared.order.ahead(self.name, shared.prefetch) if n in shared.packed]
-                self.slot, views = shared.ring.enter(self.packed, upcoming)
+                self.slot, views, copy = shared.ring.enter(self.packed, upcoming)
                 for (owner, pname, _, dtype), view in zip(self.packed_entries, views, strict=True):
                     owner._parameters[pname] = view if view.dtype == dtype else view.to(dtype)  # type: ignore[assignment]
             else:
                 direct = self.packed_entries + self.other_entries  # autograd keeps these until backward
             for owner, pname, p, dtype in direct:
-                owner._parameters[pname] = p.to(device=self.target, dtype=dtype, non_blocking=True)  # type: ignore[assignment]
+                owner._parameters[pname] = p.to(device=device.device, dtype=dtype, non_blocking=True)  # type: ignore[assignment]
         except BaseException:
             self.depth = 1
             self.release()
             raise
-        stats = self.stats
-        self.ready_at = time.perf_counter()
-        waited = self.ready_at - start
-        stats.seconds_waiting += waited
-        shared.costs[self.name] = [self.nbytes, waited, shared.costs.get(self.name, [0, 0, 0.0])[2]]
+        self.measure = _Measure(self.name, self.nbytes, start, device.record(device.current_stream()), copy)
+        shared.pending.append(self.measure)
+        stats = shared.stats
         stats.bytes_moved += self.nbytes
         stats.transfers += 1
         shared.current += self.nbytes
@@ -259,13 +318,15 @@ class _GroupStreamer:
         for owner, pname, p, _ in self.packed_entries + self.other_entries:
             owner._parameters[pname] = p
         shared = self.transit
+        if self.measure is not None:
+            self.measure.end = shared.device.record(shared.device.current_stream())
+            self.measure = None
+            if len(shared.pending) >= shared._SETTLE_EVERY:
+                shared.settle()
         if self.slot is not None and shared.ring is not None:
             shared.ring.exit(self.slot)
             self.slot = None
         shared.current = max(0, shared.current - self.nbytes)
-        cost = shared.costs.get(self.name)
-        if cost is not None and self.ready_at:
-            cost[2] = time.perf_counter() - self.ready_at  # this group's compute, last forward
 
 
 class _StreamedGroup(Patch, nn.Module):

@@ -1,0 +1,231 @@
+"""The one seam through which the offload engine touches a device.
+
+Everything the streaming engine does on a device goes through an :class:`OffloadDevice`:
+allocating device buffers and page-locked (pinned) host buffers, asynchronous copies on a
+stream, streams, recording and waiting on events, synchronising, querying free memory and
+timing (the seconds between two events). :class:`AcceleratorDevice` implements it with
+PyTorch's device-generic accelerator API (``torch.accelerator``, ``torch.Stream``,
+``torch.Event``), so CUDA, ROCm (which PyTorch reports as ``cuda``), XPU, MPS and any
+registered backend take the same path; where a backend offers no streams, copies are
+synchronous. On ``cpu`` every copy is synchronous and events are host timestamps.
+
+Because nothing else in the engine calls a device API, another implementation of this
+class (the test suite's simulated asynchronous device) runs the very same engine code.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from typing import Any
+
+import torch
+
+
+class OffloadDevice(abc.ABC):
+    """Where an offloaded model computes, and every device operation the engine needs.
+
+    Streams and events are opaque handles: the engine only passes them back to the same
+    object. Work on one stream runs in order; :meth:`wait` orders a stream after an event
+    recorded on another; the host sees a copy's result once it waited for an event
+    recorded after the copy (on the compute stream, or with :meth:`synchronize`).
+
+    Attributes:
+        device: the ``torch.device`` that device buffers and computations live on.
+        host_compute: whether device memory *is* host memory (``cpu``): a group stored in
+            its compute dtype then needs no copy at all.
+        can_pin: whether page-locked host buffers can be allocated.
+
+    Example:
+        >>> import torch
+        >>> from torchsurgery.offload.device import resolve_device
+        >>> dev = resolve_device("cpu", "example")
+        >>> buffer = dev.empty(4)
+        >>> side = dev.new_stream()
+        >>> start = dev.record(side)
+        >>> dev.copy_(buffer, torch.arange(4, dtype=torch.uint8), side)
+        >>> dev.wait(dev.current_stream(), dev.record(side))
+        >>> buffer.tolist(), dev.elapsed(start, dev.record(side)) >= 0
+        ([0, 1, 2, 3], True)
+    """
+
+    device: torch.device
+    host_compute: bool
+    can_pin: bool
+
+    @abc.abstractmethod
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """An uninitialised ``uint8`` buffer of ``nbytes`` on the device."""
+
+    @abc.abstractmethod
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """An uninitialised page-locked host ``uint8`` buffer (raises where :attr:`can_pin` is False)."""
+
+    @abc.abstractmethod
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A page-locked host copy of ``tensor``."""
+
+    @abc.abstractmethod
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is in page-locked host memory."""
+
+    @abc.abstractmethod
+    def current_stream(self) -> Any:
+        """The stream computations run on."""
+
+    @abc.abstractmethod
+    def new_stream(self) -> Any:
+        """A stream for copies that may overlap computations."""
+
+    @abc.abstractmethod
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        """Enqueue ``dst.copy_(src)`` on ``stream``; ``dst`` holds the result once an event after it completes."""
+
+    @abc.abstractmethod
+    def record(self, stream: Any) -> Any:
+        """An event that completes when the work enqueued on ``stream`` so far has completed."""
+
+    @abc.abstractmethod
+    def wait(self, stream: Any, event: Any) -> None:
+        """Order the work enqueued on ``stream`` from now on after ``event``."""
+
+    @abc.abstractmethod
+    def synchronize(self, what: Any = None) -> None:
+        """Block the host until ``what`` (an event or a stream; ``None``: the device) completed."""
+
+    @abc.abstractmethod
+    def elapsed(self, start: Any, end: Any) -> float:
+        """Seconds between two events recorded in order (waits for ``end``)."""
+
+    @abc.abstractmethod
+    def free_memory(self) -> int:
+        """Bytes of device memory free for allocation now."""
+
+
+class _Stamp:
+    """An event of a device without streams: a host timestamp, taken once the device is idle."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at = time.perf_counter()
+
+
+class AcceleratorDevice(OffloadDevice):
+    """``cpu`` or the accelerator PyTorch reports, through ``torch.accelerator``.
+
+    Example:
+        >>> dev = AcceleratorDevice(torch.device("cpu"))
+        >>> dev.host_compute, dev.can_pin
+        (True, False)
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host_compute = device.type == "cpu"
+        self.can_pin = not self.host_compute and _pinning_works()
+        self._streams = False
+        if not self.host_compute:
+            try:
+                torch.Stream(device=device)
+                self._streams = True
+            except (RuntimeError, NotImplementedError):  # e.g. a backend with one queue only
+                self._streams = False
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.pin_memory()
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_pinned()
+
+    def current_stream(self) -> Any:
+        return torch.accelerator.current_stream(self.device) if self._streams else None
+
+    def new_stream(self) -> Any:
+        return torch.Stream(device=self.device) if self._streams else None
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        if stream is None:
+            dst.copy_(src)
+            return
+        with stream:
+            dst.copy_(src, non_blocking=True)
+
+    def record(self, stream: Any) -> Any:
+        if stream is None:
+            if not self.host_compute:
+                torch.accelerator.synchronize(self.device)  # no streams: time what the device did
+            return _Stamp()
+        event = torch.Event(device=self.device, enable_timing=True)
+        event.record(stream)
+        return event
+
+    def wait(self, stream: Any, event: Any) -> None:
+        if stream is not None:
+            stream.wait_event(event)
+
+    def synchronize(self, what: Any = None) -> None:
+        if isinstance(what, torch.Event | torch.Stream):
+            what.synchronize()
+        elif not self.host_compute:
+            torch.accelerator.synchronize(self.device)
+
+    def elapsed(self, start: Any, end: Any) -> float:
+        if isinstance(end, _Stamp):
+            return end.at - start.at
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1e3
+
+    def free_memory(self) -> int:
+        if self.host_compute:
+            raise RuntimeError("torchsurgery.offload: free memory of the host is not tracked; give a budget")
+        free, _ = torch.accelerator.get_memory_info(self.device)
+        return int(free)
+
+
+def _pinning_works() -> bool:
+    try:
+        torch.empty(1, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError:
+        return False
+    return True
+
+
+def resolve_device(device: str | torch.device | OffloadDevice, what: str) -> OffloadDevice:
+    """The :class:`OffloadDevice` for ``device``: ``cpu`` or an accelerator PyTorch reports.
+
+    Args:
+        device: a device name (``"cuda"``, ``"xpu:1"``, ``"mps"``, ``"cpu"``), a
+            ``torch.device``, or an :class:`OffloadDevice` (returned as is).
+        what: the calling function's name, for error messages.
+
+    Raises:
+        ValueError: not a device, or no such device on this machine.
+
+    Example:
+        >>> resolve_device("cpu", "example").device
+        device(type='cpu')
+    """
+    if isinstance(device, OffloadDevice):
+        return device
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{what}: {device!r} is not a device ({exc})") from exc
+    if target.type == "cpu":
+        return AcceleratorDevice(torch.device("cpu"))
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None or accelerator.type != target.type:
+        have = f"'cpu' and {accelerator.type!r}" if accelerator is not None else "only 'cpu'"
+        raise ValueError(f"{what}: device {str(device)!r} is not available: this PyTorch reports {have}")
+    count = torch.accelerator.device_count()
+    index = torch.accelerator.current_device_index() if target.index is None else target.index
+    if not 0 <= index < count:
+        raise ValueError(f"{what}: device {str(device)!r} does not exist ({count} {target.type} devices)")
+    return AcceleratorDevice(torch.device(target.type, index))
