@@ -159,6 +159,9 @@ class OffloadHandle:
         """
         if self._record is None:
             return self.model
+        # copies still in flight write into the ring's buffers and read the host buffers:
+        # let them land before either is released
+        self._device.synchronize()
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()

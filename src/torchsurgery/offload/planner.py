@@ -3,14 +3,16 @@
 With prefetch, a streamed group's transfer overlaps the compute of the groups before it.
 Its *stall* is the part of the transfer that does not fit under that compute. Keeping a
 group resident removes its transfer (and its stall) but costs budget. Peers fill the budget
-greedily in order or by size; :func:`plan_residency` instead keeps the groups that remove
-the most stall per byte, re-simulating after each choice, and :func:`simulate` gives the
-step time of any choice under a simple model: ``max(compute, transfer)`` per overlapped
-window, the link shared in order.
+greedily in order or by size; :func:`plan_residency` instead chooses the groups by the stall
+they remove: among a few groups it tries every choice that fits; among many, it adds groups
+one at a time (by stall removed per byte, and by stall removed) and keeps the better
+outcome. :func:`simulate` gives the step time of any choice under a simple model:
+``max(compute, transfer)`` per overlapped window, the link shared in order.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -60,11 +62,41 @@ def simulate(groups: Sequence[GroupCost], resident: Iterable[str], bandwidth: fl
     return compute_end, stall
 
 
+_EXHAUSTIVE = 10  # up to this many groups, every choice is tried (2**10 simulations)
+
+
+def _fits(groups: Sequence[GroupCost], keep: Iterable[str], budget: int, prefetch: int) -> bool:
+    """Whether ``keep`` resident leaves room for ``prefetch + 1`` of the largest streamed group."""
+    kept = set(keep)
+    rest = [g.nbytes for g in groups if g.name not in kept]
+    return sum(g.nbytes for g in groups if g.name in kept) + (prefetch + 1) * max(rest, default=0) <= budget
+
+
+def _greedy(groups: Sequence[GroupCost], budget: int, bandwidth: float, prefetch: int, per_byte: bool) -> list[str]:
+    """Add the group removing the most stall (per byte, or in all) while one fits and helps."""
+    resident: list[str] = []
+    while True:
+        _, stall = simulate(groups, resident, bandwidth, prefetch)
+        best, best_gain = None, 0.0
+        for candidate in (g for g in groups if g.name not in resident):
+            keep = resident + [candidate.name]
+            if not _fits(groups, keep, budget, prefetch):
+                continue
+            gain = stall - simulate(groups, keep, bandwidth, prefetch)[1]
+            if per_byte:
+                gain /= max(candidate.nbytes, 1)
+            if gain > best_gain:
+                best, best_gain = candidate, gain
+        if best is None or stall <= 0:
+            return resident
+        resident.append(best.name)
+
+
 def plan_residency(groups: Sequence[GroupCost], budget: int, bandwidth: float, prefetch: int = 1) -> list[str]:
     """Groups to keep resident within ``budget`` bytes, chosen to remove the most stall.
 
     The budget must also leave room for the groups in flight: ``prefetch + 1`` times the
-    largest streamed group. A model that fits entirely is kept entirely.
+    largest streamed group. A model that fits is kept entirely.
 
     Example:
         >>> g = [GroupCost("a", 100, 1.0), GroupCost("b", 300, 0.1), GroupCost("c", 100, 5.0), GroupCost("d", 100, 5.0)]
@@ -73,27 +105,24 @@ def plan_residency(groups: Sequence[GroupCost], budget: int, bandwidth: float, p
     """
     if sum(g.nbytes for g in groups) <= budget:
         return [g.name for g in groups]
-    resident: list[str] = []
-    while True:
-        streamed = [g for g in groups if g.name not in resident]
-        if not streamed:
-            return resident
-        _, stall = simulate(groups, resident, bandwidth, prefetch)
-        if stall <= 0:
-            return resident
-        best, best_gain = None, 0.0
-        for candidate in streamed:
-            keep = resident + [candidate.name]
-            rest = [g.nbytes for g in streamed if g.name != candidate.name]
-            in_flight = (prefetch + 1) * max(rest, default=0)
-            if sum(g.nbytes for g in groups if g.name in keep) + in_flight > budget:
-                continue
-            gain = (stall - simulate(groups, keep, bandwidth, prefetch)[1]) / max(candidate.nbytes, 1)
-            if gain > best_gain:
-                best, best_gain = candidate, gain
-        if best is None:
-            return resident
-        resident.append(best.name)
+    names = [g.name for g in groups]
+    if len(groups) <= _EXHAUSTIVE:
+        choices: Iterable[Sequence[str]] = (
+            list(keep) for r in range(len(names) + 1) for keep in itertools.combinations(names, r)
+        )
+    else:
+        choices = [_greedy(groups, budget, bandwidth, prefetch, per_byte) for per_byte in (True, False)]
+    best: list[str] = []
+    best_stall = simulate(groups, [], bandwidth, prefetch)[1]
+    for keep in choices:
+        if best_stall <= 0:
+            break
+        if not _fits(groups, keep, budget, prefetch):
+            continue
+        stall = simulate(groups, keep, bandwidth, prefetch)[1]
+        if stall < best_stall - 1e-12:  # strictly better: among equals, the fewest groups (tried first)
+            best, best_stall = list(keep), stall
+    return best
 
 
 def stall_hint(groups: Sequence[GroupCost], resident: Iterable[str], bandwidth: float, prefetch: int = 1) -> str:

@@ -157,7 +157,9 @@ class Ring:
         timing = (self.copy_start[slot], self.ready[slot])
         keep = {slot}
         for following in upcoming:
-            if any(g is following for g in self.holding):
+            held = next((s for s, g in enumerate(self.holding) if g is following), None)
+            if held is not None:
+                keep.add(held)  # copied ahead already: not to be evicted by the next ones
                 continue
             target = self._free_slot(keep)
             if target is None:

@@ -1,0 +1,389 @@
+"""The device seam, and the streaming engine run on a simulated asynchronous device.
+
+On a CPU every copy is synchronous, so an ordering mistake in the streaming engine cannot
+show. ``simulated_device.SimulatedDevice`` makes copies land late on worker threads, with
+poison in their destinations until then, and refuses copies that would overwrite a buffer
+the computations may still read; everything here runs the engine on it and compares with
+the resident model.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from simulated_device import POISON, Hazard, SimulatedDevice
+from torch import nn
+
+import torchsurgery
+from torchsurgery import offload
+from torchsurgery.offload.device import AcceleratorDevice, resolve_device
+from torchsurgery.offload.planner import GroupCost, plan_residency, simulate
+
+
+class Blocks(nn.Module):
+    """Residual MLP blocks run in ``self.order`` (default: in turn); block i has hidden width ``widths[i]``."""
+
+    def __init__(self, widths: list[int], d: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, w), nn.GELU(), nn.Linear(w, d)) for w in widths)
+        self.order: list[int] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in self.order if self.order is not None else range(len(self.blocks)):
+            x = x + self.blocks[i](x)
+        return x
+
+
+def identity_map(model: nn.Module) -> dict[str, tuple[int, torch.device, torch.dtype]]:
+    return {n: (id(t), t.device, t.dtype) for n, t in model.named_parameters(remove_duplicate=False)}
+
+
+def exact(got: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def stream_all(model: nn.Module, prefetch: int, groups: list[nn.Module] | None = None) -> dict[str, int]:
+    """``offload`` arguments under which every group streams: a budget too small for any residency.
+
+    (Without a budget the simulated device reports 1 GiB free, and a model that fits is kept whole.)
+    """
+    sizes = [sum(p.numel() * 4 for p in g.parameters()) for g in (groups or list(model.blocks))]
+    total = sum(p.numel() * 4 for p in model.parameters())
+    return {"prefetch": prefetch, "budget": min((prefetch + 1) * max(sizes), total - 1)}
+
+
+X = torch.linspace(-1, 1, 3 * 16).reshape(3, 16)
+
+
+# ---------------------------------------------------------------------- the simulator itself
+
+
+def test_the_simulated_device_keeps_cudas_ordering_rules() -> None:
+    with SimulatedDevice(lazy=True) as sim:
+        compute, a, b = sim.current_stream(), sim.new_stream(), sim.new_stream()
+        host = sim.pin(torch.arange(8, dtype=torch.uint8))
+        x, y = sim.empty(8), sim.empty(8)
+        sim.copy_(x, host, a)
+        assert (x == POISON).all()  # not waited for: poison
+        sim.wait(b, sim.record(a))  # b's work runs after a's copy
+        sim.copy_(y, x, b)
+        sim.wait(compute, sim.record(b))
+        assert torch.equal(y, host) and torch.equal(x, host)
+        sim.wait(a, sim.record(compute))  # a's next copies come after those reads
+        sim.copy_(x, host, a)
+        host.fill_(7)  # refilled before the copy landed: the copy moves the new bytes
+        sim.synchronize(a)
+        assert (x == 7).all()
+        sim.wait(a, sim.record(compute))
+        sim.copy_(x, torch.zeros(8, dtype=torch.uint8), a)  # pageable memory: synchronous
+        assert (x == 0).all() and sim.unpinned_copies == 1
+        x.sum()  # a computation reads x ...
+        with pytest.raises(Hazard):  # ... so a copy into x must wait for an event after it
+            sim.copy_(x, host, a)
+        sim.wait(a, sim.record(compute))
+        sim.copy_(x, host, a)
+        assert not sim.idle()
+        sim.synchronize()
+        assert sim.idle() and (x == 7).all()
+    with SimulatedDevice(delay=(0.0, 0.003), seed=1) as sim:  # in order per stream, whatever the delays
+        side, z = sim.new_stream(), sim.empty(4)
+        for value in range(20):
+            sim.copy_(z, sim.pin(torch.full((4,), value, dtype=torch.uint8)), side)
+        start = sim.record(side)
+        sim.synchronize(side)
+        assert (z == 19).all() and sim.elapsed(start, sim.record(side)) >= 0
+
+
+# ---------------------------------------------------------------------- devices
+
+
+def test_offload_accepts_cpu_and_the_reported_accelerator_and_refuses_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = Blocks([8, 8])
+    ids = identity_map(model)
+    with pytest.raises(ValueError, match="is not a device"):
+        offload(model, "tpu")
+    if not torch.accelerator.is_available():
+        with pytest.raises(ValueError, match=r"device 'xpu' is not available: this PyTorch reports only 'cpu'"):
+            offload(model, "xpu")
+        with pytest.raises(ValueError, match=r"device 'cuda:0' is not available"):
+            offload(model, torch.device("cuda", 0))
+        with pytest.raises(ValueError, match=r"pin_memory=True, but host memory cannot be pinned for 'cpu'"):
+            offload(model, "cpu", pin_memory=True)
+    assert identity_map(model) == ids
+    # a machine whose PyTorch reports one XPU: xpu:0 resolves, xpu:3 and cuda do not
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("xpu"))
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    def no_streams(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("this backend has no streams")
+
+    monkeypatch.setattr(torch, "Stream", no_streams)  # the device then copies synchronously
+    with pytest.raises(ValueError, match=r"'xpu:3' does not exist \(1 xpu devices\)"):
+        resolve_device("xpu:3", "f")
+    with pytest.raises(ValueError, match=r"'cuda' is not available: this PyTorch reports 'cpu' and 'xpu'"):
+        resolve_device("cuda", "f")
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no pinned allocator")))
+    dev = resolve_device("xpu", "f")
+    assert isinstance(dev, AcceleratorDevice) and dev.device == torch.device("xpu", 0)
+    assert not dev.host_compute and not dev.can_pin and dev.new_stream() is None
+
+
+def test_the_cpu_device_copies_synchronously_and_times_on_the_host() -> None:
+    dev = resolve_device("cpu", "f")
+    side = dev.new_stream()
+    buffer = dev.empty(16)
+    start = dev.record(side)
+    dev.copy_(buffer, torch.arange(16, dtype=torch.uint8), side)
+    assert buffer.tolist() == list(range(16)) and dev.elapsed(start, dev.record(side)) >= 0
+    with pytest.raises(RuntimeError, match="give a budget"):
+        dev.free_memory()
+
+
+# ---------------------------------------------------------------------- streaming on the simulated device
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["random-delays", "lazy"])
+@pytest.mark.parametrize("storage_dtype", [None, torch.bfloat16], ids=["fp32", "bf16-storage"])
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3, 7])
+def test_streamed_forwards_match_the_resident_model(prefetch: int, storage_dtype: torch.dtype | None, lazy: bool) -> None:
+    model = Blocks([8, 32, 8, 32, 16, 8])  # two largest groups: neither can be resident
+    reference = copy.deepcopy(model)
+    if storage_dtype is not None:
+        with torch.no_grad():
+            for p in reference.parameters():
+                p.copy_(p.to(storage_dtype))
+    ids = identity_map(model)
+    with SimulatedDevice(seed=prefetch, delay=(0.0, 0.002), lazy=lazy) as sim, torch.no_grad():
+        expected = reference(X)
+        handle = offload(model, sim, dtype=torch.float32, storage_dtype=storage_dtype, skip=None, **stream_all(model, prefetch))
+        assert sorted(handle._transit.packed) == [f"blocks.{i}" for i in range(6)]  # every group rides the ring
+        for _ in range(4):
+            exact(model(X), expected)
+        ring = handle._transit.ring
+        assert ring is not None and ring.prefetched + ring.misses == 4 * 6
+        assert (ring.prefetched > 0) == (prefetch > 0)  # later forwards found their groups copied ahead
+        assert sim.unpinned_copies == 0 and sim.copies >= 6  # every copy came from pinned memory
+        handle.remove()
+    assert identity_map(model) == ids
+
+
+def test_a_transformers_model_streams_exactly() -> None:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    ).eval()
+    reference = copy.deepcopy(model)
+    ids = torch.tensor([[3, 7, 1, 9]])
+    with SimulatedDevice(seed=2) as sim, torch.no_grad():
+        expected = reference(ids).logits
+        handle = offload(model, sim, **stream_all(model, 2, list(model.transformer.h)))
+        assert len(handle.stats().streamed_groups) >= 3
+        for _ in range(3):
+            exact(model(ids).logits, expected)
+        handle.remove()
+
+
+def test_groups_run_out_of_the_recorded_order_are_brought_in_exactly() -> None:
+    model = Blocks([8, 16, 8, 16, 8])
+    reference = copy.deepcopy(model)
+    orders = [None, None, [4, 3, 2, 1, 0], [0, 2, 1, 2, 4], [1], None, [3, 3, 3, 0]]
+    with SimulatedDevice(seed=4, delay=(0.0, 0.002)) as sim, torch.no_grad():
+        handle = offload(model, sim, **stream_all(model, 2))
+        for order in orders:  # reversed, a block run twice, a single block, back to the recorded order
+            model.order = reference.order = order
+            exact(model(X), reference(X))
+        assert handle._transit.ring is not None and handle._transit.ring.misses > 5
+        handle.remove()
+
+
+def test_training_through_streamed_groups_matches_the_resident_model() -> None:
+    model = Blocks([8, 16, 8, 16])
+    reference = copy.deepcopy(model)
+    y = torch.randn(3, 16)
+    with SimulatedDevice(seed=5) as sim:
+        handle = offload(model, sim, **stream_all(model, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for _ in range(3):
+            for m, o in ((model, opt), (reference, ref_opt)):
+                o.zero_grad()
+                nn.functional.mse_loss(m(X), y).backward()
+                o.step()
+            with torch.no_grad():  # through the ring: the copies carry the updated weights
+                exact(model(X), reference(X))
+        for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+            exact(a, b)
+        handle.remove()
+
+
+def _in_order(groups: list[GroupCost], budget: int, prefetch: int) -> list[str]:
+    """What peers do: keep groups resident in execution order while they fit."""
+    room = budget - (prefetch + 1) * max(g.nbytes for g in groups)
+    chosen = []
+    for g in groups:
+        if g.nbytes <= room:
+            chosen.append(g.name)
+            room -= g.nbytes
+    return chosen
+
+
+def _best_stall(groups: list[GroupCost], budget: int, bandwidth: float, prefetch: int) -> float:
+    best = simulate(groups, [], bandwidth, prefetch)[1]
+    names = [g.name for g in groups]
+    for r in range(1, len(groups) + 1):
+        for keep in itertools.combinations(names, r):
+            rest = [g.nbytes for g in groups if g.name not in keep]
+            if sum(g.nbytes for g in groups if g.name in keep) + (prefetch + 1) * max(rest, default=0) <= budget:
+                best = min(best, simulate(groups, keep, bandwidth, prefetch)[1])
+    return best
+
+
+@pytest.mark.parametrize(
+    "widths", [[4, 4, 4, 4, 256, 256, 256], [4, 128, 4, 4, 256, 256, 256], [64, 4, 256, 4, 256, 4, 256]]
+)
+def test_the_planner_runs_on_the_simulated_links_timings(widths: list[int]) -> None:
+    model = Blocks(widths)
+    reference = copy.deepcopy(model)
+    sizes = [sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks]
+    budget = 3 * max(sizes) + 2 * min(sizes)  # two groups in flight and one large resident, or small ones
+    assert budget < sum(sizes)
+    link = 40e6  # bytes per second: the largest group's copy takes about 1 ms
+    with SimulatedDevice(seed=6, delay=(0.0, 1e-4), bandwidth=link) as sim, torch.no_grad():
+        handle = offload(model, sim, budget=budget, prefetch=1)
+        exact(model(X), reference(X))  # the first forward measures; the planner then chooses
+        shared = handle._transit
+        names = [f"blocks.{i}" for i in range(len(widths))]
+        costs, bandwidth = shared.measured(names)  # the timings the planner read, through the seam
+        chosen = handle.stats().resident_groups
+        assert chosen == plan_residency(costs, budget, bandwidth, 1) and chosen
+        assert bandwidth <= link  # every copy took at least its bytes over the link's speed
+        s = handle.stats()
+        streamed = [n for i, n in enumerate(sizes) if f"blocks.{i}" not in chosen]
+        assert s.resident_bytes + 2 * max(streamed) <= budget
+        assert s.seconds_transferring >= sum(sizes) / link and s.achieved_gbps * 1e9 <= link
+        ours = simulate(costs, chosen, bandwidth)[1]
+        in_order = simulate(costs, _in_order(costs, budget, 1), bandwidth)[1]
+        assert ours < in_order and ours <= 1.10 * _best_stall(costs, budget, bandwidth, 1)
+        for _ in range(2):
+            exact(model(X), reference(X))
+        handle.remove()
+
+
+def test_streaming_from_a_safetensors_file_through_the_staging_buffer(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    reference = Blocks([8, 16, 32, 8, 16])
+    path = tmp_path / "blocks.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, path)
+    with torchsurgery.skeleton():
+        model = Blocks([8, 16, 32, 8, 16])
+    for lazy in (False, True):
+        with SimulatedDevice(seed=7, lazy=lazy) as sim, torch.no_grad():
+            handle = offload(model, sim, storage=path, **stream_all(reference, 2))
+            assert all(p.is_meta for p in model.parameters())  # the weights stay in the file
+            for _ in range(3):
+                exact(model(X), reference(X))
+            ring = handle._transit.ring
+            assert ring is not None and ring.staging is not None and sim.is_pinned(ring.staging)
+            assert sim.unpinned_copies == 0 and ring.prefetched > 0
+            handle.remove()
+    assert all(p.is_meta for p in model.parameters())
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop(*args: Any) -> None:
+    raise _Stop
+
+
+def test_remove_with_copies_in_flight_waits_for_them_and_restores_the_model() -> None:
+    model = Blocks([8, 16, 8, 16, 8, 16, 8, 16])
+    reference = copy.deepcopy(model)
+    ids = identity_map(model)
+    with SimulatedDevice(lazy=True) as sim, torch.no_grad():
+        handle = offload(model, sim, **stream_all(model, 2))
+        model(X)
+        hook = model.blocks[4].register_forward_pre_hook(_stop)
+        with pytest.raises(_Stop):
+            model(X)  # block 3 ran and asked for blocks 4 and 5 ahead: those copies are in flight
+        hook.remove()
+        assert not sim.idle()
+        handle.remove()
+        assert sim.idle()
+    assert identity_map(model) == ids
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        exact(a, b)
+    exact(model(X), reference(X))
+
+
+def test_an_exception_in_a_forward_with_copies_in_flight_leaves_streaming_exact() -> None:
+    model = Blocks([8, 16, 8, 16, 8])
+    reference = copy.deepcopy(model)
+    with SimulatedDevice(seed=8, delay=(0.0, 0.002)) as sim, torch.no_grad():
+        handle = offload(model, sim, **stream_all(model, 2))
+        exact(model(X), reference(X))
+        hook = model.blocks[2][0].register_forward_hook(_stop)  # inside a streamed group
+        with pytest.raises(_Stop):
+            model(X)
+        hook.remove()
+        ring = handle._transit.ring
+        assert ring is not None and not ring.in_use  # every slot given back
+        assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+        for _ in range(3):
+            exact(model(X), reference(X))
+        assert handle.stats().transfers > 0
+        handle.remove()
+
+
+# ---------------------------------------------------------------------- the suite catches ordering mistakes
+
+
+def _streams_correctly(sim: SimulatedDevice, reference: Blocks, path: Any) -> bool:
+    """Whether the streaming engine gives exact results on ``sim`` and leaves nothing in flight."""
+    model = copy.deepcopy(reference)
+    with torchsurgery.skeleton():
+        from_file = Blocks([len(b[0].bias) for b in reference.blocks])
+    try:
+        with torch.no_grad():
+            for m, kwargs in ((model, stream_all(reference, 1)), (from_file, {**stream_all(reference, 2), "storage": path})):
+                handle = offload(m, sim, **kwargs)  # type: ignore[arg-type]
+                for _ in range(3):
+                    if not torch.equal(m(X), reference(X)):
+                        return False
+                hook = m.blocks[4].register_forward_pre_hook(_stop)
+                with pytest.raises(_Stop):
+                    m(X)  # copies in flight when remove() comes
+                hook.remove()
+                handle.remove()
+                if not sim.idle():
+                    return False
+    except Hazard:
+        return False
+    return True
+
+
+def test_dropping_any_wait_record_or_synchronize_of_the_engine_is_caught(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    reference = Blocks([8, 16, 8, 16, 8, 16, 8, 16])  # more groups than slots: several copies in flight
+    path = tmp_path / "blocks.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, path)
+    with SimulatedDevice(lazy=True) as clean:
+        assert _streams_correctly(clean, reference, path)
+    # the engine's ordering operations: every wait and synchronize, and the records whose
+    # events something waits on (the others only time)
+    sites = sorted(
+        site for site in clean.sites
+        if site[1].startswith(("streams.py", "engine.py")) and (site[0] != "record" or site[1] in clean.ordering)
+    )
+    assert {op for op, _ in sites} == {"wait", "record", "synchronize"} and len(sites) >= 5, sites
+    for site in sites:
+        with SimulatedDevice(lazy=True, drop=site) as sim:
+            assert not _streams_correctly(sim, reference, path), f"dropping {site} went unnoticed"
