@@ -13,6 +13,7 @@ from torchsurgery.flex import FlexModel, HookFunction
 from torchsurgery.offload import (
     DEFAULT_SKIP,
     DynamicSwapInstaller,
+    OffloadDevice,
     OffloadHandle,
     OffloadStats,
     offload,
@@ -62,6 +63,7 @@ __all__ = [
     "offload",
     "OffloadHandle",
     "OffloadStats",
+    "OffloadDevice",
     "DEFAULT_SKIP",
     # flex: what flows through a model
     "FlexModel",

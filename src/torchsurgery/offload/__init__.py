@@ -1,6 +1,7 @@
 """Where and in what dtype weights live: dynamic swapping and the offload engine."""
 
+from torchsurgery.offload.device import OffloadDevice
 from torchsurgery.offload.dynamic_swap import DynamicSwapInstaller
 from torchsurgery.offload.engine import DEFAULT_SKIP, OffloadHandle, OffloadStats, offload
 
-__all__ = ["DynamicSwapInstaller", "offload", "OffloadHandle", "OffloadStats", "DEFAULT_SKIP"]
+__all__ = ["DynamicSwapInstaller", "offload", "OffloadHandle", "OffloadStats", "OffloadDevice", "DEFAULT_SKIP"]

@@ -185,7 +185,12 @@ class AcceleratorDevice(OffloadDevice):
     def free_memory(self) -> int:
         if self.host_compute:
             raise RuntimeError("torchsurgery.offload: free memory of the host is not tracked; give a budget")
-        free, _ = torch.accelerator.get_memory_info(self.device)
+        try:
+            free, _ = torch.accelerator.get_memory_info(self.device)
+        except (RuntimeError, NotImplementedError) as exc:
+            raise RuntimeError(
+                f"torchsurgery.offload: free memory of {str(self.device)!r} is unknown to this PyTorch ({exc}); give a budget"
+            ) from exc
         return int(free)
 
 
