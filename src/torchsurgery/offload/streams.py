@@ -1,7 +1,7 @@
 """Streaming packed groups through a small ring of reusable device buffers.
 
-Each streamed group's weights live in one flat host buffer (pinned when the device is a
-GPU): the parameters themselves are views into it, so it is the only host copy. Before
+Each streamed group's weights live in one flat host buffer (pinned when the device is an
+accelerator): the parameters themselves are views into it, so it is the only host copy. Before
 a group runs, its buffer is copied in one transfer into a free slot of a ring of device
 buffers and the modules get views of that slot (cast to the compute dtype on the
 device when the storage dtype differs). While a group computes, the next groups along
@@ -139,7 +139,11 @@ class Ring:
         slot = next((s for s, g in enumerate(self.holding) if g is group and s not in self.in_use), None)
         if slot is None:
             self.misses += 1
-            slot = self._free_slot(set())
+            # rather not evict a group copied ahead for the coming runs
+            ahead = {s for s, g in enumerate(self.holding) if any(g is u for u in upcoming)}
+            slot = self._free_slot(ahead)
+            if slot is None:
+                slot = self._free_slot(set())
             if slot is None:  # every slot busy (nested groups): a temporary buffer, in stream order
                 temporary = torch.empty(group.layout.nbytes, dtype=torch.uint8)
                 group.fill(temporary)
