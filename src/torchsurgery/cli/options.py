@@ -162,8 +162,9 @@ class OffloadOptions:
         message = re.sub(
             r"budget=(\d+) bytes", lambda m: f"--budget {self.budget_text} ({int(m.group(1)):,} bytes)", message
         )
-        alternative = "--groups leaves" if self.groups != "leaves" else "fewer, smaller --groups"
-        message = message.replace("smaller groups (groups='leaves')", alternative)
+        if self.groups == "leaves":
+            message = message.replace(", or smaller groups (groups='leaves')", "")
+        message = message.replace("smaller groups (groups='leaves')", "--groups leaves")
         message = re.sub(r"^groups ", "--groups: ", message)
         if "device" in message.split(";")[0]:
             message = f"--device {device}: the offload engine cannot run there ({message}); use --device cpu"
