@@ -86,7 +86,7 @@ def test_run_in_a_pipe_uses_words_that_hold_on_a_cpu(cli: Callable[..., object])
     assert lines[1].split() == ["run", "time", "vs", "plain", "max", "|diff|", "held", "resident", "streamed",
                                 "moved/forward"]
     assert lines[2].startswith("plain ") and lines[3].startswith("offload ")  # one line per run
-    assert lines[4] == "offload groups (blocks): 0 resident, 6 streamed"
+    assert lines[4] == "offload: 6 groups (blocks), prefetch 1"
     assert "device" not in result.stdout  # type: ignore[attr-defined]
 
 

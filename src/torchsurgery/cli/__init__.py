@@ -105,6 +105,7 @@ def _build() -> Any:
         """Run the model over inputs and write every captured activation to a safetensors file."""
         from torchsurgery.cli import models
         from torchsurgery.cli import trace as tracing
+        from torchsurgery.cli.figures import figures as weight_figures
         from torchsurgery.cli.options import (
             COMPUTE_DTYPES,
             OffloadOptions,
@@ -113,7 +114,6 @@ def _build() -> Any:
             parse_dtype,
         )
         from torchsurgery.cli.output import emit
-        from torchsurgery.cli.run import weight_bytes
 
         where = parse_device(device)
         compute = parse_dtype(dtype, "--dtype", COMPUTE_DTYPES) if dtype is not None else None
@@ -128,6 +128,7 @@ def _build() -> Any:
         if plot is not None:
             tracing.check_output(plot, ".png", "--plot")
         loaded = models.load(model, weights=not storage)
+        compute = compute or next(loaded.model.parameters()).dtype
         handle = None
         if options.enabled:
             checkpoint = str(loaded.checkpoint) if loaded.checkpoint is not None else None
@@ -137,28 +138,27 @@ def _build() -> Any:
         try:
             shapes, stats, dtypes, seconds = _trace_with_progress(tracing, loaded, hook, texts, out, batch_size,
                                                                   max_length, where)
-            figures = handle.stats() if handle is not None else None
+            offloaded = None
+            if handle is not None:
+                engine = handle.stats()
+                offloaded = {
+                    **options.describe(),
+                    "streamed_from": str(loaded.checkpoint) if storage else "memory",
+                    **weight_figures(loaded.model, where, compute, engine, engine.bytes_moved),
+                    "resident_groups": engine.resident_groups, "streamed_groups": engine.streamed_groups,
+                }
         finally:
             if handle is not None and not storage:
                 # (with --storage, undoing would read every weight back into memory; the process ends instead)
                 handle.remove()
         document = {
             "command": "trace", "model": loaded.name, "class": type(loaded.model).__name__, "device": str(where),
-            "dtype": dtype_name(compute or next(loaded.model.parameters()).dtype), "out": str(out),
+            "dtype": dtype_name(compute), "out": str(out),
             "plot": str(plot) if plot is not None else None, "inputs": len(texts), "seconds": seconds,
-            "texts_per_second": len(texts) / max(seconds, 1e-9), "offload": None,
+            "texts_per_second": len(texts) / max(seconds, 1e-9), "offload": offloaded,
             "captures": [{"module": key, "shape": shapes[key], "dtype": dtypes[key], "mean": s["mean"],
                           "std": s["std"], "token_norm": s["norm"]} for key, s in stats.items()],
         }
-        if figures is not None:
-            document["offload"] = {
-                **options.describe(),
-                "streamed_from": str(loaded.checkpoint) if storage else "memory",
-                "held_bytes": weight_bytes(loaded.model, held=True), "resident_bytes": figures.resident_bytes,
-                "streamed_bytes": weight_bytes(loaded.model) - figures.resident_bytes,
-                "moved_bytes": figures.bytes_moved, "peak_bytes": figures.peak_device_bytes,
-                "resident_groups": figures.resident_groups, "streamed_groups": figures.streamed_groups,
-            }
         if plot is not None:
             from torchsurgery.cli.plot import plot_stats
 

@@ -1,13 +1,6 @@
 """``torchsurgery run``: run a model plainly and with the offload engine, side by side.
 
-The figures use words that mean the same on every device, all in bytes of weights:
-
-* resident: kept where the computation runs, in the compute dtype, for every forward;
-* streamed: kept elsewhere (host memory, a compact storage dtype, or the checkpoint file)
-  and brought in group by group when the group runs;
-* moved: what one forward actually brought in (copied to an accelerator, cast to the
-  compute dtype, or read from the file);
-* held: what the weights take in memory as stored (host memory or the accelerator).
+Sizes are reported in the words of :mod:`torchsurgery.cli.figures`.
 """
 
 from __future__ import annotations
@@ -20,6 +13,7 @@ import torch
 
 import torchsurgery
 from torchsurgery.cli.errors import CliError
+from torchsurgery.cli.figures import figures
 from torchsurgery.cli.models import LoadedModel
 from torchsurgery.cli.options import OffloadOptions, dtype_name
 from torchsurgery.cli.output import Table, human_bytes
@@ -61,17 +55,6 @@ def _timed(
     return out, statistics.median(times), moved
 
 
-def weight_bytes(model: torch.nn.Module, held: bool = False) -> int:
-    """Bytes of the weights as stored; ``held``: only those in memory (not left in a file).
-
-    Example:
-        >>> from torch import nn
-        >>> weight_bytes(nn.Linear(4, 4))
-        80
-    """
-    return sum(p.numel() * p.element_size() for p in model.parameters() if not (held and p.is_meta))
-
-
 def compare(
     loaded: LoadedModel,
     text: str,
@@ -97,11 +80,7 @@ def compare(
     try:
         model.to(device)
         plain, seconds, _ = _timed(loaded, inputs, device)
-        weights = weight_bytes(model)
-        result["plain"] = {
-            "seconds": seconds, "held_bytes": weights, "resident_bytes": weights, "streamed_bytes": 0,
-            "moved_bytes": 0, "peak_bytes": weights,
-        }
+        result["plain"] = {"seconds": seconds, **figures(model, device, compute)}
         result["output"] = {"shape": list(plain.shape), "norm": float(plain.float().norm())}
     except torch.OutOfMemoryError:
         if not options.enabled:
@@ -117,15 +96,10 @@ def compare(
     try:
         out, seconds, moved = _timed(loaded, inputs, device, handle)
         stats = handle.stats()
-        held = weight_bytes(model, held=True)
         result["offload"] = {
             **options.describe(),
             "seconds": seconds,
-            "held_bytes": held,
-            "resident_bytes": stats.resident_bytes,
-            "streamed_bytes": weight_bytes(model) - stats.resident_bytes,
-            "moved_bytes": moved,
-            "peak_bytes": stats.peak_device_bytes,
+            **figures(model, device, compute, stats, moved),
             "resident_groups": stats.resident_groups,
             "streamed_groups": stats.streamed_groups,
             "vs_plain": seconds / result["plain"]["seconds"] if plain is not None else None,
@@ -171,8 +145,11 @@ def table(result: dict[str, Any]) -> Table:
         out.add(*cells)
     offloaded = result["offload"]
     if offloaded is not None:
-        out.notes.append(
-            f"offload groups ({offloaded['groups']}): {len(offloaded['resident_groups'])} resident, "
-            f"{len(offloaded['streamed_groups'])} streamed"
-        )
+        out.notes.append(groups_note(offloaded))
     return out
+
+
+def groups_note(offloaded: dict[str, Any]) -> str:
+    """One line on how the engine split the model: how many groups, how far ahead it brings them in."""
+    planned = len(offloaded["resident_groups"]) + len(offloaded["streamed_groups"])
+    return f"offload: {planned} groups ({offloaded['groups']}), prefetch {offloaded['prefetch']}"

@@ -149,7 +149,8 @@ def table(document: dict[str, Any]) -> Table:
     if offloaded is not None:
         out.notes.append(
             f"offload: {human_bytes(offloaded['resident_bytes'])} resident, {human_bytes(offloaded['streamed_bytes'])} "
-            f"streamed from {offloaded['streamed_from']}, {human_bytes(offloaded['moved_bytes'])} moved in all"
+            f"streamed from {offloaded['streamed_from']}, {human_bytes(offloaded['moved_bytes'])} moved in all, "
+            f"{len(offloaded['resident_groups']) + len(offloaded['streamed_groups'])} groups ({offloaded['groups']})"
         )
     if document["plot"] is not None:
         out.notes.append(f"plot: {document['plot']}")
