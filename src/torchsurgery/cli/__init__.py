@@ -1,8 +1,10 @@
 """The ``torchsurgery`` command: inspect, trace and run real models.
 
 Installed with the ``[cli]`` extra. Mistakes a user makes (a path that does not exist, a
-glob that matches nothing, an output folder that is missing, a budget too small) are
-reported as one ``error:`` line and a non-zero exit, never a traceback.
+glob that matches nothing, an output folder that is missing, a budget too small, an option
+value it does not take) are reported as one ``error:`` line on stderr naming the option and
+what it accepts, with exit code 2 and nothing written; never a traceback. Results go to
+stdout as described in :mod:`torchsurgery.cli.output`.
 """
 
 import sys
