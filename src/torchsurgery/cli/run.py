@@ -1,4 +1,7 @@
-"""``torchsurgery run``: run a model plainly and with the offload engine, side by side."""
+"""``torchsurgery run``: run a model plainly and with the offload engine, side by side.
+
+Sizes are reported in the words of :mod:`torchsurgery.cli.figures`.
+"""
 
 from __future__ import annotations
 
@@ -8,26 +11,12 @@ from typing import Any
 
 import torch
 
+import torchsurgery
 from torchsurgery.cli.errors import CliError
+from torchsurgery.cli.figures import figures
 from torchsurgery.cli.models import LoadedModel
-
-DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
-}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """``"bf16"`` -> ``torch.bfloat16`` and so on.
-
-    Example:
-        >>> parse_dtype("bf16")
-        torch.bfloat16
-    """
-    try:
-        return DTYPES[name.lower()]
-    except KeyError:
-        raise CliError(f"unknown dtype {name!r}; use one of {', '.join(sorted(DTYPES))}") from None
+from torchsurgery.cli.options import OffloadOptions, dtype_name
+from torchsurgery.cli.output import Table, human_bytes
 
 
 def _main_tensor(output: Any) -> torch.Tensor:
@@ -39,49 +28,128 @@ def _main_tensor(output: Any) -> torch.Tensor:
     return output[0]
 
 
-def _timed(loaded: LoadedModel, inputs: dict[str, torch.Tensor], repeats: int = 3) -> tuple[torch.Tensor, float]:
-    times, out = [], None
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _timed(
+    loaded: LoadedModel,
+    inputs: dict[str, torch.Tensor],
+    device: torch.device,
+    handle: torchsurgery.OffloadHandle | None = None,
+    repeats: int = 3,
+) -> tuple[torch.Tensor, float, int]:
+    """The output, the median seconds of ``repeats`` forwards, and the bytes the last one moved."""
+    times, out, moved = [], None, 0
     with torch.no_grad():
         for _ in range(repeats):
+            before = handle.stats().bytes_moved if handle is not None else 0
+            _sync(device)
             start = time.perf_counter()
             out = _main_tensor(loaded.model(**inputs))
+            _sync(device)
             times.append(time.perf_counter() - start)
+            moved = handle.stats().bytes_moved - before if handle is not None else 0
     assert out is not None
-    return out, statistics.median(times)
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights as stored."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    return out, statistics.median(times), moved
 
 
 def compare(
-    loaded: LoadedModel, text: str, offload: bool, budget: int | None, storage_dtype: torch.dtype | None
+    loaded: LoadedModel,
+    text: str,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    options: OffloadOptions,
 ) -> dict[str, Any]:
-    """Run plainly, then (optionally) offloaded; return figures for both."""
-    import torchsurgery
+    """Run plainly on ``device``, then (with ``options.enabled``) offloaded; figures for both.
 
-    inputs = loaded.encode([text], max_length=64)
-    plain, plain_s = _timed(loaded, inputs)
+    Returns:
+        The ``--json`` document of ``run`` (see the command's documentation).
+    """
+    model = loaded.model
+    inputs = {k: v.to(device) for k, v in loaded.encode([text], max_length=64).items()}
+    compute = dtype or next(model.parameters()).dtype
     result: dict[str, Any] = {
-        "shape": list(plain.shape), "plain_seconds": plain_s, "plain_bytes": weight_bytes(loaded.model),
-        "norm": float(plain.float().norm()),
+        "command": "run", "model": loaded.name, "class": type(model).__name__, "device": str(device),
+        "dtype": dtype_name(compute), "text": text, "output": None, "plain": None, "offload": None,
     }
-    if not offload:
+    if dtype is not None:
+        model.to(dtype=dtype)
+    plain = None
+    try:
+        model.to(device)
+        plain, seconds, _ = _timed(loaded, inputs, device)
+        result["plain"] = {"seconds": seconds, **figures(model, device, compute)}
+        result["output"] = {"shape": list(plain.shape), "norm": float(plain.float().norm())}
+    except torch.OutOfMemoryError:
+        if not options.enabled:
+            raise CliError(f"{loaded.name} does not fit on {device}; add --offload (and --budget)") from None
+        result["plain"] = {"error": f"does not fit on {device}"}
+    finally:
+        model.to("cpu")
+        if device.type != "cpu":
+            torch.accelerator.empty_cache()
+    if not options.enabled:
         return result
-    compute = next(loaded.model.parameters()).dtype
+    handle = options.apply(model, device, dtype)
     try:
-        handle = torchsurgery.offload(loaded.model, "cpu", dtype=compute, storage_dtype=storage_dtype, budget=budget)
-    except ValueError as exc:
-        raise CliError(str(exc).replace("torchsurgery.offload: ", "")) from exc
-    try:
-        result["offload_bytes"] = weight_bytes(loaded.model)
-        out, result["offload_seconds"] = _timed(loaded, inputs)
-        result["max_abs_diff"] = float((out.float() - plain.float()).abs().max())
+        out, seconds, moved = _timed(loaded, inputs, device, handle)
         stats = handle.stats()
-        result["streamed"] = len(stats.streamed_groups)
-        result["resident"] = len(stats.resident_groups)
-        result["peak_device_bytes"] = stats.peak_device_bytes
+        result["offload"] = {
+            **options.describe(),
+            "seconds": seconds,
+            **figures(model, device, compute, stats, moved),
+            "resident_groups": stats.resident_groups,
+            "streamed_groups": stats.streamed_groups,
+            "vs_plain": seconds / result["plain"]["seconds"] if plain is not None else None,
+            "max_abs_diff": float((out.float() - plain.float()).abs().max()) if plain is not None else None,
+            "hint": stats.hint,
+        }
+        if result["output"] is None:
+            result["output"] = {"shape": list(out.shape), "norm": float(out.float().norm())}
     finally:
         handle.remove()
     return result
+
+
+def table(result: dict[str, Any]) -> Table:
+    """``run``'s figures as a table: one row per run, sizes in bytes of weights."""
+    device = torch.device(result["device"])
+    output = result["output"]
+    title = f"{result['model']} ({result['class']}) on {device}, {result['dtype']}"
+    if output is not None:
+        title += f": output {output['shape']}, norm {output['norm']:.4f}"
+    columns = [("run", "left"), ("time", "right"), ("vs plain", "right"), ("max |diff|", "right"),
+               ("held", "right"), ("resident", "right"), ("streamed", "right"), ("moved/forward", "right")]
+    accelerator = device.type != "cpu"
+    if accelerator:
+        columns.append((f"peak on {device}", "right"))
+    out = Table(title, columns)
+    for name in ("plain", "offload"):
+        run = result[name]
+        if run is None:
+            continue
+        if "error" in run:
+            out.add(name, run["error"], *[""] * (len(columns) - 2))
+            continue
+        cells = [
+            name, f"{run['seconds'] * 1e3:.1f} ms",
+            "1.00x" if name == "plain" else (f"{run['vs_plain']:.2f}x" if run["vs_plain"] is not None else "-"),
+            "-" if name == "plain" or run["max_abs_diff"] is None else f"{run['max_abs_diff']:.2e}",
+            human_bytes(run["held_bytes"]), human_bytes(run["resident_bytes"]), human_bytes(run["streamed_bytes"]),
+            human_bytes(run["moved_bytes"]),
+        ]
+        if accelerator:
+            cells.append(human_bytes(run["peak_bytes"]))
+        out.add(*cells)
+    offloaded = result["offload"]
+    if offloaded is not None:
+        out.notes.append(groups_note(offloaded))
+    return out
+
+
+def groups_note(offloaded: dict[str, Any]) -> str:
+    """One line on how the engine split the model: how many groups, how far ahead it brings them in."""
+    planned = len(offloaded["resident_groups"]) + len(offloaded["streamed_groups"])
+    return f"offload: {planned} groups ({offloaded['groups']}), prefetch {offloaded['prefetch']}"

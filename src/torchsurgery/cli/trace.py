@@ -8,12 +8,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from torchsurgery._names import select
 from torchsurgery.cli.errors import CliError
 from torchsurgery.cli.models import LoadedModel
+from torchsurgery.cli.output import Table, human_bytes
 from torchsurgery.cli.store import StreamingWriter
 from torchsurgery.flex import FlexModel, HookFunction
 
@@ -79,9 +81,10 @@ def trace(
     out: Path,
     batch_size: int,
     max_length: int,
+    device: torch.device,
     on_batch: Callable[[int], None] | None = None,
 ) -> tuple[dict[str, list[int]], dict[str, dict[str, float]], dict[str, str], float]:
-    """Run ``loaded`` over ``texts`` with capture hooks; stream captures to ``out``.
+    """Run ``loaded`` over ``texts`` on ``device`` with capture hooks; stream captures to ``out``.
 
     Returns:
         Each key's stored shape, each module's statistics and dtype, and the seconds taken.
@@ -110,7 +113,7 @@ def trace(
         try:
             for first in range(0, len(texts), batch_size):
                 batch = texts[first : first + batch_size]
-                inputs = loaded.encode(batch, max_length)
+                inputs = {k: v.to(device) for k, v in loaded.encode(batch, max_length).items()}
                 with torch.no_grad():
                     flex(**inputs)
                 for key, values in captures.items():
@@ -131,3 +134,24 @@ def trace(
     finally:
         flex.restore()
     return shapes, {k: v.summary() for k, v in stats.items()}, {k: v.dtype for k, v in stats.items()}, seconds
+
+
+def table(document: dict[str, Any]) -> Table:
+    """``trace``'s summary: one row per captured module."""
+    seconds = document["seconds"]
+    title = (f"{document['inputs']} inputs through {document['model']} on {document['device']}, {document['dtype']} "
+             f"in {seconds:.2f} s ({document['texts_per_second']:.1f} texts/s) -> {document['out']}")
+    out = Table(title, [("module", "left"), ("shape", "left"), ("dtype", "left"), ("mean", "right"),
+                        ("std", "right"), ("token norm", "right")])
+    for c in document["captures"]:
+        out.add(c["module"], str(c["shape"]), c["dtype"], f"{c['mean']:+.4f}", f"{c['std']:.4f}", f"{c['token_norm']:.3f}")
+    offloaded = document["offload"]
+    if offloaded is not None:
+        out.notes.append(
+            f"offload: {human_bytes(offloaded['resident_bytes'])} resident, {human_bytes(offloaded['streamed_bytes'])} "
+            f"streamed from {offloaded['streamed_from']}, {human_bytes(offloaded['moved_bytes'])} moved in all, "
+            f"{len(offloaded['resident_groups']) + len(offloaded['streamed_groups'])} groups ({offloaded['groups']})"
+        )
+    if document["plot"] is not None:
+        out.notes.append(f"plot: {document['plot']}")
+    return out
