@@ -1,0 +1,227 @@
+"""flex_model 0.1.0's own tests and examples, run unchanged against torchsurgery.
+
+The flex-model wheel installs its test suite (``_test``) and examples (``examples``) next
+to its package. Here their functions run as they are, with two kinds of help:
+
+- a shim: ``flex_model``, ``flex_model.core`` and ``flex_model.utils`` in ``sys.modules``
+  are module objects of ours holding torchsurgery's ``FlexModel``, ``HookFunction`` and
+  ``DummyModule``, so ``from flex_model.core import FlexModel`` gets ours;
+- CPU adaptations: ``init_process_group("nccl")`` starts a one-rank gloo group, ``.cuda()``
+  is the identity, factories asked for ``device="cuda"`` make CPU tensors, FSDP1 is told
+  its device is the CPU, and the fixtures that load OPT-350m, Llama-2 and their tokenizers
+  from ``/model-weights`` build random-weight models of the same architectures (and a
+  character tokenizer) instead.
+
+The tests left out, and why, are listed in the README (flex section) and in ``EXCLUDED``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import logging
+import string
+from argparse import Namespace
+import sys
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import torchsurgery
+
+_SPEC = importlib.util.find_spec("flex_model")
+SITE = Path(_SPEC.origin).parent.parent if _SPEC is not None and _SPEC.origin else None
+pytestmark = pytest.mark.skipif(
+    SITE is None or not (SITE / "_test").is_dir(), reason="the flex-model 0.1.0 wheel is not installed"
+)
+
+RUN = [
+    ("_test.core.test_hook_function", "test_forward_hooks"),
+    ("_test.core.test_hook_function", "test_full_backward_hooks"),
+    ("_test.core.test_hook_function", "test_tensor_hooks"),
+    ("_test.core.test_hook_function", "test_forward_pre_hooks"),
+    ("_test.core.test_hook_function", "test_full_backward_pre_hooks"),
+    ("_test.core.test_wrapper", "test_trainable_module_gradient"),
+    ("_test.core.test_wrapper", "test_destroy"),
+    ("_test.core.test_wrapper", "test_save_ctx"),
+    ("_test.multi_gpu.core.test_dp_wrappers_vs_single_gpu", "test_forward_hooks_wrapped"),
+    ("_test.multi_gpu.core.test_dp_wrappers_vs_single_gpu", "test_full_backward_hooks_wrapped"),
+    ("_test.multi_gpu.core.test_dp_wrappers_vs_single_gpu", "test_forward_pre_hooks_wrapped"),
+    ("_test.multi_gpu.core.test_dp_wrappers_vs_single_gpu", "test_full_backward_pre_hooks_wrapped"),
+]
+"""Every test of the wheel that uses only flex_model's public API (the example is below)."""
+
+EXCLUDED = {
+    "_test/core/test_wrapper.py::test_register_forward_hook": "reads HookFunction._shared_state",
+    "_test/core/test_wrapper.py::test_register_trainable_module": "reads HookFunction._shared_state",
+    "_test/core/test_wrapper.py::test_FlexModel_group_all": "reads FlexModel._hook_fn_group_manager",
+    "_test/core/test_wrapper.py::test_FlexModel_group_creation": "reads FlexModel._hook_fn_group_manager",
+    "_test/core/test_hook_function_group_manager.py (8 tests)": "test the private _HookFunctionGroupManager",
+    "_test/traverse/ (2 tests)": "test flex_model.traverse, its private tree utilities",
+    "_test/distributed/test_initialize.py": "tests the private _BaseGPUDeviceMesh",
+    "_test/multi_gpu/distributed/ (10 tests)": "test flex_model.distributed's private collectives and state",
+    "_test/multi_gpu/core/test_fairscale_mpu_vs_ddp.py (5 tests)": "need fairscale's Megatron layers",
+    "examples/fsdp_example.py": "asserts Llama-2-13B's width (5120): no random model that wide fits here",
+    "examples/megatron_example.py": "needs Meta's llama package and a Llama-2 checkpoint",
+}
+
+
+# ------------------------------------------------------------------- the shim
+
+
+def _setup_logger(level: str) -> None:
+    logging.basicConfig(level=level.upper())
+
+
+def _shim_modules() -> dict[str, types.ModuleType]:
+    package = types.ModuleType("flex_model")
+    package.__path__ = []  # a package, so submodule imports resolve through sys.modules
+    core = types.ModuleType("flex_model.core")
+    core.FlexModel = torchsurgery.FlexModel  # type: ignore[attr-defined]
+    core.HookFunction = torchsurgery.HookFunction  # type: ignore[attr-defined]
+    core.DummyModule = torchsurgery.DummyModule  # type: ignore[attr-defined]
+    utils = types.ModuleType("flex_model.utils")
+    utils.setup_logger = _setup_logger  # type: ignore[attr-defined]
+    package.core, package.utils = core, utils  # type: ignore[attr-defined]
+    return {"flex_model": package, "flex_model.core": core, "flex_model.utils": utils}
+
+
+def _forget_theirs() -> None:
+    for name in [n for n in sys.modules if n == "_test" or n.startswith(("_test.", "flex_model"))]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def shim(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    _forget_theirs()  # their modules bind FlexModel at import: import them under the shim
+    for name, module in _shim_modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    yield
+    _forget_theirs()
+
+
+# ------------------------------------------------------------ CPU adaptations
+
+
+class _CpuFactories(TorchFunctionMode):
+    """``torch.randn(..., device="cuda")`` and ``nn.Linear(..., device="cuda")`` make CPU tensors."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+def _gloo_init(real: Callable[..., None]) -> Callable[..., None]:
+    def init_process_group(backend: str | None = None, *args: Any, **kwargs: Any) -> None:
+        real("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    return init_process_group
+
+
+def _cpu_fsdp(real: type) -> Callable[..., Any]:
+    def fsdp(module: nn.Module, **kwargs: Any) -> Any:
+        # their wrapper syncs module states from a GPU; on a CPU FSDP1 needs neither
+        return real(module, **{**kwargs, "device_id": torch.device("cpu"), "sync_module_states": False})
+
+    return fsdp
+
+
+@pytest.fixture
+def cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(dist, "init_process_group", _gloo_init(dist.init_process_group))
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    monkeypatch.setattr(nn.Module, "cuda", lambda self, *a, **k: self)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    with _CpuFactories():
+        yield
+    if dist.is_initialized():  # some of their tests leave the group behind
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------- models and tokenizers they load
+
+
+def _opt(hidden: int) -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)  # two calls give the same weights, as two loads of a checkpoint do
+    config = transformers.OPTConfig(
+        vocab_size=16000, hidden_size=hidden, word_embed_proj_dim=hidden, ffn_dim=32,
+        num_hidden_layers=19, num_attention_heads=4, max_position_embeddings=128,
+    )
+    return transformers.OPTForCausalLM(config).eval()  # from_pretrained returns eval mode
+
+
+def _llama(layers: int) -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _tokenizer() -> Any:
+    import transformers
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(string.printable)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
+
+
+def _fixtures(test: str) -> dict[str, Any]:
+    # their trainable-module test applies a 1024-wide Linear to a layer's output
+    hidden = 1024 if test == "test_trainable_module_gradient" else 64
+    return {"make_opt_350m": lambda: _opt(hidden), "opt_tokenizer": _tokenizer()}
+
+
+# ------------------------------------------------------------------ the tests
+
+
+@pytest.mark.parametrize(("module", "test"), RUN, ids=[f"{m.rsplit('.', 1)[1]}::{t}" for m, t in RUN])
+def test_flex_model_suite(shim: None, cpu: None, monkeypatch: pytest.MonkeyPatch, module: str, test: str) -> None:
+    mod = importlib.import_module(module)
+    if hasattr(mod, "utils"):  # the data-parallel tests wrap with FSDP1 through their helpers
+        monkeypatch.setattr(mod.utils, "FSDP", _cpu_fsdp(mod.utils.FSDP))
+    fn = getattr(mod, test)
+    given = _fixtures(test)
+    fn(**{name: given[name] for name in inspect.signature(fn).parameters})
+
+
+def test_flex_model_single_gpu_example(shim: None, cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert SITE is not None
+    spec = importlib.util.spec_from_file_location("flex_model_single_gpu_example", SITE / "examples" / "single_gpu_example.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    printed: list[Any] = []
+    monkeypatch.setattr(example.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: _llama(25))  # it hooks model.layers.24
+    monkeypatch.setattr(example.AutoTokenizer, "from_pretrained", lambda *a, **k: _tokenizer())
+    monkeypatch.setattr(example, "print", printed.append, raising=False)
+    example.main(Namespace(checkpoint_dir="/model-weights/Llama-2-7b-hf", tokenizer_dir="/model-weights/Llama-2-7b-hf"))
+
+    (activations,) = printed
+    assert list(activations) == ["model.layers.24"]
+    # the same activation, taken with a plain torch hook on a fresh copy of the model
+    seen: list[torch.Tensor] = []
+    reference = _llama(25)
+    reference.model.layers[24].register_forward_hook(lambda m, a, out: seen.append(out[0] if isinstance(out, tuple) else out))
+    reference(_tokenizer()("Where is the best spot for lunch?", return_tensors="pt")["input_ids"])
+    torch.testing.assert_close(activations["model.layers.24"][0], seen[0])
