@@ -17,14 +17,15 @@ The tests left out, and why, are listed in the README (flex section) and in ``EX
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import logging
 import string
-from argparse import Namespace
 import sys
 import types
+from argparse import Namespace
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,10 @@ EXCLUDED = {
     "_test/traverse/ (2 tests)": "test flex_model.traverse, its private tree utilities",
     "_test/distributed/test_initialize.py": "tests the private _BaseGPUDeviceMesh",
     "_test/multi_gpu/distributed/ (10 tests)": "test flex_model.distributed's private collectives and state",
-    "_test/multi_gpu/core/test_fairscale_mpu_vs_ddp.py (5 tests)": "need fairscale's Megatron layers",
+    "_test/multi_gpu/core/test_fairscale_mpu_vs_ddp.py (5 tests)": (
+        "need fairscale's Megatron layers on 2 GPUs; on CPUs its own test_fairscale, which runs no "
+        "flex_model code, already finds fairscale's tensor-parallel model unequal to the plain one"
+    ),
     "examples/fsdp_example.py": "asserts Llama-2-13B's width (5120): no random model that wide fits here",
     "examples/megatron_example.py": "needs Meta's llama package and a Llama-2 checkpoint",
 }
@@ -99,26 +103,40 @@ def _forget_theirs() -> None:
         del sys.modules[name]
 
 
-@pytest.fixture
-def shim(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+@contextlib.contextmanager
+def _shimmed() -> Iterator[None]:
     _forget_theirs()  # their modules bind FlexModel at import: import them under the shim
-    for name, module in _shim_modules().items():
-        monkeypatch.setitem(sys.modules, name, module)
-    yield
+    with pytest.MonkeyPatch.context() as patch:
+        for name, module in _shim_modules().items():
+            patch.setitem(sys.modules, name, module)
+        yield
     _forget_theirs()
+
+
+@pytest.fixture
+def shim() -> Iterator[None]:
+    with _shimmed():
+        yield
 
 
 # ------------------------------------------------------------ CPU adaptations
 
 
+def _cpu_device(value: Any) -> Any:
+    if (isinstance(value, str) and value.split(":")[0] == "cuda") or (
+        isinstance(value, torch.device) and value.type == "cuda"
+    ):
+        return torch.device("cpu")
+    return value
+
+
 class _CpuFactories(TorchFunctionMode):
-    """``torch.randn(..., device="cuda")`` and ``nn.Linear(..., device="cuda")`` make CPU tensors."""
+    """``torch.randn(..., device="cuda")``, ``nn.Linear(..., device="cuda")`` and
+    ``.to("cuda")`` make or keep CPU tensors."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
-            kwargs = {**kwargs, "device": "cpu"}
+        args = tuple(_cpu_device(a) for a in args)
+        kwargs = {k: _cpu_device(v) for k, v in (kwargs or {}).items()}
         return func(*args, **kwargs)
 
 
@@ -137,17 +155,24 @@ def _cpu_fsdp(real: type) -> Callable[..., Any]:
     return fsdp
 
 
-@pytest.fixture
-def cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(dist, "init_process_group", _gloo_init(dist.init_process_group))
-    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
-    monkeypatch.setattr(nn.Module, "cuda", lambda self, *a, **k: self)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    with _CpuFactories():
-        yield
+@contextlib.contextmanager
+def _on_cpu() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dist, "init_process_group", _gloo_init(dist.init_process_group))
+        patch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+        patch.setattr(nn.Module, "cuda", lambda self, *a, **k: self)
+        patch.setattr(torch.cuda, "current_device", lambda: 0)
+        patch.setattr(torch.cuda, "set_device", lambda device: None)
+        with _CpuFactories():
+            yield
     if dist.is_initialized():  # some of their tests leave the group behind
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def cpu() -> Iterator[None]:
+    with _on_cpu():
+        yield
 
 
 # ---------------------------------------------- models and tokenizers they load
@@ -225,3 +250,4 @@ def test_flex_model_single_gpu_example(shim: None, cpu: None, monkeypatch: pytes
     reference.model.layers[24].register_forward_hook(lambda m, a, out: seen.append(out[0] if isinstance(out, tuple) else out))
     reference(_tokenizer()("Where is the best spot for lunch?", return_tensors="pt")["input_ids"])
     torch.testing.assert_close(activations["model.layers.24"][0], seen[0])
+
