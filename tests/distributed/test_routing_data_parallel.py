@@ -203,3 +203,20 @@ def test_gradient_captures_and_edits_match_one_process(world: int, prefix: str) 
         assert r["out"] == {} or r is results[0]
         for name, p in model.named_parameters():
             torch.testing.assert_close(r["grads"][name], p.grad, msg=name)
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_distributed_wrapper_refuses_copies_with_a_reason() -> None:
+    import copy
+    import pickle
+
+    import torch.distributed as dist
+
+    model = MLP(8, 16)
+    flex = FlexModel(model, {}, process_group=dist.group.WORLD)
+    flex.register_forward_hook(HookFunction("fc1"))
+    for attempt in (lambda: copy.deepcopy(flex), lambda: pickle.dumps(flex), lambda: copy.deepcopy(model)):
+        with pytest.raises(TypeError, match="process groups belong to this process"):
+            attempt()
+    flex.restore()
+    assert copy.deepcopy(model).fc1._forward_hooks == {}

@@ -12,7 +12,10 @@ to its package. Here their functions run as they are, with two kinds of help:
   from ``/model-weights`` build random-weight models of the same architectures (and a
   character tokenizer) instead.
 
-The tests left out, and why, are listed in the README (flex section) and in ``EXCLUDED``.
+Their data-parallel tests (DDP and FSDP1 against one process) run on one rank: on two,
+they read the captures on every rank, which flex_model all-gathers to every rank and we
+deliver to rank 0 only; ``tests/distributed`` covers them at DP=2 and DP=4. The tests left
+out, and why, are listed in the README (flex section) and in ``EXCLUDED``.
 """
 
 from __future__ import annotations
@@ -65,17 +68,41 @@ EXCLUDED = {
     "_test/core/test_wrapper.py::test_register_trainable_module": "reads HookFunction._shared_state",
     "_test/core/test_wrapper.py::test_FlexModel_group_all": "reads FlexModel._hook_fn_group_manager",
     "_test/core/test_wrapper.py::test_FlexModel_group_creation": "reads FlexModel._hook_fn_group_manager",
-    "_test/core/test_hook_function_group_manager.py (8 tests)": "test the private _HookFunctionGroupManager",
-    "_test/traverse/ (2 tests)": "test flex_model.traverse, its private tree utilities",
+    "_test/core/test_hook_function_group_manager.py": "tests the private _HookFunctionGroupManager",
+    "_test/traverse/": "tests flex_model.traverse, its private tree utilities",
     "_test/distributed/test_initialize.py": "tests the private _BaseGPUDeviceMesh",
-    "_test/multi_gpu/distributed/ (10 tests)": "test flex_model.distributed's private collectives and state",
-    "_test/multi_gpu/core/test_fairscale_mpu_vs_ddp.py (5 tests)": (
-        "need fairscale's Megatron layers on 2 GPUs; on CPUs its own test_fairscale, which runs no "
+    "_test/multi_gpu/distributed/": "tests flex_model.distributed's private collectives and state",
+    "_test/multi_gpu/core/test_fairscale_mpu_vs_ddp.py": (
+        "needs fairscale's Megatron layers on GPUs; on CPUs its own test_fairscale, which runs no "
         "flex_model code, already finds fairscale's tensor-parallel model unequal to the plain one"
     ),
     "examples/fsdp_example.py": "asserts Llama-2-13B's width (5120): no random model that wide fits here",
     "examples/megatron_example.py": "needs Meta's llama package and a Llama-2 checkpoint",
 }
+"""What does not run here, by file, folder or test, and why (the README lists the same)."""
+
+EXAMPLES = ["examples/single_gpu_example.py"]
+
+
+def test_every_shipped_test_and_example_is_run_or_excluded() -> None:
+    import ast
+
+    assert SITE is not None
+    run = {(m.replace(".", "/") + ".py", t) for m, t in RUN}
+    shipped = [
+        (str(path.relative_to(SITE)), node.name)
+        for path in sorted((SITE / "_test").rglob("test_*.py"))
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+    ]
+    shipped += [(str(p.relative_to(SITE)), "") for p in sorted((SITE / "examples").glob("*_example.py"))]
+
+    def accounted(path: str, name: str) -> bool:
+        excluded = f"{path}::{name}" in EXCLUDED or any(path.startswith(k) for k in EXCLUDED if "::" not in k)
+        return (path, name) in run or path in EXAMPLES or excluded
+
+    assert [item for item in shipped if not accounted(*item)] == []
+    assert len(run) + len(EXAMPLES) == 13  # the pass count the README quotes
 
 
 # ------------------------------------------------------------------- the shim
@@ -231,7 +258,7 @@ def test_flex_model_suite(shim: None, cpu: None, monkeypatch: pytest.MonkeyPatch
 
 def test_flex_model_single_gpu_example(shim: None, cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
     assert SITE is not None
-    spec = importlib.util.spec_from_file_location("flex_model_single_gpu_example", SITE / "examples" / "single_gpu_example.py")
+    spec = importlib.util.spec_from_file_location("flex_model_single_gpu_example", SITE / EXAMPLES[0])
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)

@@ -92,6 +92,12 @@ class DistributedRouting:
         self._pipeline = Pipeline(layout)
         self._in_backward = False  # inside backward(): pipeline stages ship captures afterwards
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"{_WHAT}: a distributed wrapper cannot be copied or pickled: its process groups belong "
+            "to this process; copy or save the model (flex.module) before wrapping it or after restore()"
+        )
+
     # --------------------------------------------------------------- shards
 
     def _shard_dim(self, local: torch.Tensor, binding: Any, module: nn.Module | None) -> int | None:

@@ -412,8 +412,10 @@ class FlexModel(nn.Module):
             others ``None``; :meth:`backward` runs the backward through every stage.
             Hooks may name modules another stage holds.
         data_parallel_size: data-parallel replicas, each with its own batch (sizes may
-            differ). ``module`` may be wrapped in DDP or sharded with FSDP2; hook names
-            are the bare model's.
+            differ). ``module`` may be wrapped in DDP or sharded with FSDP2; hooks name
+            modules as the bare model does (``fc1``) or as DDP does (``module.fc1``).
+            Gradient hooks see the gradient of the mean of the replicas' losses, the
+            loss DDP optimizes.
         process_group: lay out only this group's ranks (default: the whole world).
         device_mesh: a ``DeviceMesh`` whose dimensions are named among ``pp``, ``dp``,
             ``tp``; it gives the sizes and the rank order.
@@ -421,8 +423,11 @@ class FlexModel(nn.Module):
     Across ranks: ``output_ptr`` is filled on the layout's first rank alone (global rank 0
     by default), at the end of each forward (and each backward, for gradient hooks);
     ``save_ctx`` is each rank's own; trainable modules are copied from rank 0 when
-    registered and their gradients are summed over the ranks of a stage, so every rank
-    holds the gradient one process would compute.
+    registered and their gradients are summed over the tensor-parallel ranks of a stage and
+    averaged over the replicas, so every rank holds the gradient one process would compute.
+
+    Captures of one forward reach ``output_ptr`` together when it returns; the group choice
+    and the captures belong to the call, so threads may share a wrapper.
 
     Raises:
         TypeError: ``module`` is not a module or ``output_ptr`` not a dict.
