@@ -147,7 +147,7 @@ def test_a_failing_edit_stops_every_rank(results: list[dict[str, Any]]) -> None:
 # Gradients at DP=2 and DP=4 with unequal batches: each replica's loss is the mean over its
 # rows, DDP averages the replicas, so the reference is one process on the whole batch with
 # the mean of the replicas' mean losses. Captures and edits must see that process's
-# gradients, for activations and for parameters, under both name forms.
+# activations and gradients, of activations and of parameters, under both name forms.
 
 _SIZES = {2: [3, 1], 4: [1, 3, 2, 1]}
 
@@ -162,6 +162,7 @@ def _sqrt(module: nn.Module, g: torch.Tensor, ctx: Any, modules: Any) -> torch.T
 
 
 def _grad_hooks(flex: FlexModel, prefix: str) -> None:
+    flex.register_forward_hook(HookFunction(prefix + "fc1", editing_function=_local_center))  # the global batch
     flex.register_full_backward_hook(HookFunction(prefix + "act", editing_function=_clip))
     flex.register_full_backward_pre_hook(HookFunction(prefix + "fc2"))
     flex.register_hook(HookFunction(prefix + "fc1.weight", editing_function=_sqrt))
