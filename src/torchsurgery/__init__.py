@@ -9,7 +9,7 @@ Four pillars, each with an exact undo:
 """
 
 from torchsurgery._undo import SurgeryEntry, restore, surgery_log
-from torchsurgery.flex import FlexModel, HookFunction
+from torchsurgery.flex import DummyModule, FlexModel, HookFunction
 from torchsurgery.offload import (
     DEFAULT_SKIP,
     DynamicSwapInstaller,
@@ -68,4 +68,5 @@ __all__ = [
     # flex: what flows through a model
     "FlexModel",
     "HookFunction",
+    "DummyModule",
 ]

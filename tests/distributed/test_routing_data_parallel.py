@@ -34,7 +34,7 @@ def _register(flex: FlexModel, probe: nn.Linear, fc2_edit: Any, *, grad_hook: bo
     flex.register_forward_hook(HookFunction("fc2", editing_function=fc2_edit, **fc2))
     flex.register_full_backward_pre_hook(HookFunction("fc2"))
     if grad_hook:
-        flex.register_hook(HookFunction("fc1.weight"))  # a parameter's gradient: summed over replicas
+        flex.register_hook(HookFunction("fc1.weight"))  # a parameter's gradient: averaged over replicas
 
 
 def _local_center(module: nn.Module, x: torch.Tensor, ctx: Any, modules: Any) -> torch.Tensor:
@@ -104,7 +104,8 @@ def _reference(rows: int, fc2_edit: Any) -> tuple[torch.Tensor, dict[str, list[t
     flex = FlexModel(model, out)
     _register(flex, probe, fc2_edit)
     y = flex(x)
-    (y**2).sum().backward()
+    # DDP and FSDP2 average the 2 replicas' gradients of their summed losses
+    ((y**2).sum() / 2).backward()
     return y.detach(), out, model, probe
 
 
@@ -129,8 +130,7 @@ def test_data_parallel_matches_one_process(results: list[dict[str, Any]], wrappe
     for g in got:
         torch.testing.assert_close(g["probe_grad"], probe.weight.grad)
         for name, p in model.named_parameters():
-            # DDP and FSDP2 average over the 2 ranks; one process sums the whole batch
-            torch.testing.assert_close(g["grads"][name] * len(got), p.grad, msg=name)
+            torch.testing.assert_close(g["grads"][name], p.grad, msg=name)
     if wrapper == "fsdp":
         for g in got:
             torch.testing.assert_close(g["fc1_weight"], model.fc1.weight.detach())
@@ -142,3 +142,82 @@ def test_a_failing_edit_stops_every_rank(results: list[dict[str, Any]]) -> None:
     assert results[0]["failure"].startswith("RuntimeError") and "rank(s) [1]" in results[0]["failure"]
     assert "'act'" in results[0]["failure"]
     assert results[1]["failure"].startswith("ValueError: boom on purpose")
+
+
+# Gradients at DP=2 and DP=4 with unequal batches: each replica's loss is the mean over its
+# rows, DDP averages the replicas, so the reference is one process on the whole batch with
+# the mean of the replicas' mean losses. Captures and edits must see that process's
+# activations and gradients, of activations and of parameters, under both name forms.
+
+_SIZES = {2: [3, 1], 4: [1, 3, 2, 1]}
+
+
+def _clip(module: nn.Module, g: torch.Tensor, ctx: Any, modules: Any) -> torch.Tensor:
+    # not linear: a gradient seen at the wrong scale is clipped differently
+    return g.clamp(-0.01, 0.01)
+
+
+def _sqrt(module: nn.Module, g: torch.Tensor, ctx: Any, modules: Any) -> torch.Tensor:
+    return g.sign() * g.abs().sqrt() * 0.1
+
+
+def _grad_hooks(flex: FlexModel, prefix: str) -> None:
+    flex.register_forward_hook(HookFunction(prefix + "fc1", editing_function=_local_center))  # the global batch
+    flex.register_full_backward_hook(HookFunction(prefix + "act", editing_function=_clip))
+    flex.register_full_backward_pre_hook(HookFunction(prefix + "fc2"))
+    flex.register_hook(HookFunction(prefix + "fc1.weight", editing_function=_sqrt))
+    flex.register_hook(HookFunction(prefix + "fc2.bias"))
+
+
+def _mean_of_means(y: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    return torch.stack([part.pow(2).mean() for part in y.split(sizes)]).mean()
+
+
+def _grad_worker(rank: int, world: int, prefix: str) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model, x = MLP(8, 16), torch.randn(sum(_SIZES[world]), 8)
+    rows = x.split(_SIZES[world])[rank]
+    ddp = DistributedDataParallel(model)
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(ddp, out, data_parallel_size=world)
+    _grad_hooks(flex, prefix)
+    flex(rows).pow(2).mean().backward()
+    return {"out": out, "grads": {n: p.grad for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize(("world", "prefix"), [(2, "module."), (4, "")])
+def test_gradient_captures_and_edits_match_one_process(world: int, prefix: str) -> None:
+    results = spawn(_grad_worker, world, prefix)
+    torch.manual_seed(0)
+    model, x = MLP(8, 16), torch.randn(sum(_SIZES[world]), 8)
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(model, out)
+    _grad_hooks(flex, "")
+    _mean_of_means(flex(x), _SIZES[world]).backward()
+    got = results[0]["out"]
+    assert sorted(got) == sorted(prefix + key for key in out)  # keys as the hooks name them
+    for key in out:
+        torch.testing.assert_close(got[prefix + key][0], out[key][0], msg=key)
+    for r in results:
+        assert r["out"] == {} or r is results[0]
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(r["grads"][name], p.grad, msg=name)
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_distributed_wrapper_refuses_copies_with_a_reason() -> None:
+    import copy
+    import pickle
+
+    import torch.distributed as dist
+
+    model = MLP(8, 16)
+    flex = FlexModel(model, {}, process_group=dist.group.WORLD)
+    flex.register_forward_hook(HookFunction("fc1"))
+    for attempt in (lambda: copy.deepcopy(flex), lambda: pickle.dumps(flex), lambda: copy.deepcopy(model)):
+        with pytest.raises(TypeError, match="process groups belong to this process"):
+            attempt()
+    flex.restore()
+    assert copy.deepcopy(model).fc1._forward_hooks == {}

@@ -576,3 +576,261 @@ def test_trainable_module_failure_and_keyboard_interrupt_leave_the_wrapper_usabl
     assert list(out) == ["transformer.h.0.mlp"]
     flex.restore()
     assert pristine(model) == before
+
+
+# ---------------------------------------------------------------------------
+# Wrapper state stays on the wrapper; both name forms under wrappers
+
+
+def test_modules_parameters_and_buffers_set_on_the_wrapper_are_refused() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    before = pristine(model), model.state_dict().keys()
+    flex = FlexModel(model, {})
+    attempts = [
+        lambda: setattr(flex, "probe", nn.Linear(2, 2)),
+        lambda: setattr(flex, "scale", nn.Parameter(torch.ones(1))),
+        lambda: setattr(flex, "0", nn.Identity()),  # replacing a submodule of the model
+        lambda: flex.register_buffer("mask", torch.ones(2)),
+        lambda: flex.register_parameter("bias2", nn.Parameter(torch.ones(2))),
+        lambda: flex.add_module("probe", nn.Linear(2, 2)),
+        lambda: delattr(flex, "0"),
+    ]
+    for attempt in attempts:
+        with pytest.raises(TypeError, match="register_trainable_module"):
+            attempt()
+    flex.note = "plain values stay on the wrapper"
+    flex.cache = torch.zeros(1)
+    assert "note" not in model.__dict__ and "cache" not in model.__dict__ and flex.cache.shape == (1,)
+    flex.restore()
+    assert (pristine(model), model.state_dict().keys()) == before
+
+
+def test_state_dict_and_named_parameters_keys_are_the_models() -> None:
+    # flex_model's state_dict() says "module.fc1.weight" while its named_parameters() says
+    # "fc1.weight": keys that disagree. Both are the model's own here.
+    model = nn.Sequential(nn.Linear(2, 2))
+    flex = FlexModel(model, {})
+    flex.register_trainable_module("probe", nn.Linear(2, 2))
+    assert list(flex.state_dict()) == ["0.weight", "0.bias"] == [n for n, _ in flex.named_parameters()]
+    model.load_state_dict(flex.state_dict())
+    flex.restore()
+
+
+@pytest.mark.parametrize("wrap", ["DataParallel", "compile"])
+def test_wrapped_model_hooks_accept_both_name_forms(wrap: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(2, 3)
+    reference = model[0](x).detach()
+    wrapped = nn.DataParallel(model) if wrap == "DataParallel" else torch.compile(model, backend="eager")
+    prefix = "module." if wrap == "DataParallel" else "_orig_mod."
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(wrapped, out)
+    flex.register_forward_hook(HookFunction("0"))
+    flex.register_forward_hook(HookFunction(prefix + "0"))  # flex_model's users name it so
+    flex.register_hook(HookFunction(prefix + "2.bias"))
+    flex(x).sum().backward()
+    assert sorted(out) == sorted(["0", prefix + "0", prefix + "2.bias"])
+    torch.testing.assert_close(out["0"][0], reference)
+    torch.testing.assert_close(out[prefix + "0"][0], reference)
+    torch.testing.assert_close(out[prefix + "2.bias"][0], torch.ones(2) * 2)
+    with pytest.raises(ValueError, match="matches no submodule"):
+        flex.register_forward_hook(HookFunction(prefix + "9"))
+    torch.testing.assert_close(flex.get_module_parameter(prefix + "0.weight"), model[0].weight.detach())
+    flex.restore()
+
+
+# ---------------------------------------------------------------------------
+# HookFunction as a plain torch hook
+
+
+def test_hook_function_is_callable_as_a_torch_hook() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3))
+    x = torch.randn(2, 3)
+    # reference: plain torch hooks doubling both Linear outputs, on a copy
+    reference = copy.deepcopy(model)
+    reference[0].register_forward_hook(lambda m, a, o: o * 2)
+    reference[2].register_forward_hook(lambda m, a, o: o * 2)
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(model, out)
+    hook = HookFunction("0", editing_function=double)
+    with pytest.raises(RuntimeError, match="register it first"):
+        hook(model[2], (x,), x)
+    flex.register_forward_hook(hook)
+    handle = model[2].register_forward_hook(hook)  # flex_model code hands it to torch directly
+    torch.testing.assert_close(flex(x), reference(x))
+    assert len(out["0"]) == 2  # both calls capture under the hook's key
+    flex.create_hook_group("none", [])
+    flex(x, groups="none")  # groups apply to the direct use too
+    assert len(out["0"]) == 2
+    handle.remove()
+    flex.restore()
+    with pytest.raises(RuntimeError, match="restored"):
+        hook(model[2], (x,), x)
+
+
+# ---------------------------------------------------------------------------
+# Threads: each forward has its own group choice and captures
+
+
+def test_concurrent_forwards_keep_their_own_groups_and_captures() -> None:
+    import threading
+
+    torch.manual_seed(0)
+    model = tiny_gpt2(layers=2)
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(model, out)
+    halve = HookFunction("transformer.h.0", editing_function=lambda m, x, c, mods: x * 0.5)
+    look = HookFunction("transformer.h.1")
+
+    def boom(m: nn.Module, x: torch.Tensor, c: Any, mods: Any) -> torch.Tensor:
+        raise ValueError("boom")
+
+    flex.register_forward_hook(halve)
+    flex.register_forward_hook(look)
+    flex.register_forward_hook(HookFunction("transformer.h.1", editing_function=boom))  # after look's capture
+    flex.create_hook_group("edit", halve)
+    flex.create_hook_group("look", look)
+    flex.create_hook_group("fail", flex.get_group_hook_functions("all")[1:])  # captures, then raises
+    ids = {g: torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(i)) for i, g in enumerate(["edit", "look", "fail"])}
+
+    expected: dict[str, tuple[torch.Tensor, dict[str, list[torch.Tensor]]]] = {}
+    for group in ("edit", "look"):  # single-threaded references
+        alone: dict[str, list[torch.Tensor]] = {}
+        flex.output_ptr = alone
+        with torch.no_grad():
+            expected[group] = (flex(ids[group], groups=group).logits, alone)
+    flex.output_ptr = out
+
+    # every forward waits inside the model until all four threads are inside theirs
+    meet = threading.Barrier(4, timeout=60)
+
+    def wait_for_all(module: nn.Module, args: Any) -> None:
+        meet.wait()
+
+    model.transformer.h[0].register_forward_pre_hook(wait_for_all)
+    results: dict[str, list[torch.Tensor]] = {"edit": [], "look": []}
+    errors: list[BaseException] = []
+
+    def worker(group: str) -> None:
+        for _ in range(5):
+            try:
+                with torch.no_grad():
+                    logits = flex(ids[group], groups=group).logits
+                results[group].append(logits)
+            except ValueError as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(g,)) for g in ("edit", "look", "edit", "fail")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [str(e) for e in errors] == ["boom"] * 5  # the failing thread alone failed
+    for group, logits in results.items():
+        for got in logits:
+            torch.testing.assert_close(got, expected[group][0])
+    # the failed forwards' captures are dropped, nobody else's
+    assert {k: len(v) for k, v in out.items()} == {"transformer.h.0": 10, "transformer.h.1": 5}
+    owner = {"transformer.h.0": "edit", "transformer.h.1": "look"}
+    for key, values in out.items():
+        for value in values:
+            torch.testing.assert_close(value, expected[owner[key]][1][key][0])
+    flex.restore()
+
+
+# ---------------------------------------------------------------------------
+# Copies and pickles
+
+
+def _wrapped_mlp() -> tuple[nn.Module, FlexModel, dict[str, list[torch.Tensor]]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(model, out)
+    flex.register_forward_hook(HookFunction("0", editing_function=double))
+    flex.register_forward_hook(HookFunction("2"))
+    flex.create_hook_group("last", "2")
+    return model, flex, out
+
+
+def test_deepcopy_of_a_wrapped_model_has_its_own_hooks() -> None:
+    model, flex, out = _wrapped_mlp()
+    x = torch.randn(2, 3)
+    clone = copy.deepcopy(model)
+    y = clone(x)  # the copy still edits (its hooks are copies) ...
+    torch.testing.assert_close(y, flex(x))
+    assert len(out["0"]) == 1  # ... but never writes into the original's output_ptr
+    torchsurgery.restore(clone)  # undoing the copy leaves the original alone
+    assert pristine(clone) != pristine(model) and len(model[0]._forward_hooks) == 1
+    flex(x)
+    assert len(out["0"]) == 2
+    flex.restore()
+    torch.testing.assert_close(clone(x), model(x))
+
+
+def test_deepcopy_of_the_wrapper_is_independent() -> None:
+    model, flex, out = _wrapped_mlp()
+    x = torch.randn(2, 3)
+    flex(x)
+    twin = copy.deepcopy(flex)
+    assert twin.module is not model and twin.output_ptr is not out
+    torch.testing.assert_close(twin(x, groups="last"), flex(x, groups="last"))
+    # the group made from a name holds a new hook on "2", keyed "2#2"
+    assert {k: len(v) for k, v in out.items()} == {"0": 1, "2": 1, "2#2": 2}
+    assert {k: len(v) for k, v in twin.output_ptr.items()} == {"0": 1, "2": 1, "2#2": 2}
+    assert twin.get_group_hook_functions("last")[0] is not flex.get_group_hook_functions("last")[0]
+    twin.restore()
+    assert len(model[0]._forward_hooks) == 1  # the original keeps its hooks
+    flex(x)
+    assert len(out["0"]) == 2
+    flex.restore()
+    assert len(twin.module[0]._forward_hooks) == 0
+
+
+def test_pickled_wrapper_works_and_unpicklable_edits_say_so() -> None:
+    import pickle
+
+    model, flex, out = _wrapped_mlp()
+    x = torch.randn(2, 3)
+    again = pickle.loads(pickle.dumps(flex))
+    torch.testing.assert_close(again(x), flex(x))
+    assert len(again.output_ptr["0"]) == 1 and len(out["0"]) == 1
+    again.restore()
+    assert len(model[0]._forward_hooks) == 1
+    flex.register_forward_hook(HookFunction("1", editing_function=lambda m, t, c, mods: t))
+    with pytest.raises((pickle.PicklingError, AttributeError), match="lambda"):
+        pickle.dumps(flex)
+    flex.restore()
+    with pytest.raises(RuntimeError, match="restored"):
+        pickle.dumps(flex)
+
+
+# ---------------------------------------------------------------------------
+# Compilation
+
+
+def test_hooks_and_groups_changed_after_a_compiled_call_take_effect() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
+    x = torch.randn(2, 3)
+    compiled = torch.compile(model, backend="eager")
+    plain = model(x).detach()
+    edited = model[2](model[1](model[0](x) * 0)).detach()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), plain)  # compiled with no hooks at all
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(compiled, out)
+    zero = HookFunction("0", editing_function=lambda m, t, c, mods: t * 0)
+    flex.register_forward_hook(zero)
+    flex.create_hook_group("zero", zero)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), edited)  # the hook added after compiling runs
+        torch.testing.assert_close(flex(x, groups="zero", complement=True), plain)  # groups per call
+        torch.testing.assert_close(flex(x, groups="zero"), edited)
+        torch.testing.assert_close(flex(x, groups="zero", complement=True), plain)
+    assert len(out["0"]) == 2
+    flex.restore()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), plain)  # and removed ones stop

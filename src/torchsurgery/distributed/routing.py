@@ -11,7 +11,9 @@ For each hook call on each rank:
    in one message per rank, where data-parallel pieces are concatenated along the batch
    dimension (sizes may differ) and each stage's keys are added in stage order. A
    parameter's gradient (``register_hook``) has no batch dimension: the replicas'
-   gradients are summed, which is one process's gradient of the summed loss.
+   gradients are averaged, as DDP averages them. Activation gradients are divided by
+   the data-parallel size: each replica's backward starts from its own loss, so they
+   are that many times the gradient of the mean loss DDP optimizes.
 3. **edit**: by default every rank of the stage runs the editing function on the same
    input (the global batch, gathered over data-parallel ranks; or, with
    ``edit_batch="local"``, its own batch), so nothing but the input travels; with
@@ -55,6 +57,7 @@ __all__ = ["DistributedRouting"]
 
 _WHAT = "torchsurgery.FlexModel"
 _BACKWARD = ("full_backward", "full_backward_pre", "tensor")
+_ACTIVATION_GRADS = ("full_backward", "full_backward_pre")
 OutputPtr = dict[str, list[torch.Tensor]]
 
 
@@ -88,6 +91,12 @@ class DistributedRouting:
         self._direct = layout.dp_size == 1 and layout.pp_size == 1
         self._pipeline = Pipeline(layout)
         self._in_backward = False  # inside backward(): pipeline stages ship captures afterwards
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"{_WHAT}: a distributed wrapper cannot be copied or pickled: its process groups belong "
+            "to this process; copy or save the model (flex.module) before wrapping it or after restore()"
+        )
 
     # --------------------------------------------------------------- shards
 
@@ -159,7 +168,9 @@ class DistributedRouting:
 
     def _capture(self, runtime: Any, binding: Any, full: torch.Tensor) -> None:
         if binding.hook_type == "tensor":
-            self._summed.add(binding.key)
+            self._summed.add(binding.key)  # averaged over the replicas when they reach rank 0
+        elif binding.hook_type in _ACTIVATION_GRADS and self.layout.dp_size > 1:
+            full = full / self.layout.dp_size  # see _edit
         runtime.capture(binding.key, full, None if self._direct else self.pending)
 
     def _edit(self, binding: Any, full: torch.Tensor, edit: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -167,8 +178,19 @@ class DistributedRouting:
         hook = binding.hook
         target, sizes = full, None
         share = layout.tp_group
-        # a parameter's gradient has no batch dimension: its edit sees this rank's gradient
-        if layout.dp_size > 1 and hook.edit_batch == "global" and binding.hook_type != "tensor":
+        # Each replica's backward starts from its own loss, and DDP/FSDP average the replicas'
+        # parameter gradients: the objective is the mean of the replicas' losses, of which a
+        # replica's activation gradients are dp_size times the gradient. Editing functions see
+        # the gradient of that objective (one process's, for equal batches and mean losses).
+        scale = layout.dp_size if binding.hook_type in _ACTIVATION_GRADS else 1
+        if layout.dp_size > 1 and binding.hook_type == "tensor":
+            # a parameter's gradient has no batch dimension: the replicas' mean, the same on
+            # every replica, so the edited gradient is what DDP's averaging leaves
+            target = full.detach().clone()
+            dist.all_reduce(target, group=layout.dp_group)
+            target = target / layout.dp_size
+            share = layout.stage_group
+        elif layout.dp_size > 1 and hook.edit_batch == "global":
             sizes = piece_sizes(full, 0, layout.dp_group, layout.device)
             target = gather_along(full, 0, layout.dp_group, sizes)
             share = layout.stage_group
@@ -176,7 +198,7 @@ class DistributedRouting:
         result: torch.Tensor | None = None
         if hook.edit_on == "all" or dist.get_rank(share) == 0:
             try:
-                result = edit(target)
+                result = edit(target / scale) * scale if scale != 1 else edit(target)
             except Exception as exc:  # every rank must hear of it before anyone raises
                 error = exc
         if hook.edit_on == "rank0":
@@ -309,7 +331,7 @@ class DistributedRouting:
                     if len(pieces) == 1:
                         value = pieces[0]
                     elif key in self._summed:
-                        value = torch.stack(pieces).sum(0)
+                        value = torch.stack(pieces).sum(0) / layout.dp_size
                     else:
                         value = torch.cat(pieces)
                     output_ptr.setdefault(key, []).append(value)
@@ -345,10 +367,11 @@ class DistributedRouting:
                 self._grad_handles.append(param.register_hook(self._sum_over_stage))
 
     def _sum_over_stage(self, grad: torch.Tensor) -> torch.Tensor:
-        # each rank's gradient covers only its shard and its batch rows
+        # each rank's gradient covers only its shard and its batch rows; the replicas'
+        # parts are averaged, as DDP averages the model's own gradients (see _edit)
         total = grad.contiguous().clone()
         dist.all_reduce(total, group=self.layout.stage_group)
-        return total
+        return total / self.layout.dp_size if self.layout.dp_size > 1 else total
 
     def close(self) -> None:
         """Finish sending captures; remove the gradient hooks put on trainable modules."""

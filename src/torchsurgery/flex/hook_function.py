@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from argparse import Namespace
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -111,6 +112,37 @@ class HookFunction:
         self.allow_shape_change = allow_shape_change
         self.edit_on = edit_on
         self.edit_batch = edit_batch
+
+    def __call__(self, *args: Any) -> Any:
+        """Run as a plain torch hook, as the wrapper that registered it last runs it.
+
+        flex_model lets code hand a registered HookFunction to PyTorch directly
+        (``module.register_forward_hook(hook_function)``); it then captures into that
+        wrapper's ``output_ptr`` under the key of its first module and edits like the
+        wrapper's own hook of the same type, in the wrapper's groups.
+
+        Raises:
+            RuntimeError: it was never registered with a FlexModel, or that wrapper was
+                restored.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> import torchsurgery
+            >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+            >>> out = {}
+            >>> flex = torchsurgery.FlexModel(model, out)
+            >>> hook = torchsurgery.HookFunction("0")
+            >>> flex.register_forward_hook(hook)
+            >>> handle = model[1].register_forward_hook(hook)  # the same capture, on another module
+            >>> _ = flex(torch.ones(1, 2))
+            >>> len(out["0"])
+            2
+            >>> handle.remove(); _ = flex.restore()
+        """
+        from torchsurgery.flex.model import call_directly
+
+        return call_directly(self, args)
 
     @property
     def edits(self) -> bool:

@@ -26,7 +26,11 @@ or dropping the wrapper) removes every hook and leaves the model exactly as it w
 
 from __future__ import annotations
 
+import contextvars
+import copy
 import functools
+import sys
+import threading
 import weakref
 from argparse import Namespace
 from collections.abc import Callable, Iterable, Sequence
@@ -59,7 +63,21 @@ class _Binding:
     name: str
     key: str
     handle: RemovableHandle | None = None
-    active: bool = True
+
+
+class _Call:
+    """What belongs to one forward through the wrapper: its group choice and its captures.
+
+    Kept in a context variable, so concurrent forwards (threads, async tasks) on one
+    wrapper each see their own hooks and captures.
+    """
+
+    __slots__ = ("active", "captures", "pending_copies")
+
+    def __init__(self, active: set[HookFunction] | None) -> None:
+        self.active = active  # None: every hook
+        self.captures: OutputPtr = {}
+        self.pending_copies = False
 
 
 class _Runtime:
@@ -70,27 +88,67 @@ class _Runtime:
         self.routing = routing
         self.save_ctx = Namespace()
         self.trainable_modules = nn.ModuleDict()
-        self.in_forward = False
-        self.pending_copies = False
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.call: contextvars.ContextVar[_Call] = contextvars.ContextVar("torchsurgery_flex_call")
+        self.lock = threading.Lock()  # output_ptr is appended to from several threads
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (deepcopy, pickle) gets its own call variable and lock
+        return {k: v for k, v in self.__dict__.items() if k not in ("call", "lock")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._fresh()
 
     def capture(self, key: str, tensor: torch.Tensor, into: OutputPtr | None = None) -> None:
-        """Append a CPU copy of ``tensor`` to ``output_ptr[key]`` (or to ``into[key]``)."""
+        """Keep a CPU copy of ``tensor`` under ``key``: in ``into``, in this forward's
+        captures (they reach ``output_ptr`` when it returns), or straight in ``output_ptr``."""
+        call = self.call.get(None)
         value = tensor.detach()
         if value.device.type == "cpu":
             value = value.clone()  # an alias would change with later in-place edits
-        elif self.in_forward and torch.cuda.is_available():
+        elif call is not None and torch.cuda.is_available():
             # pinned and non-blocking; forward() synchronises once before returning
             host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
             host.copy_(value, non_blocking=True)
             value = host
-            self.pending_copies = True
+            call.pending_copies = True
         else:
             value = value.to("cpu")
-        (self.output_ptr if into is None else into).setdefault(key, []).append(value)
+        if into is not None:
+            into.setdefault(key, []).append(value)
+        elif call is not None:
+            call.captures.setdefault(key, []).append(value)
+        else:
+            with self.lock:
+                self.output_ptr.setdefault(key, []).append(value)
+
+    def publish(self, call: _Call) -> None:
+        """Append the captures of a finished forward to ``output_ptr``."""
+        if call.captures:
+            with self.lock:
+                for key, values in call.captures.items():
+                    self.output_ptr.setdefault(key, []).extend(values)
+
+    def runs(self, hook: HookFunction) -> bool:
+        """Whether ``hook`` is on in the current forward (outside one, every hook is)."""
+        call = self.call.get(None)
+        return call is None or call.active is None or hook in call.active
 
     def run(self, binding: _Binding, module: nn.Module | None, obj: Any) -> Any:
         """Capture and edit the chosen tensor of ``obj``; ``None`` when nothing changed."""
+        if torch.compiler.is_compiling():
+            # Traced, the group choice would be frozen into the graph: run outside it, so the
+            # choice is made on every call (and captures happen as in eager mode).
+            return _eager_run()(self, binding, module, obj)
+        return self._run(binding, module, obj)
+
+    def _run(self, binding: _Binding, module: nn.Module | None, obj: Any) -> Any:
         hook = binding.hook
+        if not self.runs(hook):
+            return None
         leaves, rebuild = flatten(obj)
         if not leaves:
             return None  # e.g. no input gradient: nothing to capture or edit
@@ -125,32 +183,85 @@ class _Runtime:
         return edited
 
 
-def _make_torch_hook(binding: _Binding, runtime: _Runtime, owner: nn.Module | None) -> Callable[..., Any]:
-    run = runtime.run
+_EAGER_RUN: list[Callable[..., Any]] = []
+
+
+def _eager_run() -> Callable[..., Any]:
+    # made on first use: torch._dynamo is slow to import and only needed under compilation
+    if not _EAGER_RUN:
+        _EAGER_RUN.append(torch.compiler.disable(_Runtime._run, recursive=True))
+    return _EAGER_RUN[0]
+
+
+# The torch hooks are objects, not closures: a deep copy or a pickle of the model then
+# carries hooks bound to the copy's own bindings and runtime (its own output_ptr).
+
+
+class _TorchHook:
+    __slots__ = ("binding", "runtime")
+
+    def __init__(self, binding: _Binding, runtime: _Runtime) -> None:
+        self.binding = binding
+        self.runtime = runtime
+
+
+class _ForwardHook(_TorchHook):
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        return self.runtime.run(self.binding, module, output)
+
+
+class _ForwardPreHook(_TorchHook):
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        # args and kwargs together, so keyword inputs (hidden_states=...) are reachable
+        return self.runtime.run(self.binding, module, (args, kwargs))
+
+
+class _BackwardHook(_TorchHook):
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, grads: Any, *_: Any) -> Any:
+        return self.runtime.run(self.binding, module, grads)
+
+
+class _TensorHook(_TorchHook):
+    __slots__ = ("owner",)
+
+    def __init__(self, binding: _Binding, runtime: _Runtime, owner: nn.Module | None) -> None:
+        super().__init__(binding, runtime)
+        self.owner = owner
+
+    def __call__(self, grad: torch.Tensor) -> Any:
+        return self.runtime.run(self.binding, self.owner, grad)
+
+
+def _make_torch_hook(binding: _Binding, runtime: _Runtime, owner: nn.Module | None) -> _TorchHook:
     if binding.hook_type == "forward":
-
-        def forward_hook(module: nn.Module, args: Any, output: Any) -> Any:
-            return run(binding, module, output) if binding.active else None
-
-        return forward_hook
+        return _ForwardHook(binding, runtime)
     if binding.hook_type == "forward_pre":
-
-        def forward_pre_hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
-            # args and kwargs together, so keyword inputs (hidden_states=...) are reachable
-            return run(binding, module, (args, kwargs)) if binding.active else None
-
-        return forward_pre_hook
+        return _ForwardPreHook(binding, runtime)
     if binding.hook_type in ("full_backward", "full_backward_pre"):
+        return _BackwardHook(binding, runtime)
+    return _TensorHook(binding, runtime, owner)
 
-        def backward_hook(module: nn.Module, grads: Any, *_: Any) -> Any:
-            return run(binding, module, grads) if binding.active else None
 
-        return backward_hook
+# A HookFunction called directly as a torch hook acts for the wrapper that registered it last.
+_DIRECT: weakref.WeakKeyDictionary[HookFunction, Any] = weakref.WeakKeyDictionary()
 
-    def tensor_hook(grad: torch.Tensor) -> Any:
-        return run(binding, owner, grad) if binding.active else None
 
-    return tensor_hook
+def call_directly(hook: HookFunction, args: tuple[Any, ...]) -> Any:
+    """Run ``hook`` as the torch hook its last registration made (see ``HookFunction.__call__``)."""
+    torch_hook = _DIRECT.get(hook)
+    if torch_hook is None or torch_hook.binding.handle is None:
+        state = "was restored" if torch_hook is not None else "is not registered with a FlexModel"
+        raise RuntimeError(
+            f"torchsurgery.HookFunction.__call__: {hook!r} {state}; register it first "
+            "(flex.register_forward_hook(hook) and the like): that tells it its hook type and output_ptr"
+        )
+    return torch_hook(*args)
 
 
 def _distributed_available() -> bool:
@@ -167,23 +278,81 @@ def _is_fully_sharded(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def unwrap(module: nn.Module) -> nn.Module:
-    """The model inside DDP, DataParallel and ``torch.compile`` wrappers (names without their prefixes).
+def _fsdp1_class() -> type | None:
+    # an FSDP1 model exists only once its module has been imported
+    if "torch.distributed.fsdp" not in sys.modules:
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel
+
+
+def unwrap_with_prefixes(module: nn.Module) -> tuple[nn.Module, list[str]]:
+    """The model inside DDP, DataParallel, FSDP1 and ``torch.compile`` wrappers, and the
+    prefixes their names put before the model's own (longest first).
 
     FSDP2 (``fully_shard``) swaps classes in place and adds no prefix, so it needs nothing here.
+
+    Example:
+        >>> m = nn.Linear(1, 1)
+        >>> root, prefixes = unwrap_with_prefixes(nn.DataParallel(m))
+        >>> root is m, prefixes
+        (True, ['module.'])
+    """
+    fsdp1 = _fsdp1_class()
+    prefixes = [""]
+    steps: tuple[str, ...]
+    while True:
+        if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            module, steps = module.module, ("module.",)
+        elif fsdp1 is not None and isinstance(module, fsdp1):
+            # named_modules() says _fsdp_wrapped_module; flex_model's users write module.
+            module, steps = module._fsdp_wrapped_module, ("_fsdp_wrapped_module.", "module.")  # type: ignore[assignment]
+        elif isinstance(getattr(module, "_orig_mod", None), nn.Module):
+            module, steps = module._orig_mod, ("_orig_mod.",)  # type: ignore[assignment]
+        else:
+            return module, sorted((p for p in prefixes if p), key=len, reverse=True)
+        prefixes = [p + step for p in prefixes for step in steps]
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The model inside DDP, DataParallel, FSDP1 and ``torch.compile`` wrappers.
 
     Example:
         >>> m = nn.Linear(1, 1)
         >>> unwrap(nn.DataParallel(m)) is m
         True
     """
-    while True:
-        if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            module = module.module
-        elif isinstance(getattr(module, "_orig_mod", None), nn.Module):
-            module = module._orig_mod  # type: ignore[assignment]
-        else:
-            return module
+    return unwrap_with_prefixes(module)[0]
+
+
+def _split_prefix(pattern: str, prefixes: list[str]) -> tuple[str, str]:
+    """``(prefix, bare name)``: both name forms (``module.fc1`` and ``fc1``) are accepted."""
+    for prefix in prefixes:
+        if pattern.startswith(prefix):
+            return prefix, pattern[len(prefix) :]
+    return "", pattern
+
+
+def invalidate_compiled(model: nn.Module) -> None:
+    """Drop the code ``torch.compile`` made for ``model``, so hook changes take effect.
+
+    Dynamo does not guard on module hooks, so code compiled before a hook was added
+    (or removed) would keep running without it (or with it). The compiled frames are
+    the ``forward`` of the model's module classes, or the wrapper Dynamo puts around a
+    ``torch.nn`` container; each recompiles on its next call.
+    """
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return  # nothing was ever compiled in this process
+    import types
+
+    from torch._dynamo import eval_frame, external_utils
+
+    codes = {f.__code__ for m in model.modules() if hasattr(f := type(m).forward, "__code__")}
+    codes.update(c for c in external_utils.wrap_inline.__code__.co_consts if isinstance(c, types.CodeType))
+    for code in codes:
+        eval_frame.reset_code(code)
 
 
 def _remove_bindings(bindings: list[_Binding]) -> None:
@@ -211,6 +380,7 @@ class FlexRecord(_undo.Record):
         _remove_bindings(self.bindings)
         self.routing.close()
         _undo.remove(module, self)
+        invalidate_compiled(module)
 
 
 def _finalize(module_ref: weakref.ReferenceType[nn.Module], record: FlexRecord) -> None:
@@ -242,8 +412,10 @@ class FlexModel(nn.Module):
             others ``None``; :meth:`backward` runs the backward through every stage.
             Hooks may name modules another stage holds.
         data_parallel_size: data-parallel replicas, each with its own batch (sizes may
-            differ). ``module`` may be wrapped in DDP or sharded with FSDP2; hook names
-            are the bare model's.
+            differ). ``module`` may be wrapped in DDP or sharded with FSDP2; hooks name
+            modules as the bare model does (``fc1``) or as DDP does (``module.fc1``).
+            Gradient hooks see the gradient of the mean of the replicas' losses, the
+            loss DDP optimizes.
         process_group: lay out only this group's ranks (default: the whole world).
         device_mesh: a ``DeviceMesh`` whose dimensions are named among ``pp``, ``dp``,
             ``tp``; it gives the sizes and the rank order.
@@ -251,8 +423,11 @@ class FlexModel(nn.Module):
     Across ranks: ``output_ptr`` is filled on the layout's first rank alone (global rank 0
     by default), at the end of each forward (and each backward, for gradient hooks);
     ``save_ctx`` is each rank's own; trainable modules are copied from rank 0 when
-    registered and their gradients are summed over the ranks of a stage, so every rank
-    holds the gradient one process would compute.
+    registered and their gradients are summed over the tensor-parallel ranks of a stage and
+    averaged over the replicas, so every rank holds the gradient one process would compute.
+
+    Captures of one forward reach ``output_ptr`` together when it returns; the group choice
+    and the captures belong to the call, so threads may share a wrapper.
 
     Raises:
         TypeError: ``module`` is not a module or ``output_ptr`` not a dict.
@@ -379,6 +554,70 @@ class FlexModel(nn.Module):
             # attributes of the wrapped model (config, generate, ...) read through the wrapper
             return getattr(self.__dict__["module"], name)
 
+    # The wrapper's module, parameter and buffer dicts *are* the wrapped model's: a module,
+    # parameter or buffer set on the wrapper would land in the model and outlive restore().
+
+    def _refuse(self, what: str, name: str) -> None:
+        raise TypeError(
+            f"torchsurgery.FlexModel.{what}: {name!r} would become part of the wrapped model "
+            "(the wrapper shares its modules, parameters and buffers) and outlive restore(); "
+            f"use flex.register_trainable_module({name!r}, module) for a module editing functions "
+            "use, or change the model itself through flex.module"
+        )
+
+    def _shared_name(self, name: str) -> bool:
+        d = self.__dict__
+        return name in d["_modules"] or name in d["_parameters"] or name in d["_buffers"]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "_runtime" in self.__dict__ and (isinstance(value, (nn.Module, nn.Parameter)) or self._shared_name(name)):
+            self._refuse("__setattr__", name)
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._shared_name(name):
+            self._refuse("__delattr__", name)
+        super().__delattr__(name)
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        """Refused: a buffer on the wrapper would be the wrapped model's (see ``__setattr__``)."""
+        self._refuse("register_buffer", name)
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        """Refused: a parameter on the wrapper would be the wrapped model's."""
+        self._refuse("register_parameter", name)
+
+    def add_module(self, name: str, module: nn.Module | None) -> None:
+        """Refused: a submodule on the wrapper would be the wrapped model's."""
+        self._refuse("add_module", name)
+
+    def register_module(self, name: str, module: nn.Module | None) -> None:
+        """Refused: a submodule on the wrapper would be the wrapped model's."""
+        self._refuse("register_module", name)
+
+    # --------------------------------------------------------- copies, pickles
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FlexModel:
+        """An independent wrapper around a deep copy of the model: its own hooks, groups,
+        ``output_ptr`` (a copy of this one's), ``save_ctx`` and trainable modules."""
+        self._check_alive("__deepcopy__")
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        d = new.__dict__
+        for key, value in self.__dict__.items():
+            if key != "_finalizer":
+                d[key] = copy.deepcopy(value, memo)  # the memo keeps shared objects shared
+        d["_finalizer"] = weakref.finalize(new, _finalize, weakref.ref(d["module"]), d["_record"])
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        self._check_alive("__getstate__")
+        return {k: v for k, v in self.__dict__.items() if k != "_finalizer"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__["_finalizer"] = weakref.finalize(self, _finalize, weakref.ref(self.module), self._record)
+
     def _check_alive(self, what: str) -> None:
         if self._record not in _undo.records(self.module):
             raise RuntimeError(
@@ -428,30 +667,22 @@ class FlexModel(nn.Module):
         """
         self._check_alive("forward")
         runtime = self._runtime
-        active = self._groups.active(groups, complement, "torchsurgery.FlexModel.forward")
-        for binding in self._bindings:
-            binding.active = binding.hook in active
-        output_ptr = runtime.output_ptr
-        marks = {key: len(values) for key, values in output_ptr.items()}
-        runtime.in_forward = True
+        everything = not complement and (groups == "all" or groups == ["all"] or groups == ("all",))
+        active = None if everything else self._groups.active(groups, complement, "torchsurgery.FlexModel.forward")
+        call = _Call(active)
+        token = runtime.call.set(call)
         try:
             outputs = runtime.routing.forward(self.module, args, kwargs)
         except BaseException:
-            for key in list(output_ptr):
-                if key not in marks:
-                    del output_ptr[key]
-                else:
-                    del output_ptr[key][marks[key] :]
-            runtime.routing.end_forward(output_ptr, failed=True)
+            # this forward's captures are dropped; other threads' are untouched
+            runtime.routing.end_forward(runtime.output_ptr, failed=True)
             raise
         finally:
-            runtime.in_forward = False
-            if runtime.pending_copies:
+            runtime.call.reset(token)
+            if call.pending_copies:
                 torch.cuda.current_stream().synchronize()
-                runtime.pending_copies = False
-            for binding in self._bindings:
-                binding.active = True  # a group choice lasts one forward
-        runtime.routing.end_forward(output_ptr)
+        runtime.publish(call)
+        runtime.routing.end_forward(runtime.output_ptr)
         return outputs
 
     def backward(self, loss: torch.Tensor | None = None) -> None:
@@ -475,10 +706,11 @@ class FlexModel(nn.Module):
     def _targets(
         self, hook: HookFunction, hook_type: str, *, local: bool = False
     ) -> list[tuple[str, nn.Module | torch.Tensor, nn.Module | None]]:
-        """What ``hook`` binds to here; ``local``: a name this process already matched."""
+        """What ``hook`` binds to here, named as the hook names it (with or without the
+        prefix of a DDP/FSDP1/compile wrapper); ``local``: a name this process already matched."""
         what = f"torchsurgery.FlexModel ({hook_type} hook)"
-        pattern = hook.module_name
-        root = unwrap(self.module)
+        root, prefixes = unwrap_with_prefixes(self.module)
+        prefix, pattern = _split_prefix(hook.module_name, prefixes)
         routing = self._runtime.routing
         if hook_type == "tensor":
             if _is_fully_sharded(root):
@@ -490,12 +722,12 @@ class FlexModel(nn.Module):
             names = [n for n in params if glob_match(pattern, n)] if is_glob(pattern) else [n for n in params if n == pattern]
             if not local and not routing.matched_anywhere(bool(names), hook_type, pattern):
                 raise ValueError(no_match_message(what, pattern, list(params)).replace("submodule", "parameter"))
-            return [(n, params[n], root.get_submodule(n.rpartition(".")[0])) for n in names]
+            return [(prefix + n, params[n], root.get_submodule(n.rpartition(".")[0])) for n in names]
         modules = dict(root.named_modules())
         names = [n for n in modules if glob_match(pattern, n)]
         if not local and not routing.matched_anywhere(bool(names), hook_type, pattern):
             raise ValueError(no_match_message(what, pattern, [n for n in modules if n]))
-        return [(n, modules[n], None) for n in names]  # none here: another pipeline stage holds it
+        return [(prefix + n, modules[n], None) for n in names]  # none here: another pipeline stage holds it
 
     def _register(self, hook: HookFunction, hook_type: str, *, local: bool = False) -> None:
         self._check_alive(f"register ({hook_type})")
@@ -505,11 +737,12 @@ class FlexModel(nn.Module):
             raise ValueError(f"torchsurgery.FlexModel: {hook!r} is already registered as a {hook_type} hook")
         targets = self._targets(hook, hook_type, local=local)
         added: list[_Binding] = []
+        fns: list[_TorchHook] = []
         try:
             for name, target, owner in targets:
                 taken = sum(1 for b in self._bindings if b.name == name)
                 binding = _Binding(hook, hook_type, name, name if taken == 0 else f"{name}#{taken + 1}")
-                fn = _make_torch_hook(binding, self._runtime, owner)
+                fn: Any = _make_torch_hook(binding, self._runtime, owner)  # typed per hook kind by torch
                 if isinstance(target, torch.Tensor):
                     binding.handle = target.register_hook(fn)
                 elif hook_type == "forward":
@@ -522,12 +755,16 @@ class FlexModel(nn.Module):
                     binding.handle = target.register_full_backward_pre_hook(fn)
                 self._bindings.append(binding)
                 added.append(binding)
+                fns.append(fn)
         except BaseException:
             for binding in added:
                 self._bindings.remove(binding)
             _remove_bindings(added)
             raise
         self._groups.register(hook)
+        if fns:
+            _DIRECT[hook] = fns[0]
+        invalidate_compiled(self.module)
 
     def register_forward_hook(self, hook_function: HookFunction) -> None:  # type: ignore[override]
         """Capture/edit the output of ``hook_function.module_name`` (a name or glob)."""
@@ -641,7 +878,9 @@ class FlexModel(nn.Module):
             ValueError: unknown parameter (near names listed) or a shape mismatch.
         """
         what = "torchsurgery.FlexModel.get_module_parameter"
-        params = dict(unwrap(self.module).named_parameters())
+        root, prefixes = unwrap_with_prefixes(self.module)
+        params = dict(root.named_parameters())
+        parameter_name = _split_prefix(parameter_name, prefixes)[1]
         if parameter_name not in params:
             message = no_match_message(what, parameter_name, list(params)).replace("submodule", "parameter")
             if self.pp_size > 1:
