@@ -16,6 +16,7 @@ buffer directly.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -161,6 +162,14 @@ class _Shared:
         self.packed: dict[str, PackedGroup] = {}
         self.ring: Ring | None = None
         self.costs: dict[str, list[float]] = {}  # name -> [bytes, transfer seconds, compute seconds]
+        self.lock = threading.RLock()  # one thread at a time runs streamed groups (they swap weights in)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
 
     def hint(self) -> str:
         names = [n for n in dict.fromkeys(self.order.recorded) if n in self.costs]
@@ -215,6 +224,7 @@ class _GroupStreamer:
 
     @torch.compiler.disable  # transfers stay outside compiled regions; the group's compute compiles
     def bring_in(self) -> None:
+        self.transit.lock.acquire()  # held until the matching release(), by this thread
         self.depth += 1
         if self.depth > 1:
             return  # re-entered (a shared module): already in
@@ -253,6 +263,12 @@ class _GroupStreamer:
 
     @torch.compiler.disable
     def release(self) -> None:
+        try:
+            self._put_back()
+        finally:
+            self.transit.lock.release()
+
+    def _put_back(self) -> None:
         self.depth -= 1
         if self.depth > 0:
             return
