@@ -95,7 +95,9 @@ class _FusedKernels:
         if (key, shape) in self.failed:
             return None
         try:
-            result: torch.Tensor = self._kernel(key)(x, weight, bias)
+            # plain tensors, not Parameters: the compiler keeps parameter shapes static
+            plain_bias = None if bias is None else bias.detach()
+            result: torch.Tensor = self._kernel(key)(x.detach(), weight.detach(), plain_bias)
             return result
         except Exception as exc:  # no compiler, or it failed for this shape: cast this shape
             with self.lock:
