@@ -237,17 +237,15 @@ def bench_steps(kind: str, token_counts: list[int], rounds: int, bandwidth: Band
             for model, _ in models.values():
                 got = run(model)  # warm-up (compiles the fused kernels)
                 torch.testing.assert_close(got.float(), reference, rtol=0.05, atol=0.05)
-            steps = 2 if tokens >= 256 else 20
-            samples, bandwidths = compare(models, run, rounds, steps, bandwidth if tokens == 1 else None)
+            steps = 2 if tokens >= 256 else 10
+            samples, bandwidths = compare(models, run, rounds, steps, bandwidth if tokens <= 4 else None)
             stats = summarise(samples)
             column = columns[f"{tokens} token{'s' if tokens > 1 else ''}"] = {}
             for name, stat in stats.items():
                 floor = None
-                if tokens <= 4 and name in ("fp32 model", "torchsurgery"):
-                    floors = []
-                    for t, bw in zip(samples[name], bandwidths or [bandwidth.measure()] * rounds, strict=True):
-                        floors.append(t / 1e3 / (read_bytes(models[name][0]) / bw))
-                    floor = statistics.median(floors)
+                if bandwidths and name in ("fp32 model", "torchsurgery"):
+                    nbytes = read_bytes(models[name][0])
+                    floor = statistics.median(t / 1e3 / (nbytes / bw) for t, bw in zip(samples[name], bandwidths, strict=True))
                 column[name] = cell(stat, floor)
         column = columns["weights"] = {}
         for name, (model, _) in models.items():
