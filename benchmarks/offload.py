@@ -227,7 +227,7 @@ def cell(stat: tuple[float, float, float, float], floor: float | None = None) ->
     return text + (f" {floor:4.2f}F" if floor is not None else "")
 
 
-def bench_steps(kind: str, token_counts: list[int], rounds: int, bandwidth: Bandwidth) -> None:
+def bench_steps(kind: str, token_counts: list[int], rounds: int, bandwidth: Bandwidth, few_steps: int = 10) -> None:
     models = variants(kind)
     columns: dict[str, dict[str, str]] = {}
     with torch.no_grad():
@@ -237,7 +237,7 @@ def bench_steps(kind: str, token_counts: list[int], rounds: int, bandwidth: Band
             for model, _ in models.values():
                 got = run(model)  # warm-up (compiles the fused kernels)
                 torch.testing.assert_close(got.float(), reference, rtol=0.05, atol=0.05)
-            steps = 2 if tokens >= 256 else 10
+            steps = 2 if tokens >= 256 else few_steps
             samples, bandwidths = compare(models, run, rounds, steps, bandwidth if tokens <= 4 else None)
             stats = summarise(samples)
             column = columns[f"{tokens} token{'s' if tokens > 1 else ''}"] = {}
@@ -278,6 +278,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--models", default="shapes12,mlp,gpt2,llama")
+    parser.add_argument("--steps", type=int, default=10, help="steps per round for 1-4 rows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"machine: {cpu_name()}, {args.threads} threads, torch {torch.__version__}; bf16 storage, fp32 compute")
@@ -287,12 +288,12 @@ def main() -> None:
           f"[{min(samples) / 1e9:.1f}-{max(samples) / 1e9:.1f}] (sum over a 256 MiB buffer)")
     for kind in args.models.split(","):
         if kind == "shapes12":
-            bench_steps(kind, [1, 2, 3, 4], args.rounds, bandwidth)
+            bench_steps(kind, [1, 2, 3, 4], args.rounds, bandwidth, args.steps)
         elif kind == "llama":
             bench_generation(args.rounds)
             bench_steps(kind, [512], max(3, args.rounds // 2), bandwidth)
         else:
-            bench_steps(kind, [1, 512], args.rounds, bandwidth)
+            bench_steps(kind, [1, 512], args.rounds, bandwidth, args.steps)
 
 
 if __name__ == "__main__":
