@@ -1,23 +1,35 @@
 """Layerwise casting on a CPU: bf16 storage, fp32 compute, against the fp32 model and peers.
 
-Two models, both with weights stored in bf16 and computed in fp32:
+Models, all with weights stored in bf16 and computed in fp32:
 
-* an 8-block MLP (d=1024, each block Linear(d, 4d) -> GELU -> Linear(4d, d));
-* a ``transformers`` GPT-2 (12 layers, hidden 768, random weights).
+* ``shapes12``  a stack of 12 ``nn.Linear`` layers, each of a different shape, at 1-4 rows
+  (a decoding step with a short prompt or a small batch);
+* ``mlp``       an 8-block MLP (d=1024, each block Linear(d, 4d) -> GELU -> Linear(4d, d)),
+  1 and 512 tokens;
+* ``gpt2``      a ``transformers`` GPT-2 (12 layers, hidden 768, random weights), 1 and 512
+  tokens;
+* ``llama``     a Llama-shaped ``transformers`` model (hidden 1024, 8 layers, 16 heads over 4
+  key/value heads, 32k vocabulary) generating 32 tokens greedily after a 3-token prompt,
+  and the same model at 512 tokens of prefill.
 
 Variants, each on its own copy of the model:
 
 * fp32 model          the model as it is (the reference; weights 2x as large)
 * torchsurgery        ``offload(model, storage_dtype=bf16, dtype=fp32)``
-* access-time cast    the video app's way: every weight read returns ``Parameter(p.to(fp32))``
+* access-time cast    the seed's ``DynamicSwapInstaller`` way: every weight read returns
+                      ``Parameter(p.to(fp32))``
 * diffusers           ``apply_layerwise_casting(storage_dtype=bf16, compute_dtype=fp32)``
+* bf16 model          (llama only) the model cast to bf16: bf16 storage and bf16 compute
 
-Times are medians over rounds in which the variants take turns (machine noise hits all of
-them alike), for a one-token step and a 512-token prefill. Memory: bytes of the stored
-weights (the transient peak of our engine, bf16 storage plus at most two fp32 groups, is
-checked in a fresh process by tests/offload/test_offload_engine.py).
+Rounds: the variants take turns inside each round (machine noise hits all of them alike);
+each round gives every variant a ratio to the fp32 model of that round; the table shows
+the median time, the median ratio and the range of the ratios over the rounds.
 
-Run: .venv/bin/python benchmarks/offload.py [--repeats 7] [--threads 2]
+The floor: each round also times a contiguous read of a 256 MiB buffer (this machine's
+memory read bandwidth, measured in this process); for one-token steps the ``floor``
+column is the step's time over (bytes of weights the step reads / that bandwidth).
+
+Run: .venv/bin/python benchmarks/offload.py [--rounds 7] [--threads 2] [--models shapes12,mlp,gpt2,llama]
 """
 
 from __future__ import annotations
@@ -38,6 +50,17 @@ from _machine import cpu_name
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+SHAPES12_DIMS = [1024, 2816, 1536, 2048, 1280, 3072, 1152, 2304, 896, 2560, 1792, 3328, 1024]
+
+
+def make_shapes12() -> nn.Module:
+    """12 Linear layers, no two of the same shape (attention, GQA, MLP and head-like sizes)."""
+    dims = SHAPES12_DIMS
+    layers: list[nn.Module] = []
+    for a, b in zip(dims, dims[1:], strict=False):
+        layers += [nn.Linear(a, b), nn.GELU()]
+    return nn.Sequential(*layers).eval()
+
 
 def make_mlp(d: int = 1024, blocks: int = 8) -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(blocks)]).eval()
@@ -47,6 +70,16 @@ def make_gpt2() -> nn.Module:
     import transformers
 
     return transformers.GPT2Model(transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257)).eval()
+
+
+def make_llama() -> nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+        num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
 
 
 def access_time_cast(model: nn.Module, **to_kwargs: Any) -> None:
@@ -74,10 +107,15 @@ def store_bf16(model: nn.Module, skip: Callable[[nn.Module, str], bool]) -> None
             p.data = p.data.bfloat16()
 
 
+MAKERS: dict[str, Callable[[], nn.Module]] = {
+    "shapes12": make_shapes12, "mlp": make_mlp, "gpt2": make_gpt2, "llama": make_llama,
+}
+
+
 def variants(kind: str) -> dict[str, tuple[nn.Module, Callable[[], None]]]:
     """name -> (model, cleanup)."""
     torch.manual_seed(0)
-    base = make_mlp() if kind == "mlp" else make_gpt2()
+    base = MAKERS[kind]()
     skip = torchsurgery.DEFAULT_SKIP
     out: dict[str, tuple[nn.Module, Callable[[], None]]] = {"fp32 model": (base, lambda: None)}
     ours = copy.deepcopy(base)
@@ -95,62 +133,167 @@ def variants(kind: str) -> dict[str, tuple[nn.Module, Callable[[], None]]]:
         out["diffusers"] = (theirs, lambda: None)
     except Exception as exc:  # reported, not fatal
         print(f"diffusers apply_layerwise_casting unavailable: {exc}")
+    if kind == "llama":
+        out["bf16 model"] = (copy.deepcopy(base).to(torch.bfloat16), lambda: None)
     return out
 
 
-def inputs(kind: str, tokens: int) -> Callable[[nn.Module], Any]:
-    generator = torch.Generator().manual_seed(tokens)  # the same input for every variant
-    if kind == "mlp":
+def step_fn(kind: str, tokens: int) -> Callable[[nn.Module], torch.Tensor]:
+    """One forward over ``tokens`` rows (the same input for every variant)."""
+    generator = torch.Generator().manual_seed(tokens)
+    if kind in ("mlp", "shapes12"):
         x = torch.randn(tokens, 1024, generator=generator)
         return lambda m: m(x)
-    ids = torch.randint(0, 50257, (1, tokens), generator=generator)
+    vocab = 32000 if kind == "llama" else 50257
+    ids = torch.randint(0, vocab, (1, tokens), generator=generator)
+    if kind == "llama":
+        return lambda m: m(ids, logits_to_keep=1).logits.float()
     return lambda m: m(ids).last_hidden_state
+
+
+def generate_fn(new_tokens: int = 32) -> Callable[[nn.Module], torch.Tensor]:
+    ids = torch.randint(0, 32000, (1, 3), generator=torch.Generator().manual_seed(3))
+    return lambda m: m.generate(
+        ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+    )
+
+
+def read_bytes(model: nn.Module) -> int:
+    """Bytes of weights a one-token step reads: every parameter outside embeddings."""
+    skipped = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skipped)
 
 
 def weight_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+class Bandwidth:
+    """Memory read bandwidth: a reduction over a 256 MiB buffer (well beyond the caches)."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.ones(64 << 20)
+
+    def measure(self) -> float:
+        self.buffer.sum()
+        start = time.perf_counter()
+        for _ in range(3):
+            self.buffer.sum()
+        return 3 * self.buffer.numel() * 4 / (time.perf_counter() - start)
+
+
+def compare(
+    models: dict[str, tuple[nn.Module, Callable[[], None]]],
+    run: Callable[[nn.Module], Any],
+    rounds: int,
+    steps: int,
+    bandwidth: Bandwidth | None = None,
+) -> tuple[dict[str, list[float]], list[float]]:
+    """Per-variant step times (ms) per round, and the bandwidth (bytes/s) of each round."""
+    samples: dict[str, list[float]] = {name: [] for name in models}
+    bandwidths: list[float] = []
+    for _ in range(rounds):
+        if bandwidth is not None:
+            bandwidths.append(bandwidth.measure())
+        for name, (model, _) in models.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                run(model)
+            samples[name].append((time.perf_counter() - start) / steps * 1e3)
+    return samples, bandwidths
+
+
+def summarise(samples: dict[str, list[float]]) -> dict[str, tuple[float, float, float, float]]:
+    """name -> (median ms, median ratio to fp32, lowest ratio, highest ratio)."""
+    ref = samples["fp32 model"]
+    out = {}
+    for name, times in samples.items():
+        ratios = [t / r for t, r in zip(times, ref, strict=True)]
+        out[name] = (statistics.median(times), statistics.median(ratios), min(ratios), max(ratios))
+    return out
+
+
+def print_table(title: str, columns: dict[str, dict[str, str]]) -> None:
+    print(f"\n{title}")
+    names = list(next(iter(columns.values())))
+    print(f"{'variant':<18}" + "".join(f"{label:>30}" for label in columns))
+    for name in names:
+        print(f"{name:<18}" + "".join(f"{columns[label].get(name, ''):>30}" for label in columns))
+
+
+def cell(stat: tuple[float, float, float, float], floor: float | None = None) -> str:
+    ms, ratio, low, high = stat
+    text = f"{ms:8.2f} ms {ratio:5.2f}x [{low:.2f}-{high:.2f}]"
+    return text + (f" {floor:4.2f}F" if floor is not None else "")
+
+
+def bench_steps(kind: str, token_counts: list[int], rounds: int, bandwidth: Bandwidth, few_steps: int = 10) -> None:
+    models = variants(kind)
+    columns: dict[str, dict[str, str]] = {}
+    with torch.no_grad():
+        for tokens in token_counts:
+            run = step_fn(kind, tokens)
+            reference = run(models["fp32 model"][0])
+            for model, _ in models.values():
+                got = run(model)  # warm-up (compiles the fused kernels)
+                torch.testing.assert_close(got.float(), reference, rtol=0.05, atol=0.05)
+            steps = 2 if tokens >= 256 else few_steps
+            samples, bandwidths = compare(models, run, rounds, steps, bandwidth if tokens <= 4 else None)
+            stats = summarise(samples)
+            column = columns[f"{tokens} token{'s' if tokens > 1 else ''}"] = {}
+            for name, stat in stats.items():
+                floor = None
+                if bandwidths and name in ("fp32 model", "torchsurgery"):
+                    nbytes = read_bytes(models[name][0])
+                    floor = statistics.median(t / 1e3 / (nbytes / bw) for t, bw in zip(samples[name], bandwidths, strict=True))
+                column[name] = cell(stat, floor)
+        column = columns["weights"] = {}
+        for name, (model, _) in models.items():
+            column[name] = f"{weight_bytes(model) / 2**20:.0f} MiB, reads {read_bytes(model) / 2**20:.0f} MiB"
+    print_table(f"{kind}: median per step, median ratio to fp32 [range over {rounds} rounds], F = x the floor", columns)
+    for _, cleanup in models.values():
+        cleanup()
+
+
+def bench_generation(rounds: int) -> None:
+    models = variants("llama")
+    run = generate_fn(32)
+    with torch.no_grad():
+        reference = run(models["fp32 model"][0])
+        for name, (model, _) in models.items():
+            got = run(model)
+            agree = (got == reference).float().mean().item()
+            print(f"llama generate warm-up: {name} agrees with fp32 on {agree:.0%} of tokens")
+        samples, _ = compare(models, run, rounds, 1)
+    stats = summarise(samples)
+    column = {name: cell(stat) for name, stat in stats.items()}
+    print_table(f"llama: generate 32 tokens after a 3-token prompt, median ratio to fp32 [range over {rounds} rounds]",
+                {"generate 32": column})
+    for _, cleanup in models.values():
+        cleanup()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--models", default="mlp,gpt2")
+    parser.add_argument("--models", default="shapes12,mlp,gpt2,llama")
+    parser.add_argument("--steps", type=int, default=10, help="steps per round for 1-4 rows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"machine: {cpu_name()}, {args.threads} threads, torch {torch.__version__}; bf16 storage, fp32 compute")
+    bandwidth = Bandwidth()
+    samples = [bandwidth.measure() for _ in range(5)]
+    print(f"memory read bandwidth: median {statistics.median(samples) / 1e9:.1f} GB/s "
+          f"[{min(samples) / 1e9:.1f}-{max(samples) / 1e9:.1f}] (sum over a 256 MiB buffer)")
     for kind in args.models.split(","):
-        models = variants(kind)
-        with torch.no_grad():
-            reference = {t: inputs(kind, t)(models["fp32 model"][0]) for t in (1, 512)}
-            rows: dict[str, dict[str, float]] = {name: {} for name in models}
-            for tokens, label, steps in ((1, "1 token", 20), (512, "512 tokens", 2)):
-                run = inputs(kind, tokens)
-                for model, _ in models.values():
-                    result = run(model)  # warm-up (compiles the fused kernel once per shape)
-                    torch.testing.assert_close(result, reference[tokens], rtol=0.05, atol=0.05)
-                samples: dict[str, list[float]] = {name: [] for name in models}
-                for _ in range(args.repeats):
-                    for name, (model, _) in models.items():
-                        start = time.perf_counter()
-                        for _ in range(steps):
-                            run(model)
-                        samples[name].append((time.perf_counter() - start) / steps * 1e3)
-                for name in models:
-                    rows[name][label] = statistics.median(samples[name])
-            for name, (model, _) in models.items():
-                rows[name]["weights MiB"] = weight_bytes(model) / 2**20
-        ref = rows["fp32 model"]
-        print(f"\n{kind}: median ms per step ({args.repeats} rounds), ratio to the fp32 model")
-        print(f"{'variant':<18}{'1 token':>10}{'ratio':>8}{'512 tokens':>12}{'ratio':>8}{'weights MiB':>13}")
-        for name, r in rows.items():
-            print(
-                f"{name:<18}{r['1 token']:>10.2f}{r['1 token'] / ref['1 token']:>7.2f}x"
-                f"{r['512 tokens']:>12.1f}{r['512 tokens'] / ref['512 tokens']:>7.2f}x"
-                f"{r['weights MiB']:>13.0f}"
-            )
-        for _, cleanup in models.values():
-            cleanup()
+        if kind == "shapes12":
+            bench_steps(kind, [1, 2, 3, 4], args.rounds, bandwidth, args.steps)
+        elif kind == "llama":
+            bench_generation(args.rounds)
+            bench_steps(kind, [512], max(3, args.rounds // 2), bandwidth)
+        else:
+            bench_steps(kind, [1, 512], args.rounds, bandwidth, args.steps)
 
 
 if __name__ == "__main__":

@@ -182,7 +182,7 @@ class OffloadHandle:
         if self._reader is not None:
             self._reader.close()
             self._reader = None
-        self._scratch.buffers.clear()
+        self._scratch.clear()
         self._transit.ring = None
         self._transit.packed.clear()
         self._shadows.entries.clear()

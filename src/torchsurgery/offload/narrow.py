@@ -1,17 +1,30 @@
 """Linear layers whose stored weight is narrower than the dtype they compute in (CPU).
 
-For a few rows (a decoding step) a fused kernel, compiled once per shape with
-``torch.compile``, reduces straight from the narrow weight in the wide dtype: one pass
-over half the bytes, which on a memory-bound step beats the wide model itself. For more
-rows the weight is widened once into a reused buffer (fresh allocations page-fault) and
-multiplied. transformers' ``Conv1D`` (weight stored ``[in, out]``) gets its own kernel so
-that its reads stay contiguous. With a master copy, forwards without gradients read a
-narrow copy refreshed whenever the master parameter changes.
+For a few rows (a decoding step) a fused kernel reduces straight from the narrow weight
+in the wide dtype: one pass over half the bytes, which on a memory-bound step beats the
+wide model itself. The kernels are compiled by ``torch.compile`` with symbolic weight
+shapes, one per (layout, row count, dtypes), so their number does not grow with the
+number of layer shapes a model has; all rows share one pass over the weight. The body
+of a kernel never runs eagerly (that would build a rows x out x in temporary): where the
+compiler is missing or fails for a shape, that shape takes the cast path.
+
+The cast path (more rows, small weights, training) widens the weight into a reused
+per-thread buffer (fresh allocations page-fault) and multiplies. transformers'
+``Conv1D`` (weight stored ``[in, out]``) gets its own kernels so that its reads stay
+contiguous. With a master copy, forwards without gradients read a narrow copy refreshed
+whenever the master parameter changes.
+
+Concurrent forwards from several threads are safe: kernels are shared read-only, each
+thread widens into its own buffer, and narrow copies are refreshed under a lock.
 """
 
 from __future__ import annotations
 
+import threading
+import types
 import warnings
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,52 +33,125 @@ from torch import nn
 from torchsurgery.offload.stats import OffloadStats
 from torchsurgery.patching import Patch
 
-_fused_kernels: dict[bool, Any] = {}
-_fused_broken = False
 _FUSED_MIN_WEIGHT = 1 << 18  # below this a fused kernel does not pay for itself
 _FUSED_MAX_ROWS = 4
 
 
-def _reduce_from_narrow(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # weight [out, in]: one pass over the narrow weight, widened in registers
-    return (x.unsqueeze(-2) * weight.to(x.dtype)).sum(-1)
+class _RanEagerly(RuntimeError):
+    """A fused kernel's body was about to run outside the compiler."""
 
 
-def _reduce_from_narrow_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # weight [in, out] (Conv1D layout): reduce over rows so reads stay contiguous
-    return (x.unsqueeze(-1) * weight.to(x.dtype)).sum(-2)
+def _rows_from_narrow(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # weight [out, in]: every row's dot products in one pass over the narrow weight
+    if not torch.compiler.is_compiling():
+        raise _RanEagerly("the fused kernel runs only compiled")
+    wide = weight.to(x.dtype)
+    out = torch.stack([(x[r] * wide).sum(-1) for r in range(x.shape[0])])
+    return out if bias is None else out + bias.to(x.dtype)
 
 
-def _fused_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool = False) -> torch.Tensor | None:
-    global _fused_broken
-    if _fused_broken:
-        return None
-    try:
-        kernel = _fused_kernels.get(transposed)
-        if kernel is None:
-            kernel = _fused_kernels[transposed] = torch.compile(
-                _reduce_from_narrow_t if transposed else _reduce_from_narrow, dynamic=False
+def _rows_from_narrow_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # weight [in, out] (Conv1D layout): reduce over the weight's rows so reads stay contiguous
+    if not torch.compiler.is_compiling():
+        raise _RanEagerly("the fused kernel runs only compiled")
+    wide = weight.to(x.dtype)
+    out = torch.stack([(x[r].unsqueeze(-1) * wide).sum(0) for r in range(x.shape[0])])
+    return out if bias is None else out + bias.to(x.dtype)
+
+
+_KernelKey = tuple[bool, int, torch.dtype, torch.dtype, bool]
+
+
+class _FusedKernels:
+    """Compiled narrow-weight kernels, shared by every layer and thread of the process.
+
+    One kernel per (layout, rows, weight dtype, compute dtype, bias or not), each on its own
+    copy of the Python code so the compiler's per-function recompile limit never applies
+    across keys; weight shapes are symbolic inside a kernel. A (key, weight shape) pair
+    whose compilation or run failed is remembered and takes the cast path from then on.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.kernels: dict[_KernelKey, Callable[..., torch.Tensor]] = {}
+        self.failed: set[tuple[_KernelKey, tuple[int, ...]]] = set()
+
+    def _kernel(self, key: _KernelKey) -> Callable[..., torch.Tensor]:
+        with self.lock:
+            kernel = self.kernels.get(key)
+            if kernel is None:
+                base = _rows_from_narrow_t if key[0] else _rows_from_narrow
+                code = base.__code__.replace()  # a distinct code object: its own compile cache
+                fn = types.FunctionType(code, base.__globals__, base.__name__)
+                kernel = self.kernels[key] = torch.compile(fn, dynamic=True, fullgraph=True)
+            return kernel
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool
+    ) -> torch.Tensor | None:
+        """``x @ weight.T + bias`` (``x @ weight`` when ``transposed``), or None: cast instead."""
+        key: _KernelKey = (transposed, x.shape[0], weight.dtype, x.dtype, bias is not None)
+        shape = tuple(weight.shape)
+        if (key, shape) in self.failed:
+            return None
+        try:
+            # plain tensors, not Parameters: the compiler keeps parameter shapes static
+            plain_bias = None if bias is None else bias.detach()
+            result: torch.Tensor = self._kernel(key)(x.detach(), weight.detach(), plain_bias)
+            return result
+        except Exception as exc:  # no compiler, or it failed for this shape: cast this shape
+            with self.lock:
+                self.failed.add((key, shape))
+            warnings.warn(
+                f"torchsurgery.offload: no fused CPU kernel for a {weight.dtype} weight of shape {list(shape)} "
+                f"with {x.shape[0]} row(s) ({type(exc).__name__}: {exc}); that shape casts instead",
+                stacklevel=3,
             )
-        result: torch.Tensor = kernel(x, weight)
-        return result
-    except Exception as exc:  # no compiler on this machine: fall back to casting
-        _fused_broken = True
-        warnings.warn(f"torchsurgery.offload: fused CPU kernel unavailable ({exc}); casting instead", stacklevel=2)
-        return None
+            return None
+
+
+_fused = _FusedKernels()
 
 
 class _Scratch:
-    """Reused full-width copies of narrow weights, one per shape (fresh allocations page-fault)."""
+    """Reused full-width copies of narrow weights: one flat buffer per thread.
+
+    A buffer grows to the largest weight its thread has widened and is reused for every
+    shape after, so the memory held is at most (threads that ran the cast path) x (the
+    largest widened weight); it goes with its thread, or with ``clear()``.
+    """
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._buffers: weakref.WeakKeyDictionary[threading.Thread, torch.Tensor] = weakref.WeakKeyDictionary()
 
     def widen(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        key = (tuple(weight.shape), dtype)
-        buffer = self.buffers.get(key)
-        if buffer is None:
-            buffer = self.buffers[key] = torch.empty(weight.shape, dtype=dtype)
-        return buffer.copy_(weight)
+        """``weight`` converted to ``dtype`` in this thread's buffer (valid until its next call)."""
+        thread = threading.current_thread()
+        nbytes = weight.numel() * dtype.itemsize
+        with self._lock:
+            buffer = self._buffers.get(thread)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+            with self._lock:
+                self._buffers[thread] = buffer
+        return buffer[:nbytes].view(dtype).view(weight.shape).copy_(weight)
+
+    def nbytes(self) -> int:
+        """Bytes the buffers hold now."""
+        with self._lock:
+            return sum(b.numel() for b in self._buffers.values())
+
+    def clear(self) -> None:
+        """Free every thread's buffer."""
+        with self._lock:
+            self._buffers.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}  # buffers are a cache: a copy starts without
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
 
 
 class _Shadows:
@@ -73,6 +159,7 @@ class _Shadows:
 
     def __init__(self) -> None:
         self.entries: dict[int, list[Any]] = {}
+        self._lock = threading.Lock()
 
     def add(self, param: torch.Tensor, dtype: torch.dtype) -> None:
         if id(param) not in self.entries:
@@ -83,10 +170,19 @@ class _Shadows:
         if entry is None:
             return param
         if entry[1] != param._version:  # an optimizer step (or any in-place write) since
-            entry[0].copy_(param.detach())
-            entry[1] = param._version
+            with self._lock:  # one thread refreshes; the others wait for the fresh copy
+                if entry[1] != param._version:
+                    entry[0].copy_(param.detach())
+                    entry[1] = param._version
         copy: torch.Tensor = entry[0]
         return copy
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"entries": self.entries}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.entries = state["entries"]
+        self._lock = threading.Lock()
 
 
 def _is_matmul_layer(module: nn.Module) -> bool:
@@ -120,19 +216,25 @@ class _NarrowMatmul(Patch, nn.Module):
         stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + weight.numel() * dtype.itemsize)
         rows = x.numel() // max(1, x.shape[-1])
         out_features = weight.shape[1] if transposed else weight.shape[0]
-        needs_grad = torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
+        needs_grad = torch.is_grad_enabled() and (
+            weight.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)
+        )
         x2d = x.reshape(rows, x.shape[-1])
-        if not needs_grad:  # with a master copy, forwards without gradients read the narrow copy
+        out: torch.Tensor | None = None
+        if needs_grad or torch.compiler.is_compiling():
+            # autograd keeps the widened weight until backward: a fresh one; inside a
+            # compiled model the compiler fuses the cast into its own kernels
+            wide = weight.to(dtype)
+            wide_bias = bias.to(dtype) if bias is not None else None
+        else:  # with a master copy, forwards without gradients read the narrow copy
             weight = shadows.narrow(weight)
             bias = shadows.narrow(bias) if bias is not None else None
-        out: torch.Tensor | None = None
-        if not needs_grad and rows <= _FUSED_MAX_ROWS and weight.numel() >= _FUSED_MIN_WEIGHT:
-            out = _fused_linear(x2d, weight, transposed)
+            if 0 < rows <= _FUSED_MAX_ROWS and weight.numel() >= _FUSED_MIN_WEIGHT:
+                out = _fused(x2d.contiguous(), weight, bias, transposed)
+            if out is None:
+                wide = scratch.widen(weight, dtype)
+                wide_bias = bias.to(dtype) if bias is not None else None
         if out is None:
-            wide = weight.to(dtype) if needs_grad else scratch.widen(weight, dtype)
-            out = x2d @ wide if transposed else x2d @ wide.t()
-        if bias is not None:
-            out = out + bias.to(dtype)
+            matrix = wide if transposed else wide.t()
+            out = x2d @ matrix if wide_bias is None else torch.addmm(wide_bias, x2d, matrix)
         return out.reshape(*x.shape[:-1], out_features)
-
-

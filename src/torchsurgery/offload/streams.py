@@ -18,6 +18,7 @@ buffer directly.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -207,6 +208,14 @@ class _Shared:
         self.ring: Ring | None = None
         self.pending: list[_Measure] = []
         self.costs: dict[str, list[float]] = {}  # name -> [bytes, transfer seconds, compute seconds]
+        self.lock = threading.RLock()  # one thread at a time runs streamed groups (they swap weights in)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
 
     def settle(self) -> None:
         """Read the timings of the groups that finished (waits for their events on the device)."""
@@ -280,6 +289,7 @@ class _GroupStreamer:
 
     @torch.compiler.disable  # transfers stay outside compiled regions; the group's compute compiles
     def bring_in(self) -> None:
+        self.transit.lock.acquire()  # held until the matching release(), by this thread
         self.depth += 1
         if self.depth > 1:
             return  # re-entered (a shared module): already in
@@ -318,6 +328,12 @@ class _GroupStreamer:
 
     @torch.compiler.disable
     def release(self) -> None:
+        try:
+            self._put_back()
+        finally:
+            self.transit.lock.release()
+
+    def _put_back(self) -> None:
         self.depth -= 1
         if self.depth > 0:
             return

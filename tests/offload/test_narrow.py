@@ -1,0 +1,197 @@
+"""Tests of torchsurgery.offload.narrow: narrow-weight matmuls against plain fp32, and threads."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from torchsurgery import offload
+from torchsurgery.offload import narrow
+from torchsurgery.offload.narrow import (
+    _FUSED_MAX_ROWS,
+    _FUSED_MIN_WEIGHT,
+    _fused,
+    _rows_from_narrow,
+)
+
+transformers = pytest.importorskip("transformers")
+
+# 14 weight shapes, each just big enough for the fused path: more than the compiler's
+# recompile limit (8), so a per-shape compilation would fall off it
+SHAPES = [(out, _FUSED_MIN_WEIGHT // out + k) for k, out in enumerate(
+    [256, 320, 384, 448, 512, 576, 640, 704, 768, 832, 896, 960, 1024, 1088]
+)]
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """Plain fp32: the narrow weight widened, then the usual matmul."""
+    w = weight.float()
+    out = x @ w if transposed else x @ w.t()
+    return out if bias is None else out + bias.float()
+
+
+def make_layer(out: int, inp: int, transposed: bool, bias: bool) -> nn.Module:
+    if transposed:
+        layer = transformers.pytorch_utils.Conv1D(out, inp)
+        if not bias:
+            layer.bias = None
+        return layer
+    return nn.Linear(inp, out, bias=bias)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
+def test_narrow_path_matches_fp32_for_many_shapes_and_rows(transposed: bool) -> None:
+    torch.manual_seed(0)
+    for i, (out, inp) in enumerate(SHAPES):
+        layer = make_layer(out, inp, transposed, bias=i % 3 != 0)
+        handle = offload(layer, storage_dtype=torch.bfloat16, dtype=torch.float32, groups=[""])
+        weight, bias = layer.weight, layer.bias
+        assert weight.dtype == torch.bfloat16
+        for rows in range(1, 9):
+            x = torch.randn(rows, inp)
+            with torch.no_grad():
+                got = layer(x)
+            torch.testing.assert_close(got, reference(x, weight, bias, transposed), rtol=1e-4, atol=1e-4)
+            if rows <= _FUSED_MAX_ROWS:  # served by a fused kernel, not by widening the weight
+                assert handle._scratch.nbytes() == 0, (out, inp, rows)
+        handle.remove()
+    assert not _fused.failed
+
+
+def test_leading_dimensions_and_fp8_storage() -> None:
+    torch.manual_seed(1)
+    for transposed in (False, True):
+        for out, inp in SHAPES[:3]:
+            layer = make_layer(out, inp, transposed, bias=True)
+            handle = offload(layer, storage_dtype=torch.float8_e4m3fn, dtype=torch.float32, groups=[""])
+            assert layer.weight.dtype == torch.float8_e4m3fn
+            for shape in [(1, 1, inp), (2, 2, inp), (3, 1, inp), (8, inp)]:
+                x = torch.randn(*shape)
+                with torch.no_grad():
+                    got = layer(x)
+                expected = reference(x.reshape(-1, inp), layer.weight, layer.bias, transposed)
+                torch.testing.assert_close(got, expected.reshape(*shape[:-1], -1), rtol=1e-4, atol=1e-4)
+            handle.remove()
+
+
+def test_the_kernel_body_never_runs_uncompiled() -> None:
+    # run eagerly, the body would build a rows x out x in temporary: it refuses instead
+    with pytest.raises(narrow._RanEagerly):
+        _rows_from_narrow(torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None)
+
+
+def test_a_failing_shape_casts_and_the_others_stay_fused(monkeypatch: pytest.MonkeyPatch) -> None:
+    bad_out, bad_in = SHAPES[-1]
+    real_kernel = _fused._kernel
+
+    def kernel(key: Any) -> Any:
+        compiled = real_kernel(key)
+
+        def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            if tuple(weight.shape) == (bad_out, bad_in):
+                raise RuntimeError("simulated compiler failure")
+            return compiled(x, weight, bias)
+
+        return run
+
+    monkeypatch.setattr(_fused, "_kernel", kernel)
+    monkeypatch.setattr(_fused, "failed", set())
+    bad = nn.Linear(bad_in, bad_out)
+    good = nn.Linear(SHAPES[0][1], SHAPES[0][0])
+    bad_handle = offload(bad, storage_dtype=torch.bfloat16, dtype=torch.float32, groups=[""])
+    good_handle = offload(good, storage_dtype=torch.bfloat16, dtype=torch.float32, groups=[""])
+    x = torch.randn(1, bad_in)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = bad(x)
+        again = bad(x)  # remembered: no second attempt, no second warning
+    assert len([w for w in caught if "casts instead" in str(w.message)]) == 1
+    torch.testing.assert_close(got, reference(x, bad.weight, bad.bias, False), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(again, got)
+    assert bad_handle._scratch.nbytes() > 0  # the cast path served it
+    y = torch.randn(1, SHAPES[0][1])
+    with torch.no_grad():
+        torch.testing.assert_close(good(y), reference(y, good.weight, good.bias, False), rtol=1e-4, atol=1e-4)
+    assert good_handle._scratch.nbytes() == 0  # still fused
+    bad_handle.remove()
+    good_handle.remove()
+
+
+def threaded_outputs(model: nn.Module, inputs: list[torch.Tensor], threads: int = 4) -> list[torch.Tensor]:
+    """Every input run ``threads`` times at once, from as many threads."""
+    results: list[list[torch.Tensor]] = [[] for _ in range(threads)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads)
+
+    def work(slot: int) -> None:
+        try:
+            start.wait()
+            with torch.no_grad():
+                for i in range(len(inputs)):
+                    results[slot].append(model(inputs[(i + slot) % len(inputs)]))
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    pool = [threading.Thread(target=work, args=(s,)) for s in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    assert not errors, errors
+    # back in input order
+    return [results[s][(i - s) % len(inputs)] for s in range(threads) for i in range(len(inputs))]
+
+
+def block_model(d: int = 512, blocks: int = 3) -> nn.Module:
+    layers = [nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(blocks)]
+    return nn.Sequential(*layers).eval()
+
+
+@pytest.mark.parametrize("setup", ["narrow", "master copies", "streamed groups"])
+def test_concurrent_forwards_equal_sequential_ones(setup: str) -> None:
+    torch.manual_seed(2)
+    model = block_model()
+    kwargs: dict[str, Any] = {"storage_dtype": torch.bfloat16, "dtype": torch.float32}
+    if setup == "master copies":
+        kwargs["master_dtype"] = torch.float32
+    if setup == "streamed groups":  # norms stored narrow too, nothing resident: every block streams
+        kwargs.update(skip=None, budget=None, storage_dtype=torch.float16)
+    handle = offload(model, **kwargs)
+    if setup == "streamed groups":
+        assert handle.stats().streamed_groups
+    # rows 1-3 take the fused kernels, 6 and 40 the per-thread widened copies
+    inputs = [torch.randn(rows, 512) for rows in (1, 6, 2, 40, 3, 1, 6, 40)]
+    with torch.no_grad():
+        sequential = [model(x) for x in inputs]
+    got = threaded_outputs(model, inputs)
+    for i, out in enumerate(got):
+        torch.testing.assert_close(out, sequential[i % len(inputs)], rtol=1e-6, atol=1e-6)
+    handle.remove()
+
+
+def test_scratch_is_per_thread_and_freed_on_remove() -> None:
+    model = block_model(blocks=1)
+    handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
+    widest = 2 * 512 * 512 * 4  # the largest weight, widened to fp32
+    x = torch.randn(40, 512)
+    with torch.no_grad():
+        model(x)
+        assert handle._scratch.nbytes() == widest  # one buffer, reused across shapes
+
+        def step() -> None:
+            with torch.no_grad():  # grad mode is per thread
+                model(x)
+
+        thread = threading.Thread(target=step)
+        thread.start()
+        thread.join()
+    assert handle._scratch.nbytes() <= 2 * widest
+    del thread  # a finished thread's buffer goes with it
+    assert handle._scratch.nbytes() == widest
+    handle.remove()
+    assert handle._scratch.nbytes() == 0
