@@ -29,6 +29,7 @@ import math
 import mmap
 import os
 import struct
+import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -241,6 +242,84 @@ def _batches(spans: list[tuple[str, _Located, memoryview]]) -> list[_Batch]:
     return batches
 
 
+def _transfer(call: Any, fd: int, views: list[memoryview], offset: int) -> tuple[int, int] | None:
+    """Run ``os.preadv``/``os.pwritev`` until ``views`` are done; else (end offset, views left) at EOF."""
+    views = list(views)
+    while views:
+        done = call(fd, views, offset)
+        if done == 0:
+            return offset, len(views)
+        offset += done
+        while views and done >= views[0].nbytes:
+            done -= views[0].nbytes
+            del views[0]
+        if done:
+            views[0] = views[0][done:]
+    return None
+
+
+def _anonymous_file() -> int:
+    """A file descriptor of a file without a name, in memory where the system allows."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("torchsurgery-stash")
+    fd, name = tempfile.mkstemp()
+    os.unlink(name)
+    return fd
+
+
+class Stash:
+    """The bytes of some tensors kept aside, to be put back if what follows fails.
+
+    CPU tensors go to an anonymous in-memory file (``memfd``): one system call moves many
+    tensors, and the kernel allocates its pages far faster than a process faults in the
+    pages of new tensors. Other tensors are cloned.
+
+    Example:
+        >>> import torch
+        >>> t = torch.arange(4.0)
+        >>> stash = Stash([t])
+        >>> _ = t.zero_()
+        >>> stash.restore(); stash.close()
+        >>> t
+        tensor([0., 1., 2., 3.])
+    """
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        in_file = [t for t in tensors if t.device.type == "cpu" and t.is_contiguous() and t.numel()]
+        self._in_file = [_bytes_of(t) for t in in_file]
+        self._fd = _anonymous_file()
+        try:
+            with torch.no_grad():
+                kept = set(map(id, in_file))
+                self._clones = [(t, t.detach().clone()) for t in tensors if id(t) not in kept]
+            for i in range(0, len(self._in_file), _IOV_MAX):
+                offset = sum(v.nbytes for v in self._in_file[:i])
+                if _transfer(os.pwritev, self._fd, self._in_file[i : i + _IOV_MAX], offset) is not None:
+                    raise OSError(f"could not keep {len(self._in_file)} tensors aside in memory")
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def restore(self) -> None:
+        """Write the kept bytes back into their tensors."""
+        offset = 0
+        for i in range(0, len(self._in_file), _IOV_MAX):
+            views = self._in_file[i : i + _IOV_MAX]
+            if _transfer(os.preadv, self._fd, views, offset) is not None:
+                raise OSError("the tensors kept aside could not be read back")
+            offset += sum(v.nbytes for v in views)
+        with torch.no_grad():
+            for t, old in self._clones:
+                t.detach().copy_(old)
+
+    def close(self) -> None:
+        """Free the kept bytes (in the background: the kernel takes a while to free many pages)."""
+        if self._fd >= 0:
+            threading.Thread(target=os.close, args=(self._fd,), name="torchsurgery-stash-free", daemon=True).start()
+            self._fd = -1
+        self._clones = []
+
+
 class SafetensorsSource(Source):
     """One safetensors file, or the shards listed by a ``*.index.json``."""
 
@@ -314,21 +393,13 @@ class SafetensorsSource(Source):
                 raise
 
     def _fill(self, batch: _Batch) -> None:
-        fd = self._files[batch.path].fileno()
-        views, keys, offset = list(batch.views), list(batch.keys), batch.offset
-        while views:
-            got = os.preadv(fd, views, offset)
-            if got == 0:
-                raise CheckpointError(
-                    f"{batch.path}: {keys[0]!r} ends early (the file ends before byte {offset + views[0].nbytes}; "
-                    "was it truncated or rewritten after its header was read?)"
-                )
-            offset += got
-            while views and got >= views[0].nbytes:
-                got -= views[0].nbytes
-                del views[0], keys[0]
-            if got:
-                views[0] = views[0][got:]
+        left = _transfer(os.preadv, self._files[batch.path].fileno(), batch.views, batch.offset)
+        if left is not None:
+            key = batch.keys[len(batch.keys) - left[1]]
+            raise CheckpointError(
+                f"{batch.path}: {key!r} ends early (the file ends at byte {left[0]}; "
+                "was it truncated or rewritten after its header was read?)"
+            )
 
     def mapped(self, key: str) -> torch.Tensor | None:
         loc = self._where[key]
@@ -340,7 +411,9 @@ class SafetensorsSource(Source):
                 # ACCESS_COPY is MAP_PRIVATE: writes land in private pages, never in the file
                 view = mmap.mmap(self._files[loc.path].fileno(), 0, access=mmap.ACCESS_COPY)
             except (OSError, ValueError) as exc:
-                raise CheckpointError(f"{loc.path}: cannot be memory-mapped ({exc}); read it with a copy instead") from exc
+                raise CheckpointError(
+                    f"{loc.path}: cannot be memory-mapped ({exc}); load it with copy=True to read it instead"
+                ) from exc
             base = torch.frombuffer(view, dtype=torch.uint8)
             self._maps[loc.path] = base
         if loc.start + loc.nbytes > base.numel():

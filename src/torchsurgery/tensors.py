@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from torchsurgery import _undo
-from torchsurgery._checkpoint import CheckpointError, Entry, Source, open_source
+from torchsurgery._checkpoint import CheckpointError, Entry, Source, Stash, open_source
 
 __all__ = ["swap_on_conversion", "convert_", "load_", "LoadResult", "skeleton", "CheckpointError"]
 
@@ -512,14 +512,12 @@ def _load(
             kept = stored[key].dtype if assign and dtype is None else target_dtype
             fresh.append(_Fresh(name, t, key, target_device, kept))
 
-    backups: list[tuple[torch.Tensor, torch.Tensor]] = []
+    # first everything that can fail and changes nothing in the module: the new values
+    # read or mapped, and the values about to be overwritten kept aside
+    values = _new_values(reader, fresh, stored, assign, copy)
+    stash = Stash([t for t, _ in in_place])
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
-        # first everything that can fail and changes nothing in the module: new values
-        # read or mapped, and the values about to be overwritten kept aside
-        values = _new_values(reader, fresh, stored, assign, copy)
-        with torch.no_grad():
-            backups = [(t, t.detach().clone()) for t, _ in in_place]
         for run in _in_chunks(in_place, [stored[key].dtype.itemsize * t.numel() for t, key in in_place]):
             reader.read_many([(key, t.detach()) for t, key in run])
         for item, value in zip(fresh, values, strict=True):
@@ -530,12 +528,12 @@ def _load(
             torch.utils.swap_tensors(item.tensor, new)
             swapped.append((item.tensor, new))
     except BaseException:
-        with torch.no_grad():
-            for t, old in backups:
-                t.detach().copy_(old)
+        stash.restore()
         for t, old in reversed(swapped):
             torch.utils.swap_tensors(t, old)
         raise
+    finally:
+        stash.close()
     return LoadResult(sorted(missing), unexpected)
 
 
