@@ -115,10 +115,11 @@ def child(method: str, folder: str, layers: int) -> None:
         with torch.no_grad():  # a lazily mapped checkpoint pays for its reads here
             model(torch.arange(8).unsqueeze(0))
         figures["with_forward"] = time.perf_counter() - start
-        figures["model_bytes"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        figures["checksum"] = float(sum(p.double().sum() for p in model.parameters()))
         figures["private"] = _anonymous() - base_private
     figures["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    if model is not None:
+        figures["model_bytes"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        figures["checksum"] = float(sum(p.double().sum() for p in model.parameters()))
     print(json.dumps(figures))
 
 

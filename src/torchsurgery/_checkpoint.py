@@ -287,7 +287,7 @@ class Stash:
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         in_file = [t for t in tensors if t.device.type == "cpu" and t.is_contiguous() and t.numel()]
         self._in_file = [_bytes_of(t) for t in in_file]
-        self._fd = _anonymous_file()
+        self._fd = _anonymous_file() if self._in_file else -1
         try:
             with torch.no_grad():
                 kept = set(map(id, in_file))
@@ -297,7 +297,8 @@ class Stash:
                 if _transfer(os.pwritev, self._fd, self._in_file[i : i + _IOV_MAX], offset) is not None:
                     raise OSError(f"could not keep {len(self._in_file)} tensors aside in memory")
         except BaseException:
-            os.close(self._fd)
+            if self._fd >= 0:
+                os.close(self._fd)
             raise
 
     def restore(self) -> None:

@@ -365,10 +365,10 @@ def load_(
     that would get the stored bytes unchanged (CPU, same dtype, aligned in the file)
     is not copied: it becomes a view of a private memory map of the safetensors file
     (of the ``torch.load(mmap=True)`` map for ``.pt`` files; of the state dict's own
-    tensor for a state dict). Loading is then nearly free, pages are read from the
-    page cache when first used and count as cache, not as the process's own memory,
-    and writing to such a tensor (training, ``mul_``) copies only the pages written
-    into private memory; the file never changes. The file must stay where it is and
+    tensor for a state dict). Loading is then nearly free; pages come from the page
+    cache when first used and are the system's file cache, shared and dropped under
+    memory pressure, not the process's own memory; writing to such a tensor (training,
+    ``mul_``) copies only the pages written into private memory; the file never changes. The file must stay where it is and
     unchanged while the model lives: deleting or replacing it (a new file renamed over
     it) is safe, but rewriting it in place changes the values of pages not yet
     written, and truncating it makes the process crash (SIGBUS) when a lost page is
@@ -515,9 +515,10 @@ def _load(
     # first everything that can fail and changes nothing in the module: the new values
     # read or mapped, and the values about to be overwritten kept aside
     values = _new_values(reader, fresh, stored, assign, copy)
-    stash = Stash([t for t, _ in in_place])
+    stash: Stash | None = None
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
+        stash = Stash([t for t, _ in in_place])
         for run in _in_chunks(in_place, [stored[key].dtype.itemsize * t.numel() for t, key in in_place]):
             reader.read_many([(key, t.detach()) for t, key in run])
         for item, value in zip(fresh, values, strict=True):
@@ -528,12 +529,14 @@ def _load(
             torch.utils.swap_tensors(item.tensor, new)
             swapped.append((item.tensor, new))
     except BaseException:
-        stash.restore()
+        if stash is not None:
+            stash.restore()
         for t, old in reversed(swapped):
             torch.utils.swap_tensors(t, old)
         raise
     finally:
-        stash.close()
+        if stash is not None:
+            stash.close()
     return LoadResult(sorted(missing), unexpected)
 
 
@@ -543,7 +546,8 @@ def _new_values(reader: Source, fresh: list[_Fresh], stored: dict[str, Entry], a
     to_read: list[int] = []
     for i, item in enumerate(fresh):
         # only tensors that get new memory anyway may take the checkpoint's own
-        value = reader.mapped(item.key) if not copy and (item.tensor.is_meta or assign) else None
+        mappable = not copy and (item.tensor.is_meta or assign) and stored[item.key].dtype == item.dtype
+        value = reader.mapped(item.key) if mappable else None
         if value is not None and value.device == item.device and value.dtype == item.dtype:
             values[i] = value
         else:
