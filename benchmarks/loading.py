@@ -1,7 +1,8 @@
 """Time and peak memory of loading a ~1 GB safetensors checkpoint, against peers and the read floor.
 
 * file-backed     ``with skeleton(): model = Model(config)`` then ``load_(model, dir)``
-* forced copy     the same with ``load_(model, dir, copy=True)``
+* forced copy     the same with ``load_(model, dir, copy=True)`` (reads spread over up to 4
+                  threads), and with one reading thread, to show what the threads bring
 * in place        ``load_(model, dir)`` into a model that already has its weights
 * naive           ``model = Model(config)`` then ``model.load_state_dict(load_file(path))``
 * from_pretrained ``transformers``' own loader
@@ -18,7 +19,7 @@ after the first forward above the same point: file-backed weights are in "peak" 
 have been used, but only in the page cache, not in "private". Both are ratios to the
 model's size (1.0x: the loaded model itself).
 
-Run: .venv/bin/python benchmarks/loading.py [--repeats 3] [--layers 12]
+Run: .venv/bin/python benchmarks/loading.py [--repeats 3] [--layers 12] [--shard-size 200MB]
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ CONFIG = dict(
     max_position_embeddings=512,
     tie_word_embeddings=False,
 )
-METHODS = ("file-backed", "forced copy", "in place", "naive", "from_pretrained", "floor, fresh buffer", "floor, buffer in memory")
+METHODS = ("file-backed", "forced copy", "forced copy, 1 thread", "in place", "naive", "from_pretrained", "floor, fresh buffer", "floor, buffer in memory")
 
 
 def _anonymous() -> int:
@@ -71,47 +72,51 @@ def child(method: str, folder: str, layers: int) -> None:
 
     import torchsurgery
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # one compute thread: spinning thread pools on a shared machine add noise
     config = transformers.LlamaConfig(num_hidden_layers=layers, **CONFIG)
-    path = os.path.join(folder, "model.safetensors")
+    files = sorted(Path(folder).glob("*.safetensors"))
     # warm-up: the first model built in a process pays for lazy imports; no method should
     tiny = dict(CONFIG, vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=1, **tiny))
     model = None
     buffer = None
-    size = os.path.getsize(path)
+    size = sum(f.stat().st_size for f in files)
     if method == "in place":
         model = transformers.LlamaForCausalLM(config)
-    elif method.startswith("floor"):
-        buffer = torch.empty(size, dtype=torch.uint8)
-        if method == "floor, buffer in memory":
-            buffer.zero_()
+    elif method == "floor, buffer in memory":
+        buffer = torch.zeros(size, dtype=torch.uint8)
     base, base_private = _rss(), _anonymous()
     start = time.perf_counter()
-    if method == "file-backed" or method == "forced copy":
+    if method.startswith("forced copy"):
+        torchsurgery._checkpoint._THREADS = 1 if method.endswith("1 thread") else torchsurgery._checkpoint._THREADS
+    if method == "file-backed" or method.startswith("forced copy"):
         with torchsurgery.skeleton():
             model = transformers.LlamaForCausalLM(config)
-        torchsurgery.load_(model, folder, copy=method == "forced copy")
+        torchsurgery.load_(model, folder, copy=method != "file-backed")
     elif method == "in place":
         assert model is not None
         torchsurgery.load_(model, folder)
     elif method == "naive":
         model = transformers.LlamaForCausalLM(config)
-        model.load_state_dict(safetensors.torch.load_file(path))
+        state = {}
+        for f in files:
+            state.update(safetensors.torch.load_file(f))
+        model.load_state_dict(state)
     elif method == "from_pretrained":
         model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    elif method == "floor, fresh buffer":
-        with open(path, "rb", buffering=0) as f:
-            f.readinto(torch.empty(size, dtype=torch.uint8).numpy().data)
-    elif method == "floor, buffer in memory":
-        assert buffer is not None
-        with open(path, "rb", buffering=0) as f:
-            f.readinto(buffer.numpy().data)
+    elif method.startswith("floor"):
+        if buffer is None:
+            buffer = torch.empty(size, dtype=torch.uint8)
+        offset = 0
+        for file in files:  # one read per file
+            with open(file, "rb", buffering=0) as f:
+                offset += f.readinto(buffer[offset:].numpy().data)
     else:
         raise SystemExit(f"unknown method {method}")
     seconds = time.perf_counter() - start
     figures: dict[str, float] = {"seconds": seconds, "model_bytes": size}
     if model is not None:
+        model.eval()  # as from_pretrained leaves it
         with torch.no_grad():  # a lazily mapped checkpoint pays for its reads here
             model(torch.arange(8).unsqueeze(0))
         figures["with_forward"] = time.perf_counter() - start
@@ -127,6 +132,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--shard-size", default="100GB", help="save_pretrained's max_shard_size (e.g. 200MB)")
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -140,7 +146,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         torch.manual_seed(0)
         config = transformers.LlamaConfig(num_hidden_layers=args.layers, **CONFIG)
-        transformers.LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="100GB")
+        transformers.LlamaForCausalLM(config).save_pretrained(folder, max_shard_size=args.shard_size)
         files = sorted(Path(folder).glob("*.safetensors"))
         print(f"checkpoint: {sum(f.stat().st_size for f in files) / 2**30:.2f} GiB in {len(files)} file(s), in the page cache")
         results: dict[str, list[dict[str, float]]] = {}
@@ -182,6 +188,7 @@ def main() -> None:
         ("forced copy load / floor (fresh buffer)", "forced copy", "floor, fresh buffer", "seconds"),
         ("in-place load / floor (fresh buffer)", "in place", "floor, fresh buffer", "seconds"),
         ("in-place load / floor (buffer in memory)", "in place", "floor, buffer in memory", "seconds"),
+        ("forced copy load / the same with 1 reading thread", "forced copy", "forced copy, 1 thread", "seconds"),
         ("naive load / forced copy load", "naive", "forced copy", "seconds"),
     ]
     for label, ours, theirs, figure in ratios:
