@@ -92,9 +92,9 @@ class Source(abc.ABC):
     def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor stored under ``key``, in memory of its own or written into ``out`` (cast if needed)."""
 
+    @abc.abstractmethod
     def take(self, keys: list[str], *, copy: bool) -> list[torch.Tensor]:
         """The tensors stored under ``keys``; in memory of their own when ``copy`` (else maybe shared)."""
-        return [self.read(key) for key in keys]
 
     def read_many(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Write the tensor stored under each key into its tensor (same shape; cast if needed).
@@ -105,9 +105,9 @@ class Source(abc.ABC):
         for key, out in items:
             self.read(key, out=out)
 
+    @abc.abstractmethod
     def mapped(self, key: str) -> torch.Tensor | None:
         """The tensor stored under ``key`` without a copy, or ``None`` where that is not possible."""
-        return None
 
     def close(self) -> None:  # noqa: B027 - sources without files have nothing to release
         """Release open files (mapped tensors stay valid)."""
@@ -205,8 +205,13 @@ def _parse_header(path: Path, f: BinaryIO) -> dict[str, _Located]:
     return located
 
 
+def _is_raw(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory holds exactly its values, in order (so its bytes can be read or written)."""
+    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable in place (0-dim tensors too)."""
+    """The bytes of a raw CPU tensor (see :func:`_is_raw`), writable in place (0-dim tensors too)."""
     return t.detach().reshape(-1).view(torch.uint8).numpy().data
 
 
@@ -272,7 +277,9 @@ class Stash:
 
     CPU tensors go to an anonymous in-memory file (``memfd``): one system call moves many
     tensors, and the kernel allocates its pages far faster than a process faults in the
-    pages of new tensors. Other tensors are cloned.
+    pages of new tensors. The file takes as much memory as those tensors (as shared
+    memory, outside the process's resident size) until :meth:`close`. Other tensors
+    (on a GPU, or not contiguous) are cloned.
 
     Example:
         >>> import torch
@@ -285,7 +292,7 @@ class Stash:
     """
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
-        in_file = [t for t in tensors if t.device.type == "cpu" and t.is_contiguous() and t.numel()]
+        in_file = [t for t in tensors if _is_raw(t) and t.numel()]
         self._in_file = [_bytes_of(t) for t in in_file]
         self._fd = _anonymous_file() if self._in_file else -1
         try:
@@ -360,7 +367,7 @@ class SafetensorsSource(Source):
         for key, out in items:
             loc = self._where[key]
             target = out
-            if not (out.device.type == "cpu" and out.dtype == loc.entry.dtype and out.is_contiguous()):
+            if not (_is_raw(out) and out.dtype == loc.entry.dtype):
                 target = torch.empty(loc.entry.shape, dtype=loc.entry.dtype)
                 staged.append((out, target))
             if loc.nbytes:
