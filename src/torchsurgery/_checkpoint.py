@@ -6,8 +6,8 @@ checked completely before anything is written), then tensors are either read or 
 * :meth:`Source.read_many` fills given tensors. safetensors bytes go straight into the
   tensors with ``os.preadv``: tensors that lie next to each other in the file are read in
   one system call (up to ``_CHUNK`` bytes and ``_IOV_MAX`` tensors per call), and large
-  loads spread their calls over a few threads (the kernel's copy runs without the GIL),
-  which is how several shards are read at once. The call returns only when no thread is
+  loads spread their calls over threads, half the cores (the kernel's copy runs without
+  the GIL), which is how several shards are read at once. The call returns only when no thread is
   writing any more, also when it fails or is interrupted.
 * :meth:`Source.mapped` gives a tensor backed by the file itself: a private
   (copy-on-write) memory map, so nothing is read until a page is first used, the pages
@@ -60,7 +60,8 @@ _MAX_HEADER = 100 * 1024 * 1024
 _CHUNK = 64 * 1024 * 1024  # the most bytes one read system call asks for
 _IOV_MAX = 1024  # the most buffers one preadv call fills (Linux's limit)
 _PARALLEL_BYTES = 64 * 1024 * 1024  # smaller reads are not worth a thread
-_THREADS = max(1, min(4, os.cpu_count() or 1))
+# reading threads: half the cores, at most 4; on 2 cores a second thread made loads slower
+_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
 class CheckpointError(ValueError):

@@ -374,8 +374,8 @@ def load_(
     written, and truncating it makes the process crash (SIGBUS) when a lost page is
     used. ``copy=True`` gives every loaded tensor memory of its own instead.
 
-    Real tensors are read in bulk (``os.preadv``, several tensors per system call, a
-    few threads for large or sharded checkpoints). Every key, shape and the file's
+    Real tensors are read in bulk (``os.preadv``, several tensors per system call,
+    threads for large or sharded checkpoints on machines with 4 or more cores). Every key, shape and the file's
     header are checked before the first write, and the values about to be overwritten
     are kept aside, so a load that fails for any reason (an I/O error, a file cut
     short after its header was read, ``KeyboardInterrupt``) leaves every tensor
