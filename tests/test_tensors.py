@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import struct
 import weakref
 from pathlib import Path
@@ -521,12 +522,14 @@ def test_crafted_or_damaged_safetensors_is_rejected_and_module_untouched(tmp_pat
     elif case == "size_mismatch":
         good["bias"]["shape"] = [3]
         _write_raw_safetensors(path, good, data)
-    model = nn.Linear(2, 2)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(CheckpointError):
-        load_(model, path)
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, before[k])
+    with skeleton():
+        meta = nn.Linear(2, 2)
+    for model in (nn.Linear(2, 2), meta):  # read in place, or mapped / copied into a skeleton
+        for copy_ in (False, True):
+            snapshot = _snapshot(model)
+            with pytest.raises(CheckpointError):
+                load_(model, path, copy=copy_)
+            _unchanged(model, snapshot)
 
 
 def test_unknown_sources_are_refused(tmp_path: Path) -> None:
@@ -540,6 +543,250 @@ def test_unknown_sources_are_refused(tmp_path: Path) -> None:
         load_(model, 42)
     with pytest.raises(TypeError, match="names \\(str\\) to tensors"):
         load_(model, {"weight": [1.0]})
+
+
+# ---------------------------------------------------------------------------
+# File-backed loading, bulk reads and crash safety
+
+
+class _Mixed(nn.Module):
+    """Parameters and buffers of every stored kind: fp32, bf16, fp8, int, bool, 0-dim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = nn.Linear(64, 64)
+        self.low = nn.Parameter(torch.randn(16, 8).bfloat16())
+        self.fp8 = nn.Parameter(torch.randn(32).to(torch.float8_e4m3fn), requires_grad=False)
+        self.register_buffer("ids", torch.arange(12, dtype=torch.int64))
+        self.register_buffer("mask", torch.rand(9) > 0.5)
+        self.register_buffer("count", torch.tensor(7, dtype=torch.int32))
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _storages(model: nn.Module) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_skeleton_loads_every_dtype_file_backed_or_copied(tmp_path: Path, copy: bool) -> None:
+    reference = _Mixed()
+    path = tmp_path / "m.safetensors"
+    save_file(reference.state_dict(), path)
+    with skeleton(include_buffers=True):
+        model = _Mixed()
+    ids = _ids(model)
+    assert load_(model, path, copy=copy) == ([], [])
+    assert _ids(model) == ids
+    for k, v in reference.state_dict().items():
+        assert _same_bytes(model.state_dict()[k], v), k
+    sizes = {t.untyped_storage().nbytes() for t in model.state_dict().values()}
+    if copy:  # memory of their own, one storage each
+        assert len(_storages(model)) == len(reference.state_dict())
+        assert path.stat().st_size not in sizes
+    else:  # views of one map of the whole file
+        assert len(_storages(model)) == 1 and sizes == {path.stat().st_size}
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(model.dense(x), reference.dense(x), rtol=0, atol=0)
+
+
+def test_file_backed_weights_train_without_touching_the_file(tmp_path: Path) -> None:
+    reference = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    path = tmp_path / "m.safetensors"
+    save_file(reference.state_dict(), path)
+    on_disk = path.read_bytes()
+    with skeleton():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    load_(model, path)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    assert not torch.equal(model[0].weight, reference[0].weight)  # trained
+    assert path.read_bytes() == on_disk  # writes went to private pages
+
+
+def test_a_file_changed_after_a_file_backed_load(tmp_path: Path) -> None:
+    """What the docs say: replacing the file is safe, rewriting it in place shows through
+    where the model has not written, and copy=True is immune to both."""
+    path = tmp_path / "m.safetensors"
+    first = {"a": torch.randn(4096), "b": torch.randn(4096)}  # 16 KiB each: whole pages of their own
+    save_file(first, path)
+
+    def loaded(copy: bool) -> nn.Module:
+        with skeleton():
+            model = nn.ParameterDict({"a": nn.Parameter(torch.empty(4096)), "b": nn.Parameter(torch.empty(4096))})
+        load_(model, path, copy=copy)
+        return model
+
+    mapped, copied = loaded(False), loaded(True)
+    path.unlink()  # replaced by a new file: the map keeps the old one alive
+    save_file({"a": torch.zeros(4096), "b": torch.zeros(4096)}, path)
+    assert torch.equal(mapped["a"], first["a"]) and torch.equal(mapped["b"], first["b"])
+
+    mapped = loaded(False)
+    with torch.no_grad():
+        mapped["a"][:] = 1.0  # the model's own pages now
+    on_disk = bytearray(path.read_bytes())
+    data_start = 8 + int.from_bytes(on_disk[:8], "little")
+    on_disk[data_start:] = torch.full((8192,), 5.0).numpy().tobytes()
+    with open(path, "r+b") as f:  # rewritten in place, same length
+        f.write(on_disk)
+    assert torch.equal(mapped["a"], torch.ones(4096))  # written pages are private
+    assert torch.equal(mapped["b"][1024:3072], torch.full((2048,), 5.0))  # the rest shows the file
+    assert torch.equal(copied["b"], first["b"])
+
+
+def test_conversions_and_misalignment_fall_back_to_copies(tmp_path: Path) -> None:
+    reference = nn.Linear(4, 4)
+    path = tmp_path / "m.safetensors"
+    save_file({k: v.bfloat16() for k, v in reference.state_dict().items()}, path)
+    with skeleton():
+        model = nn.Linear(4, 4)
+    load_(model, path)  # a bf16 file into an fp32 skeleton: cast, so copied
+    assert model.weight.dtype == torch.float32
+    assert model.weight.untyped_storage().nbytes() == model.weight.nbytes
+    torch.testing.assert_close(model.weight, reference.weight.bfloat16().float(), rtol=0, atol=0)
+    with skeleton():
+        model = nn.Linear(4, 4)
+    load_(model, path, dtype=torch.bfloat16)  # asked for the file's dtype: mapped
+    assert model.weight.untyped_storage().nbytes() == path.stat().st_size
+
+
+def test_sharded_checkpoint_maps_each_shard_and_keeps_ties(tmp_path: Path) -> None:
+    def make() -> nn.Module:
+        emb, head = nn.Embedding(50, 16), nn.Linear(16, 50, bias=False)
+        head.weight = emb.weight
+        return nn.Sequential(emb, nn.Linear(16, 16), head)
+
+    reference = make()
+    state = reference.state_dict()
+    save_file({"0.weight": state["0.weight"]}, tmp_path / "a.safetensors")
+    save_file({"1.weight": state["1.weight"], "1.bias": state["1.bias"]}, tmp_path / "b.safetensors")
+    weight_map = {"0.weight": "a.safetensors", "1.weight": "b.safetensors", "1.bias": "b.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for copied in (False, True):
+        with skeleton():
+            model = make()
+        assert load_(model, tmp_path, copy=copied) == ([], [])
+        assert model[0].weight is model[2].weight
+        assert len(_storages(model)) == (3 if copied else 2)
+        ids = torch.tensor([[1, 7, 49]])
+        torch.testing.assert_close(model(ids), reference(ids), rtol=0, atol=0)
+
+
+def _failing_at(monkeypatch: pytest.MonkeyPatch, name: str, at: int, error: BaseException) -> list[int]:
+    """Make the ``at``-th call of ``os.<name>`` in the reader raise ``error``; count the calls."""
+    from torchsurgery import _checkpoint
+
+    real = getattr(os, name)
+    calls = [0]
+
+    def call(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == at:
+            raise error
+        return real(*args)
+
+    monkeypatch.setattr(_checkpoint.os, name, call)
+    return calls
+
+
+def _in_place() -> nn.Module:
+    return _Mixed()
+
+
+def _half_skeleton() -> nn.Module:
+    with skeleton():
+        return _Mixed()  # meta parameters (mapped or read), real buffers (read in place)
+
+
+LOADS = {"in place": (_in_place, False), "skeleton": (_half_skeleton, False), "skeleton, copy": (_half_skeleton, True)}
+
+
+def _snapshot(model: nn.Module) -> dict[str, Any]:
+    state = model.state_dict(keep_vars=True)
+    return {k: (id(v), v.data_ptr(), v.dtype, v.is_meta, None if v.is_meta else v.detach().clone()) for k, v in state.items()}
+
+
+def _unchanged(model: nn.Module, snapshot: dict[str, Any]) -> None:
+    for k, v in model.state_dict(keep_vars=True).items():
+        ident, ptr, dtype, meta, values = snapshot[k]
+        assert (id(v), v.data_ptr(), v.dtype, v.is_meta) == (ident, ptr, dtype, meta), k
+        assert meta or _same_bytes(v.detach(), values), k
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("error", [OSError(5, "Input/output error"), KeyboardInterrupt()], ids=["eio", "interrupt"])
+@pytest.mark.parametrize("load", sorted(LOADS))
+def test_a_read_failing_at_any_point_leaves_every_tensor_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int, error: BaseException, load: str
+) -> None:
+    from torchsurgery import _checkpoint
+
+    monkeypatch.setattr(_checkpoint, "_CHUNK", 512)  # many system calls: many points to fail at
+    monkeypatch.setattr(_checkpoint, "_THREADS", threads)
+    monkeypatch.setattr(_checkpoint, "_PARALLEL_BYTES", 0)
+    path = tmp_path / "m.safetensors"
+    save_file(_Mixed().state_dict(), path)
+    make, copy = LOADS[load]
+    calls = _failing_at(monkeypatch, "preadv", 0, error)
+    load_(make(), path, copy=copy)
+    assert calls[0] >= 3  # buffers only, when the parameters are mapped
+    for name, total in (("preadv", calls[0]), ("pwritev", 1)):  # every read, and keeping values aside
+        for at in range(1, total + 1):
+            model = make()
+            snapshot = _snapshot(model)
+            _failing_at(monkeypatch, name, at, error)
+            with pytest.raises(type(error)):
+                load_(model, path, copy=copy)
+            _unchanged(model, snapshot)
+        monkeypatch.setattr(_checkpoint.os, name, getattr(os, name))
+
+
+def test_a_file_that_cannot_be_mapped_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchsurgery import _checkpoint
+
+    path = tmp_path / "m.safetensors"
+    save_file(_Mixed().state_dict(), path)
+
+    def no_map(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(_checkpoint.mmap, "mmap", no_map)
+    model = _half_skeleton()
+    snapshot = _snapshot(model)
+    with pytest.raises(CheckpointError, match="cannot be memory-mapped"):
+        load_(model, path)
+    _unchanged(model, snapshot)
+    load_(model, path, copy=True)  # the way out the message points to
+    assert not model.dense.weight.is_meta
+
+
+@pytest.mark.parametrize("load", sorted(LOADS))
+def test_a_file_cut_short_between_header_check_and_read_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, load: str
+) -> None:
+    from torchsurgery import _checkpoint
+
+    path = tmp_path / "m.safetensors"
+    save_file(_Mixed().state_dict(), path)
+    real_entries = _checkpoint.SafetensorsSource.entries
+
+    def entries_then_truncate(self: Any) -> Any:
+        found = real_entries(self)
+        with open(path, "r+b") as f:  # another process rewrites the file right after the check
+            f.truncate(path.stat().st_size - 3)
+        return found
+
+    monkeypatch.setattr(_checkpoint.SafetensorsSource, "entries", entries_then_truncate)
+    make, copy = LOADS[load]
+    model = make()
+    snapshot = _snapshot(model)
+    with pytest.raises(CheckpointError, match="ends early"):
+        load_(model, path, copy=copy)
+    _unchanged(model, snapshot)
 
 
 # ---------------------------------------------------------------------------

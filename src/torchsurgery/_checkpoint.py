@@ -1,30 +1,40 @@
-"""Reading checkpoints tensor by tensor, without trusting them.
+"""Reading checkpoints without trusting them: header first, then bytes in bulk or mapped.
 
 Sources are opened lazily: first every name, shape and dtype is known (so a load can be
-checked completely before anything is written), then tensors are read one at a time,
-straight into the memory that will hold them when possible.
+checked completely before anything is written), then tensors are either read or mapped.
 
-safetensors files are parsed here rather than memory-mapped: mapped file pages count in
-the process's resident memory for as long as the mapping lives, so reading through a
-map costs as much memory as the model again. ``readinto`` puts the bytes in the final
-tensor and leaves them to the page cache, which is not resident memory. The header is
-validated in full (sizes, dtypes, offsets inside the file, no overlaps, UTF-8 names)
-before any tensor is read. ``.pt``/``.bin`` files go through
-``torch.load(weights_only=True)``, so no arbitrary object is ever unpickled.
+* :meth:`Source.read_many` fills given tensors. safetensors bytes go straight into the
+  tensors with ``os.preadv``: tensors that lie next to each other in the file are read in
+  one system call (up to ``_CHUNK`` bytes and ``_IOV_MAX`` tensors per call), and large
+  loads spread their calls over threads, half the cores (the kernel's copy runs without
+  the GIL), which is how several shards are read at once. The call returns only when no thread is
+  writing any more, also when it fails or is interrupted.
+* :meth:`Source.mapped` gives a tensor backed by the file itself: a private
+  (copy-on-write) memory map, so nothing is read until a page is first used, the pages
+  are the page cache's (not the process's own memory), and a write goes to a private
+  copy of its page, never to the file.
+
+The safetensors header is validated in full (sizes, dtypes, offsets inside the file, no
+overlaps, UTF-8 names) before any tensor is read or mapped; the mapping is made from the
+same open file whose header was checked. ``.pt``/``.bin`` files go through
+``torch.load(weights_only=True, mmap=True)``, so no arbitrary object is ever unpickled.
 """
 
 from __future__ import annotations
 
 import abc
-import io
+import concurrent.futures
 import json
 import math
+import mmap
 import os
 import struct
-from collections.abc import Mapping
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO
 
 import torch
 
@@ -47,6 +57,11 @@ _DTYPES: dict[str, torch.dtype] = {
     "C64": torch.complex64,
 }
 _MAX_HEADER = 100 * 1024 * 1024
+_CHUNK = 64 * 1024 * 1024  # the most bytes one read system call asks for
+_IOV_MAX = 1024  # the most buffers one preadv call fills (Linux's limit)
+_PARALLEL_BYTES = 64 * 1024 * 1024  # smaller reads are not worth a thread
+# reading threads: half the cores, at most 4; on 2 cores a second thread made loads slower
+_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
 class CheckpointError(ValueError):
@@ -68,7 +83,7 @@ class Entry:
 
 
 class Source(abc.ABC):
-    """A checkpoint opened for reading: :meth:`entries` first, then :meth:`read` per tensor."""
+    """A checkpoint opened for reading: :meth:`entries` first, then tensors read or mapped."""
 
     @abc.abstractmethod
     def entries(self) -> dict[str, Entry]:
@@ -76,14 +91,31 @@ class Source(abc.ABC):
 
     @abc.abstractmethod
     def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The tensor stored under ``key``; written into ``out`` when given (same shape and dtype)."""
+        """The tensor stored under ``key``, in memory of its own or written into ``out`` (cast if needed)."""
+
+    @abc.abstractmethod
+    def take(self, keys: list[str], *, copy: bool) -> list[torch.Tensor]:
+        """The tensors stored under ``keys``; in memory of their own when ``copy`` (else maybe shared)."""
+
+    def read_many(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Write the tensor stored under each key into its tensor (same shape; cast if needed).
+
+        When it raises (or is interrupted), nothing is writing into the tensors any more,
+        but some of them may hold part of the new values.
+        """
+        for key, out in items:
+            self.read(key, out=out)
+
+    @abc.abstractmethod
+    def mapped(self, key: str) -> torch.Tensor | None:
+        """The tensor stored under ``key`` without a copy, or ``None`` where that is not possible."""
 
     def close(self) -> None:  # noqa: B027 - sources without files have nothing to release
-        """Release open files."""
+        """Release open files (mapped tensors stay valid)."""
 
 
 class DictSource(Source):
-    """A state dict already in memory."""
+    """A state dict already in memory (or memory-mapped by ``torch.load(mmap=True)``)."""
 
     def __init__(self, state: Mapping[str, Any], what: str) -> None:
         bad = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
@@ -102,6 +134,12 @@ class DictSource(Source):
             out.copy_(value)
             return out
         return value
+
+    def take(self, keys: list[str], *, copy: bool) -> list[torch.Tensor]:
+        return [self._state[key].clone() if copy else self._state[key] for key in keys]
+
+    def mapped(self, key: str) -> torch.Tensor:
+        return self._state[key]
 
 
 @dataclass(frozen=True)
@@ -168,11 +206,135 @@ def _parse_header(path: Path, f: BinaryIO) -> dict[str, _Located]:
     return located
 
 
+def _is_raw(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory holds exactly its values, in order (so its bytes can be read or written)."""
+    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a raw CPU tensor (see :func:`_is_raw`), writable in place (0-dim tensors too)."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy().data
+
+
+@dataclass
+class _Batch:
+    """File-adjacent byte ranges that one ``preadv`` call fills."""
+
+    path: Path
+    offset: int
+    keys: list[str]
+    views: list[memoryview]
+
+
+def _batches(spans: list[tuple[str, _Located, memoryview]]) -> list[_Batch]:
+    """``spans`` grouped into system calls of at most ``_CHUNK`` bytes and ``_IOV_MAX`` buffers."""
+    batches: list[_Batch] = []
+    current: _Batch | None = None
+    end = size = 0
+    for key, loc, view in sorted(spans, key=lambda s: (s[1].path, s[1].start)):
+        position = loc.start
+        while view.nbytes:  # a tensor larger than a chunk is read by several calls
+            if current is None or current.path != loc.path or position != end or size >= _CHUNK or len(current.views) >= _IOV_MAX:
+                current = _Batch(loc.path, position, [], [])
+                batches.append(current)
+                end, size = position, 0
+            piece = view[: _CHUNK - size]
+            current.keys.append(key)
+            current.views.append(piece)
+            size += piece.nbytes
+            end += piece.nbytes
+            position += piece.nbytes
+            view = view[piece.nbytes :]
+    return batches
+
+
+def _transfer(call: Any, fd: int, views: list[memoryview], offset: int) -> tuple[int, int] | None:
+    """Run ``os.preadv``/``os.pwritev`` until ``views`` are done; else (end offset, views left) at EOF."""
+    views = list(views)
+    while views:
+        done = call(fd, views, offset)
+        if done == 0:
+            return offset, len(views)
+        offset += done
+        while views and done >= views[0].nbytes:
+            done -= views[0].nbytes
+            del views[0]
+        if done:
+            views[0] = views[0][done:]
+    return None
+
+
+def _anonymous_file() -> int:
+    """A file descriptor of a file without a name, in memory where the system allows."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("torchsurgery-stash")
+    fd, name = tempfile.mkstemp()
+    os.unlink(name)
+    return fd
+
+
+class Stash:
+    """The bytes of some tensors kept aside, to be put back if what follows fails.
+
+    CPU tensors go to an anonymous in-memory file (``memfd``): one system call moves many
+    tensors, and the kernel allocates its pages far faster than a process faults in the
+    pages of new tensors. The file takes as much memory as those tensors (as shared
+    memory, outside the process's resident size) until :meth:`close`. Other tensors
+    (on a GPU, or not contiguous) are cloned.
+
+    Example:
+        >>> import torch
+        >>> t = torch.arange(4.0)
+        >>> stash = Stash([t])
+        >>> _ = t.zero_()
+        >>> stash.restore(); stash.close()
+        >>> t
+        tensor([0., 1., 2., 3.])
+    """
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        in_file = [t for t in tensors if _is_raw(t) and t.numel()]
+        self._in_file = [_bytes_of(t) for t in in_file]
+        self._fd = _anonymous_file() if self._in_file else -1
+        try:
+            with torch.no_grad():
+                kept = set(map(id, in_file))
+                self._clones = [(t, t.detach().clone()) for t in tensors if id(t) not in kept]
+            for i in range(0, len(self._in_file), _IOV_MAX):
+                offset = sum(v.nbytes for v in self._in_file[:i])
+                if _transfer(os.pwritev, self._fd, self._in_file[i : i + _IOV_MAX], offset) is not None:
+                    raise OSError(f"could not keep {len(self._in_file)} tensors aside in memory")
+        except BaseException:
+            if self._fd >= 0:
+                os.close(self._fd)
+            raise
+
+    def restore(self) -> None:
+        """Write the kept bytes back into their tensors."""
+        offset = 0
+        for i in range(0, len(self._in_file), _IOV_MAX):
+            views = self._in_file[i : i + _IOV_MAX]
+            if _transfer(os.preadv, self._fd, views, offset) is not None:
+                raise OSError("the tensors kept aside could not be read back")
+            offset += sum(v.nbytes for v in views)
+        with torch.no_grad():
+            for t, old in self._clones:
+                t.detach().copy_(old)
+
+    def close(self) -> None:
+        """Free the kept bytes (in the background: the kernel takes a while to free many pages)."""
+        if self._fd >= 0:
+            threading.Thread(target=os.close, args=(self._fd,), name="torchsurgery-stash-free", daemon=True).start()
+            self._fd = -1
+        self._clones = []
+
+
 class SafetensorsSource(Source):
     """One safetensors file, or the shards listed by a ``*.index.json``."""
 
     def __init__(self, paths: list[Path]) -> None:
         self._files: dict[Path, BinaryIO] = {}
+        self._maps: dict[Path, torch.Tensor] = {}  # each file's bytes, mapped on first use
         self._where: dict[str, _Located] = {}
         try:
             for path in paths:
@@ -191,24 +353,90 @@ class SafetensorsSource(Source):
 
     def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         loc = self._where[key]
-        usable = out is not None and out.device.type == "cpu" and out.dtype == loc.entry.dtype and out.is_contiguous()
-        target = out if usable and out is not None else torch.empty(loc.entry.shape, dtype=loc.entry.dtype)
-        if loc.nbytes:
-            f = self._files[loc.path]
-            f.seek(loc.start)
-            view = target.detach().reshape(-1).view(torch.uint8).numpy().data  # 0-dim tensors too
-            got = cast(io.BufferedReader, f).readinto(view)
-            if got != loc.nbytes:
-                raise CheckpointError(f"{loc.path}: {key!r} ends early ({got} of {loc.nbytes} bytes)")
-        if out is not None and target is not out:
-            out.copy_(target)
-            return out
+        target = out if out is not None else torch.empty(loc.entry.shape, dtype=loc.entry.dtype)
+        self.read_many([(key, target)])
         return target
+
+    def take(self, keys: list[str], *, copy: bool) -> list[torch.Tensor]:
+        new = [torch.empty(self._where[key].entry.shape, dtype=self._where[key].entry.dtype) for key in keys]
+        self.read_many(list(zip(keys, new, strict=True)))
+        return new
+
+    def read_many(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        spans: list[tuple[str, _Located, memoryview]] = []
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, its bytes as stored)
+        for key, out in items:
+            loc = self._where[key]
+            target = out
+            if not (_is_raw(out) and out.dtype == loc.entry.dtype):
+                target = torch.empty(loc.entry.shape, dtype=loc.entry.dtype)
+                staged.append((out, target))
+            if loc.nbytes:
+                spans.append((key, loc, _bytes_of(target)))
+        batches = _batches(spans)
+        if len(batches) < 2 or _THREADS < 2 or sum(loc.nbytes for _, loc, _ in spans) < _PARALLEL_BYTES:
+            for batch in batches:
+                self._fill(batch)
+        else:
+            self._fill_in_parallel(batches)
+        with torch.no_grad():
+            for out, target in staged:
+                out.copy_(target)
+
+    def _fill_in_parallel(self, batches: list[_Batch]) -> None:
+        stop = threading.Event()
+
+        def work(batch: _Batch) -> None:
+            if not stop.is_set():
+                self._fill(batch)
+
+        with concurrent.futures.ThreadPoolExecutor(min(_THREADS, len(batches))) as pool:
+            futures = [pool.submit(work, batch) for batch in batches]
+            try:
+                for future in futures:
+                    future.result()
+            except BaseException:
+                # a failure or an interrupt: let no thread go on writing once we return
+                stop.set()
+                concurrent.futures.wait(futures)
+                raise
+
+    def _fill(self, batch: _Batch) -> None:
+        left = _transfer(os.preadv, self._files[batch.path].fileno(), batch.views, batch.offset)
+        if left is not None:
+            key = batch.keys[len(batch.keys) - left[1]]
+            raise CheckpointError(
+                f"{batch.path}: {key!r} ends early (the file ends at byte {left[0]}; "
+                "was it truncated or rewritten after its header was read?)"
+            )
+
+    def mapped(self, key: str) -> torch.Tensor | None:
+        loc = self._where[key]
+        if loc.start % loc.entry.dtype.itemsize:
+            return None  # not aligned for its dtype in the file: only a copy can hold it
+        base = self._maps.get(loc.path)
+        if base is None:
+            try:
+                # ACCESS_COPY is MAP_PRIVATE: writes land in private pages, never in the file
+                view = mmap.mmap(self._files[loc.path].fileno(), 0, access=mmap.ACCESS_COPY)
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(
+                    f"{loc.path}: cannot be memory-mapped ({exc}); load it with copy=True to read it instead"
+                ) from exc
+            base = torch.frombuffer(view, dtype=torch.uint8)
+            self._maps[loc.path] = base
+        if loc.start + loc.nbytes > base.numel():
+            raise CheckpointError(
+                f"{loc.path}: {key!r} ends early (the file has {base.numel()} bytes, fewer than its header "
+                "declared; was it truncated after its header was read?)"
+            )
+        return base[loc.start : loc.start + loc.nbytes].view(loc.entry.dtype).reshape(loc.entry.shape)
 
     def close(self) -> None:
         for f in self._files.values():
             f.close()
         self._files.clear()
+        self._maps.clear()
 
 
 def _index_shards(index: Path) -> list[Path]:

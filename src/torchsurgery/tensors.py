@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from torchsurgery import _undo
-from torchsurgery._checkpoint import CheckpointError, Entry, open_source
+from torchsurgery._checkpoint import CheckpointError, Entry, Source, Stash, open_source
 
 __all__ = ["swap_on_conversion", "convert_", "load_", "LoadResult", "skeleton", "CheckpointError"]
 
@@ -349,8 +349,9 @@ def load_(
     assign: bool = False,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
+    copy: bool = False,
 ) -> LoadResult:
-    """Load a checkpoint into ``module`` in place, tensor by tensor, keeping every object.
+    """Load a checkpoint into ``module`` in place, keeping every object.
 
     Parameters and buffers keep their ``id`` (optimizers built before loading keep
     working); real tensors receive the values in place (``data_ptr`` unchanged unless
@@ -360,10 +361,25 @@ def load_(
     ``Tensor.module_load``: with ``assign=False`` the module's subclass decides, with
     ``assign=True`` the checkpoint's tensor (and class) is taken.
 
-    The checkpoint is read one tensor at a time (safetensors without memory mapping), so
-    loading into a skeleton peaks at about the final model's size. Every key, shape and
-    the file's integrity are checked before the first write; a tensor that still fails
-    later is undone along with those before it.
+    **File-backed tensors.** A ``meta`` tensor (or, with ``assign=True``, any tensor)
+    that would get the stored bytes unchanged (CPU, same dtype, aligned in the file)
+    is not copied: it becomes a view of a private memory map of the safetensors file
+    (of the ``torch.load(mmap=True)`` map for ``.pt`` files; of the state dict's own
+    tensor for a state dict). Loading is then nearly free; pages come from the page
+    cache when first used and are the system's file cache, shared and dropped under
+    memory pressure, not the process's own memory; writing to such a tensor (training,
+    ``mul_``) copies only the pages written into private memory; the file never changes. The file must stay where it is and
+    unchanged while the model lives: deleting or replacing it (a new file renamed over
+    it) is safe, but rewriting it in place changes the values of pages not yet
+    written, and truncating it makes the process crash (SIGBUS) when a lost page is
+    used. ``copy=True`` gives every loaded tensor memory of its own instead.
+
+    Real tensors are read in bulk (``os.preadv``, several tensors per system call,
+    threads for large or sharded checkpoints on machines with 4 or more cores). Every key, shape and the file's
+    header are checked before the first write, and the values about to be overwritten
+    are kept aside, so a load that fails for any reason (an I/O error, a file cut
+    short after its header was read, ``KeyboardInterrupt``) leaves every tensor
+    exactly as it was.
 
     Args:
         module: the module to load into.
@@ -374,6 +390,7 @@ def load_(
         assign: take the checkpoint's tensors instead of copying into the module's.
         device: where ``meta`` tensors are materialised, and where all tensors go when given.
         dtype: cast floating point tensors to this dtype.
+        copy: give new tensors memory of their own rather than file-backed views.
 
     Returns:
         A :class:`LoadResult` with the missing and unexpected keys.
@@ -400,16 +417,52 @@ def load_(
     _undo.check_module(module, what)
     target_device = _check_device(device, what)
     target_dtype = _check_dtype(dtype, what)
+    if not isinstance(copy, bool):
+        raise TypeError(f"{what}: copy must be True or False, got {copy!r}")
     reader = open_source(source, what)
     try:
         with _own_weakrefs_released(module):
-            return _load(module, reader, strict, assign, target_device, target_dtype, what)
+            return _load(module, reader, strict, assign, target_device, target_dtype, copy, what)
     finally:
         reader.close()
 
 
+class _Fresh(NamedTuple):
+    """A tensor that gets new memory (then swapped in): what it becomes and from which key."""
+
+    name: str
+    tensor: torch.Tensor
+    key: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+_STAGE_BYTES = 256 * 1024 * 1024  # tensors converted after reading are read this many bytes at a time
+
+
+def _in_chunks(items: list[Any], sizes: list[int]) -> Iterator[list[Any]]:
+    """``items`` in runs of about ``_STAGE_BYTES`` (one item may exceed it alone)."""
+    run: list[Any] = []
+    total = 0
+    for item, size in zip(items, sizes, strict=True):
+        if run and total + size > _STAGE_BYTES:
+            yield run
+            run, total = [], 0
+        run.append(item)
+        total += size
+    if run:
+        yield run
+
+
 def _load(
-    module: nn.Module, reader: Any, strict: bool, assign: bool, device: torch.device | None, dtype: torch.dtype | None, what: str
+    module: nn.Module,
+    reader: Source,
+    strict: bool,
+    assign: bool,
+    device: torch.device | None,
+    dtype: torch.dtype | None,
+    copy: bool,
+    what: str,
 ) -> LoadResult:
     stored: dict[str, Entry] = reader.entries()
     state = module.state_dict(keep_vars=True)
@@ -445,54 +498,79 @@ def _load(
         if problem:
             raise RuntimeError(problem)
 
-    undo: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, object holding its old content)
+    in_place: list[tuple[torch.Tensor, str]] = []
+    fresh: list[_Fresh] = []
+    for name, t, key in plan:
+        floating = t.is_floating_point() or t.is_complex()
+        target_device = device or (torch.device("cpu") if t.is_meta else t.device)
+        target_dtype = dtype if dtype is not None and floating else t.dtype
+        plain = type(t) in (torch.Tensor, nn.Parameter)
+        if plain and not assign and not t.is_meta and t.device == target_device and t.dtype == target_dtype:
+            in_place.append((t, key))
+        else:
+            # assign=True without a dtype keeps the checkpoint's dtype
+            kept = stored[key].dtype if assign and dtype is None else target_dtype
+            fresh.append(_Fresh(name, t, key, target_device, kept))
+
+    # first everything that can fail and changes nothing in the module: the new values
+    # read or mapped, and the values about to be overwritten kept aside
+    values = _new_values(reader, fresh, stored, assign, copy)
+    stash: Stash | None = None
+    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
-        for name, t, key in plan:
-            _load_one(t, key, reader, assign, device, dtype, undo, name, what)
+        stash = Stash([t for t, _ in in_place])
+        for run in _in_chunks(in_place, [stored[key].dtype.itemsize * t.numel() for t, key in in_place]):
+            reader.read_many([(key, t.detach()) for t, key in run])
+        for item, value in zip(fresh, values, strict=True):
+            new = _replacement(item.tensor, value, assign)
+            problem = _swap_blocker(item.name, item.tensor, new, what)
+            if problem:
+                raise RuntimeError(problem)
+            torch.utils.swap_tensors(item.tensor, new)
+            swapped.append((item.tensor, new))
     except BaseException:
-        for t, old in reversed(undo):
+        if stash is not None:
+            stash.restore()
+        for t, old in reversed(swapped):
             torch.utils.swap_tensors(t, old)
         raise
+    finally:
+        if stash is not None:
+            stash.close()
     return LoadResult(sorted(missing), unexpected)
 
 
-def _load_one(
-    t: torch.Tensor,
-    key: str,
-    reader: Any,
-    assign: bool,
-    device: torch.device | None,
-    dtype: torch.dtype | None,
-    undo: list[tuple[torch.Tensor, torch.Tensor]],
-    name: str,
-    what: str,
-) -> None:
-    floating = t.is_floating_point() or t.is_complex()
-    target_device = device or (torch.device("cpu") if t.is_meta else t.device)
-    target_dtype = dtype if dtype is not None and floating else t.dtype
-    plain = type(t) in (torch.Tensor, nn.Parameter)
-    if plain and not assign and not t.is_meta and t.device == target_device and t.dtype == target_dtype:
-        # in place: same object, same storage; keep the old values to undo a later failure
-        with torch.no_grad():
-            backup = t.detach().clone()
-            reader.read(key, out=t.detach())
-        undo.append((t, _wrap_like(t, backup)))
-        return
-    value = reader.read(key)
-    value = value.to(device=target_device, dtype=target_dtype if dtype is not None or not assign else value.dtype)
-    if plain and not assign:
+def _new_values(reader: Source, fresh: list[_Fresh], stored: dict[str, Entry], assign: bool, copy: bool) -> list[torch.Tensor]:
+    """The content of each tensor in ``fresh``: mapped where it can be, else read and converted."""
+    values: dict[int, torch.Tensor] = {}
+    to_read: list[int] = []
+    for i, item in enumerate(fresh):
+        # only tensors that get new memory anyway may take the checkpoint's own
+        mappable = not copy and (item.tensor.is_meta or assign) and stored[item.key].dtype == item.dtype
+        value = reader.mapped(item.key) if mappable else None
+        if value is not None and value.device == item.device and value.dtype == item.dtype:
+            values[i] = value
+        else:
+            to_read.append(i)
+    sizes = [stored[fresh[i].key].dtype.itemsize * fresh[i].tensor.numel() for i in to_read]
+    for run in _in_chunks(to_read, sizes):
+        # a run at a time, so that converting (a cast, a move to a GPU) needs only a run's
+        # worth of extra memory
+        taken = reader.take([fresh[i].key for i in run], copy=copy)
+        for i, value in zip(run, taken, strict=True):
+            values[i] = value.to(device=fresh[i].device, dtype=fresh[i].dtype)
+    return [values[i] for i in range(len(fresh))]
+
+
+def _replacement(t: torch.Tensor, value: torch.Tensor, assign: bool) -> torch.Tensor:
+    """The object swapped into ``t`` to give it ``value``."""
+    if type(t) in (torch.Tensor, nn.Parameter) and not assign:
         # a meta tensor to materialise, or a move/cast: the loaded value becomes the content
-        new = _wrap_like(t, value)
-    else:
-        # tensor subclasses decide through module_load (assign=True: the checkpoint's tensor)
-        with torch.no_grad():
-            loaded = t.module_load(value, assign=assign)
-        new = _wrap_like(t, loaded) if isinstance(t, nn.Parameter) else loaded
-    problem = _swap_blocker(name, t, new, what)
-    if problem:
-        raise RuntimeError(problem)
-    torch.utils.swap_tensors(t, new)
-    undo.append((t, new))
+        return _wrap_like(t, value)
+    # tensor subclasses decide through module_load (assign=True: the checkpoint's tensor)
+    with torch.no_grad():
+        loaded = t.module_load(value, assign=assign)
+    return _wrap_like(t, loaded) if isinstance(t, nn.Parameter) else loaded
 
 
 @contextlib.contextmanager
