@@ -109,3 +109,23 @@ def test_attribute_errors_are_plain_attribute_errors() -> None:
     DynamicSwapInstaller._uninstall_module(layer)
     DynamicSwapInstaller._uninstall_module(layer)  # a no-op when not installed
     assert type(layer) is nn.Linear
+
+
+def test_a_read_under_no_grad_first_does_not_cost_the_weight_its_gradient() -> None:
+    class NormedFirst(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                scale = self.weight.norm()  # a statistic read first, without a graph
+            return F.linear(x, self.weight, self.bias) / scale
+
+    layer = NormedFirst(3, 2).double()
+    reference = copy.deepcopy(layer).float()
+    DynamicSwapInstaller.install_model(layer, dtype=torch.float32)
+    x = torch.randn(4, 3)
+    layer(x).sum().backward()
+    reference(x).sum().backward()
+    stored = dict(layer.named_parameters())  # attribute reads give the converted copies
+    for name, ref in reference.named_parameters():
+        mine = stored[name]
+        assert mine.grad is not None, name
+        torch.testing.assert_close(mine.grad.float(), ref.grad, rtol=1e-5, atol=1e-6)

@@ -8,7 +8,9 @@ converted with ``Tensor.to(**kwargs)``. Unlike the original:
 
 * the converted tensor is a differentiable view of the stored parameter (not a new leaf
   ``Parameter``), so training through an installed model updates the stored weights;
-* within one forward each weight is converted once, however often the code reads it;
+* within one forward each weight is converted once, however often the code reads it
+  (a read with gradients enabled after one without converts again, so that the weight
+  still gets its gradient);
 * the class is the patch's one cached class per original class, so installed modules
   pickle, compile once per layer type, and uninstall to exactly their original class,
   also after installing twice or on top of other patches;
@@ -45,7 +47,10 @@ class _DynamicSwap(Patch, nn.Module):
                 return None
             cache = d.get(_CACHE)
             if cache is not None and name in cache:
-                return cache[name]
+                cached = cache[name]
+                # a copy made under no_grad has no graph: reuse it only where none is needed
+                if cached.requires_grad or not tensor.requires_grad or not torch.is_grad_enabled():
+                    return cached
             value = tensor.to(**d[_KWARGS])  # differentiable: gradients reach the stored tensor
             if cache is not None:
                 cache[name] = value
