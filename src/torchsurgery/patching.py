@@ -113,7 +113,7 @@ class Patch(nn.Module):
         if original is not None:
             # type(module)(...) on a patched module, as slicing an nn.Sequential does:
             # a new, unpatched instance of the original class
-            self.__class__ = original
+            self.__class__ = original  # type: ignore[assignment]
             original.__init__(self, *args, **kwargs)
             return
         raise TypeError(

@@ -129,3 +129,10 @@ def test_a_read_under_no_grad_first_does_not_cost_the_weight_its_gradient() -> N
         mine = stored[name]
         assert mine.grad is not None, name
         torch.testing.assert_close(mine.grad.float(), ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_dtype_converts_floating_tensors_only() -> None:
+    layer = nn.Linear(2, 2).double()
+    layer.register_buffer("positions", torch.arange(4))
+    DynamicSwapInstaller._install_module(layer, dtype=torch.float32)
+    assert layer.positions.dtype == torch.int64 and layer.weight.dtype == torch.float32

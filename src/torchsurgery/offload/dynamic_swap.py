@@ -14,7 +14,9 @@ converted with ``Tensor.to(**kwargs)``. Unlike the original:
 * the class is the patch's one cached class per original class, so installed modules
   pickle, compile once per layer type, and uninstall to exactly their original class,
   also after installing twice or on top of other patches;
-* ``parameters()``, ``state_dict()`` and ``named_buffers()`` show the stored tensors.
+* ``parameters()``, ``state_dict()`` and ``named_buffers()`` show the stored tensors;
+* as with ``Module.to``, a ``dtype`` converts floating tensors only (integer buffers such
+  as position ids keep theirs).
 """
 
 from __future__ import annotations
@@ -51,7 +53,11 @@ class _DynamicSwap(Patch, nn.Module):
                 # a copy made under no_grad has no graph: reuse it only where none is needed
                 if cached.requires_grad or not tensor.requires_grad or not torch.is_grad_enabled():
                     return cached
-            value = tensor.to(**d[_KWARGS])  # differentiable: gradients reach the stored tensor
+            kwargs = d[_KWARGS]
+            if "dtype" in kwargs and not tensor.is_floating_point():
+                # as Module.to: a dtype applies to floating tensors only (not to position ids)
+                kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
+            value = tensor.to(**kwargs)  # differentiable: gradients reach the stored tensor
             if cache is not None:
                 cache[name] = value
             return value
