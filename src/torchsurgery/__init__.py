@@ -12,9 +12,11 @@ from torchsurgery._undo import SurgeryEntry, restore, surgery_log
 from torchsurgery.flex import FlexModel, HookFunction
 from torchsurgery.offload import (
     DEFAULT_SKIP,
+    DevicePool,
     DynamicSwapInstaller,
     OffloadHandle,
     OffloadStats,
+    PoolStats,
     offload,
 )
 from torchsurgery.patching import (
@@ -63,6 +65,8 @@ __all__ = [
     "OffloadHandle",
     "OffloadStats",
     "DEFAULT_SKIP",
+    "DevicePool",
+    "PoolStats",
     # flex: what flows through a model
     "FlexModel",
     "HookFunction",

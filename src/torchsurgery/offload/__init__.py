@@ -2,5 +2,6 @@
 
 from torchsurgery.offload.dynamic_swap import DynamicSwapInstaller
 from torchsurgery.offload.engine import DEFAULT_SKIP, OffloadHandle, OffloadStats, offload
+from torchsurgery.offload.pool import DevicePool, PoolStats
 
-__all__ = ["DynamicSwapInstaller", "offload", "OffloadHandle", "OffloadStats", "DEFAULT_SKIP"]
+__all__ = ["DynamicSwapInstaller", "offload", "OffloadHandle", "OffloadStats", "DEFAULT_SKIP", "DevicePool", "PoolStats"]
