@@ -30,7 +30,7 @@ SIZES: dict[str, dict[str, int]] = {
     "tiny": {"text": 32, "text_layers": 3, "heads": 2, "head_dim": 12, "double": 2, "single": 3,
              "vae": 8, "frames": 3, "side": 8},
     "bench": {"text": 256, "text_layers": 4, "heads": 4, "head_dim": 48, "double": 4, "single": 8,
-              "vae": 32, "frames": 5, "side": 16},
+              "vae": 16, "frames": 3, "side": 8},
 }
 LATENT = 4
 
