@@ -37,9 +37,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
 
 import framepack_low_vram as app  # noqa: E402
-from _machine import cpu_name  # noqa: E402
-
 import torchsurgery.compat.framepack as framepack  # noqa: E402
+from _machine import cpu_name  # noqa: E402
 
 VARIANTS = ("plain .to()", "pool", "DynamicSwapInstaller")
 CPU = torch.device("cpu")
@@ -86,7 +85,7 @@ def main() -> None:
     print("models (MB): " + ", ".join(f"{name} {mb:.1f}" for name, mb in sizes.items()))
     prepared = {variant: prepare(variant, base) for variant in VARIANTS}
     reference = app.run(*prepared["plain .to()"], CPU, sections=args.sections, steps=args.steps, size="bench")
-    for variant, (models, memory) in prepared.items():  # warm-up, and the outputs agree
+    for models, memory in prepared.values():  # warm-up, and the outputs agree
         got = app.run(models, memory, CPU, sections=args.sections, steps=args.steps, size="bench")
         for key, value in reference.items():
             torch.testing.assert_close(got[key], value, rtol=0, atol=0)
