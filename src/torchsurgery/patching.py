@@ -153,7 +153,8 @@ class Patch(nn.Module):
         stack = tuple(patches(self))
         state = dict(self.__getstate__())
         # a shallow copy gets its own log, so unpatching it leaves this module's log alone
-        state[_undo._LOG_KEY] = list(state[_undo._LOG_KEY])
+        if _undo._LOG_KEY in state:
+            state[_undo._LOG_KEY] = list(state[_undo._LOG_KEY])
         return (_rebuild, (original_class(self), stack), state)
 
 
