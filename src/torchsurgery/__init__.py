@@ -12,10 +12,12 @@ from torchsurgery._undo import SurgeryEntry, restore, surgery_log
 from torchsurgery.flex import DummyModule, FlexModel, HookFunction
 from torchsurgery.offload import (
     DEFAULT_SKIP,
+    DevicePool,
     DynamicSwapInstaller,
     OffloadDevice,
     OffloadHandle,
     OffloadStats,
+    PoolStats,
     offload,
 )
 from torchsurgery.patching import (
@@ -65,6 +67,8 @@ __all__ = [
     "OffloadStats",
     "OffloadDevice",
     "DEFAULT_SKIP",
+    "DevicePool",
+    "PoolStats",
     # flex: what flows through a model
     "FlexModel",
     "HookFunction",

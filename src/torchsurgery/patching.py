@@ -14,10 +14,22 @@ undo log, so :func:`unpatch` restores exactly the module it was given, even for 
 patch removed from the middle of a stack.
 
 The class given to an instance is a pure function of (patch, class before the patch):
-it is the patch class itself when that already subclasses the module's class, and
-otherwise one class per pair, built once and cached. So N patched layers of one type
-share one class (``torch.compile`` compiles their forward once), and a patched module
-pickles by naming its original class and its patches, which rebuild the same class.
+one class per pair, built once and cached. So N patched layers of one type share one
+class (``torch.compile`` compiles their forward once), and a patched module pickles by
+naming its original class and its patches, which rebuild the same class.
+
+The class swap is invisible to code that looks a class up by name: the built class
+carries the original's ``__name__``, ``__qualname__`` and ``__module__`` (so ``str(cls)``
+and ``type(module).__name__`` are those of the original; transformers keys its
+``output_hidden_states`` recording on ``str(model.__class__)`` and writes the class name
+into a saved config). ``isinstance`` sees the patch; :func:`patches` lists it.
+
+A patch belongs to the instance it was applied to. Where torch or a library builds a
+*new* instance from a patched module's class (slicing an ``nn.Sequential`` or
+``nn.ModuleList`` calls ``type(self)(...)``), the new object is an unpatched instance of
+the original class; its children are the same (possibly patched) modules. Copies of the
+instance itself (``copy.copy``, ``copy.deepcopy``, ``pickle``, ``torch.save``) keep their
+patches and can be unpatched on their own.
 """
 
 from __future__ import annotations
@@ -75,6 +87,9 @@ class Patch(nn.Module):
 
     A patch is never constructed; it is applied to an existing instance with
     :meth:`from_existing` or :func:`patch`, which runs :meth:`__patch_init__` on it.
+    Calling the class of a patched module (``type(module)(...)``, as slicing a patched
+    ``nn.Sequential`` does) builds an unpatched instance of the original class. A patch
+    must not define ``__init__``.
 
     Example:
         >>> import torch
@@ -94,6 +109,13 @@ class Patch(nn.Module):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        original: type[nn.Module] | None = type(self).__dict__.get("__patch_original__")
+        if original is not None:
+            # type(module)(...) on a patched module, as slicing an nn.Sequential does:
+            # a new, unpatched instance of the original class
+            self.__class__ = original  # type: ignore[assignment]
+            original.__init__(self, *args, **kwargs)
+            return
         raise TypeError(
             f"{type(self).__qualname__} is a patch and is not constructed directly; "
             f"build the module as usual and apply the patch with "
@@ -129,7 +151,11 @@ class Patch(nn.Module):
         # The class may be built at run time, so pickle names how to rebuild it
         # instead of the class itself; the state (with the undo log) goes as usual.
         stack = tuple(patches(self))
-        return (_rebuild, (original_class(self), stack), self.__getstate__())
+        state = dict(self.__getstate__())
+        # a shallow copy gets its own log, so unpatching it leaves this module's log alone
+        if _undo._LOG_KEY in state:
+            state[_undo._LOG_KEY] = list(state[_undo._LOG_KEY])
+        return (_rebuild, (original_class(self), stack), state)
 
 
 def _rebuild(original: type[nn.Module], stack: tuple[type[Patch], ...]) -> nn.Module:
@@ -143,19 +169,31 @@ _CLASS_CACHE: dict[tuple[type[Patch], type[nn.Module]], type[nn.Module]] = {}
 
 def _compose(patch_cls: type[Patch], base: type[nn.Module]) -> type[nn.Module]:
     """The class of an instance of ``base`` patched with ``patch_cls`` (cached per pair)."""
-    if issubclass(patch_cls, base):
-        return patch_cls
     key = (patch_cls, base)
     cls = _CLASS_CACHE.get(key)
     if cls is None:
-        name = f"{patch_cls.__name__}[{base.__name__}]"
+        label, original = _label_and_original(base)
+        # named as the original, so that lookups by name or str(cls) find the original
         cls = type(
-            name,
+            original.__name__,
             (patch_cls, base),
-            {"__module__": patch_cls.__module__, "__qualname__": name},
+            {
+                "__module__": original.__module__,
+                "__qualname__": original.__qualname__,
+                "__patch_original__": original,
+                "__patch_label__": f"{patch_cls.__qualname__}[{label}]",
+            },
         )
         _CLASS_CACHE[key] = cls
     return cls
+
+
+def _label_and_original(cls: type) -> tuple[str, type[nn.Module]]:
+    """A class's name for messages (``Clamped[Scaled[Linear]]``) and the class it patches."""
+    d = cls.__dict__
+    if "__patch_original__" in d:
+        return d["__patch_label__"], d["__patch_original__"]
+    return cls.__qualname__, cls
 
 
 def _chain(original: type[nn.Module], stack: tuple[type[Patch], ...] | list[type[Patch]]) -> type[nn.Module]:
@@ -193,8 +231,8 @@ def _check_class_intact(module: nn.Module, records: list[PatchRecord], what: str
     expected = _chain(records[0].original, [r.patch for r in records])
     if type(module) is not expected:
         raise RuntimeError(
-            f"torchsurgery.{what}: the module's class is {type(module).__qualname__}, not the "
-            f"{expected.__qualname__} its patches gave it; another tool changed its class "
+            f"torchsurgery.{what}: the module's class is {_label_and_original(type(module))[0]}, not "
+            f"the {_label_and_original(expected)[0]} its patches gave it; another tool changed its class "
             f"after patching (e.g. torch.nn.utils.parametrize). Undo that change first."
         )
 

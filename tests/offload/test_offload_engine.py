@@ -86,6 +86,57 @@ def test_leaves_and_explicit_groups() -> None:
         find_groups(model, "everything")
 
 
+class _Experts(nn.Module):
+    """A container without a forward of its own: its owner calls its children and reads ``gate``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.randn(d))
+        self.up = nn.Linear(d, d)
+        self.down = nn.Linear(d, d)
+
+
+class _UncalledContainers(nn.Module):
+    """Blocks, plus weights held by modules whose own forward never runs."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(3))
+        self.heads = nn.ModuleList([nn.LayerNorm(d), nn.Linear(d, d)])
+        self.extra = nn.ModuleDict({"a": nn.Linear(d, d), "b": nn.Linear(d, d)})
+        self.experts = _Experts(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x).relu()
+        x = self.heads[1](self.heads[0](x))
+        x = self.extra["a"](x) + self.extra["b"](x)
+        return self.experts.down(self.experts.up(x) * self.experts.gate)
+
+
+@pytest.mark.parametrize("groups", ["blocks", "leaves"])
+def test_default_groups_split_modules_that_are_never_called(groups: str) -> None:
+    model = _UncalledContainers()
+    found = find_groups(model, groups)
+    named = dict(model.named_modules())
+    assert not any(type(named[g]).forward is nn.Module.forward for g in found if g)
+    assert "" in found  # experts.gate is read by the root's forward, so the root's group holds it
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+        with offload(model, storage_dtype=torch.float64, dtype=torch.float32, groups=groups):
+            got = model(x)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_an_explicit_group_that_is_never_called_is_refused_with_its_children() -> None:
+    model = _UncalledContainers()
+    before = identity_map(model)
+    with pytest.raises(ValueError, match=r"'extra' is a ModuleDict.*\['extra.a', 'extra.b'\]"):
+        offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups=["blocks.0", "extra"])
+    assert identity_map(model) == before and not torchsurgery.surgery_log(model)
+
+
 # ---------------------------------------------------------------------- outputs
 
 

@@ -8,11 +8,15 @@ converted with ``Tensor.to(**kwargs)``. Unlike the original:
 
 * the converted tensor is a differentiable view of the stored parameter (not a new leaf
   ``Parameter``), so training through an installed model updates the stored weights;
-* within one forward each weight is converted once, however often the code reads it;
+* within one forward each weight is converted once, however often the code reads it
+  (a read with gradients enabled after one without converts again, so that the weight
+  still gets its gradient);
 * the class is the patch's one cached class per original class, so installed modules
   pickle, compile once per layer type, and uninstall to exactly their original class,
   also after installing twice or on top of other patches;
-* ``parameters()``, ``state_dict()`` and ``named_buffers()`` show the stored tensors.
+* ``parameters()``, ``state_dict()`` and ``named_buffers()`` show the stored tensors;
+* as with ``Module.to``, a ``dtype`` converts floating tensors only (integer buffers such
+  as position ids keep theirs).
 """
 
 from __future__ import annotations
@@ -45,8 +49,15 @@ class _DynamicSwap(Patch, nn.Module):
                 return None
             cache = d.get(_CACHE)
             if cache is not None and name in cache:
-                return cache[name]
-            value = tensor.to(**d[_KWARGS])  # differentiable: gradients reach the stored tensor
+                cached = cache[name]
+                # a copy made under no_grad has no graph: reuse it only where none is needed
+                if cached.requires_grad or not tensor.requires_grad or not torch.is_grad_enabled():
+                    return cached
+            kwargs = d[_KWARGS]
+            if "dtype" in kwargs and not tensor.is_floating_point():
+                # as Module.to: a dtype applies to floating tensors only (not to position ids)
+                kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
+            value = tensor.to(**kwargs)  # differentiable: gradients reach the stored tensor
             if cache is not None:
                 cache[name] = value
             return value

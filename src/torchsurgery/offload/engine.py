@@ -393,11 +393,6 @@ def offload(
                     seen.add(id(p))
                     nbytes += p.numel() * compute.itemsize
         if params:
-            if type(group_module).forward is nn.Module.forward:
-                raise ValueError(
-                    f"{what}: group {gname!r} is a {type(group_module).__name__}, which is never called; "
-                    "name its children as groups instead"
-                )
             plan.append(_Group(gname, group_module, params, nbytes))
     if not plan:
         raise ValueError(f"{what}: the model has no parameters to offload")

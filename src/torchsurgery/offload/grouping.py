@@ -5,6 +5,13 @@
 layers, UNet blocks). Everything outside the blocks that holds weights is grouped by the
 top-level child it sits in. ``"leaves"`` makes every module that holds weights directly
 a group. A list of qualified names gives full control.
+
+A group's weights come in when its module's ``forward`` runs, so a group must be a
+module that is called. Containers (``nn.ModuleList``, ``nn.ModuleDict``, a module
+without a ``forward`` of its own) never are: ``"blocks"`` and ``"leaves"`` split such a
+module into its children, recursively, and leave its own weights to the nearest
+ancestor that is called (whose forward uses them). An explicit name of such a module is
+refused, naming the children to give instead.
 """
 
 from __future__ import annotations
@@ -14,10 +21,43 @@ from collections.abc import Sequence
 from torch import nn
 
 from torchsurgery._names import no_match_message
+from torchsurgery.patching import original_class
 
 
 def _holds_weights(module: nn.Module, recurse: bool) -> bool:
     return any(True for _ in module.parameters(recurse=recurse))
+
+
+def _never_called(module: nn.Module) -> bool:
+    """Whether ``module`` has no ``forward`` of its own (a container: only its children run)."""
+    return original_class(module).forward is nn.Module.forward
+
+
+def _children_with_weights(module: nn.Module, name: str) -> list[str]:
+    prefix = f"{name}." if name else ""
+    return [f"{prefix}{child}" for child, m in module.named_children() if _holds_weights(m, True)]
+
+
+def _split_uncalled(named: dict[str, nn.Module], found: list[str]) -> list[str]:
+    """Replace each group that is never called by its children, recursively.
+
+    The replaced module's own weights are used by the module holding it, so the nearest
+    called ancestor becomes a group (the root, ``""``, at the latest).
+    """
+    result: list[str] = []
+    pending = list(found)
+    while pending:
+        name = pending.pop(0)
+        module = named[name]
+        if name == "" or not _never_called(module):
+            result.append(name)
+            continue
+        pending.extend(_children_with_weights(module, name))
+        if _holds_weights(module, False):
+            parts = name.split(".")
+            ancestors = (".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1))
+            result.append(next(a for a in ancestors if a == "" or not _never_called(named[a])))
+    return result
 
 
 def repeated_blocks(model: nn.Module) -> tuple[str, list[str]]:
@@ -69,11 +109,13 @@ def find_groups(model: nn.Module, groups: str | Sequence[str], what: str = "torc
     """Resolve ``groups`` (``"blocks"``, ``"leaves"`` or names) to qualified module names.
 
     Returns:
-        Names of modules whose subtrees form the groups, without overlaps, in model order.
-        The root's own parameters, if any, form the group ``""``.
+        Names of modules whose subtrees form the groups, in model order. A module
+        belongs to the innermost group containing it; the root's own parameters, if
+        any, form the group ``""``.
 
     Raises:
-        ValueError: unknown mode, unknown or overlapping names.
+        ValueError: unknown mode, unknown or overlapping names, or a name of a module
+            that is never called (its children are named as the fix).
 
     Example:
         >>> from torch import nn
@@ -95,6 +137,7 @@ def find_groups(model: nn.Module, groups: str | Sequence[str], what: str = "torc
                 found.append("")
         else:
             raise ValueError(f"{what}: groups must be 'blocks', 'leaves' or a list of module names, got {groups!r}")
+        found = _split_uncalled(named, found)
     else:
         found = list(groups)
         for name in found:
@@ -104,5 +147,13 @@ def find_groups(model: nn.Module, groups: str | Sequence[str], what: str = "torc
             for b in found:
                 if a != b and (a == "" or b.startswith(f"{a}.")):
                     raise ValueError(f"{what}: groups {a!r} and {b!r} overlap; give disjoint subtrees")
+        for name in found:
+            module = named[name]
+            if name and _never_called(module) and _holds_weights(module, True):
+                raise ValueError(
+                    f"{what}: group {name!r} is a {type(module).__name__}, whose forward is never called "
+                    f"(its weights would never come in); name its children instead: "
+                    f"{_children_with_weights(module, name)}"
+                )
     order = {n: i for i, n in enumerate(named)}
     return sorted(dict.fromkeys(found), key=lambda n: order[n])

@@ -1,0 +1,176 @@
+"""FramePack's low-VRAM memory pattern, switched to torchsurgery by one import line.
+
+The video app runs a Hunyuan-video transformer, a Llama and a CLIP text encoder and a
+VAE on one small GPU: the text encoders and the VAE are loaded whole one at a time, the
+transformer is brought in as far as memory allows while a ``DynamicSwapInstaller``
+serves the rest, and everything goes back between stages. Here the same stages run
+with tiny random-weight models from ``diffusers`` and ``transformers``, once with plain
+``.to()`` moves and once with ``torchsurgery.compat.framepack`` (the app's function names),
+and the outputs are compared. Without a GPU everything runs on the CPU.
+
+Run: .venv/bin/python examples/framepack_low_vram.py
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import diffusers
+import torch
+import transformers
+from torch import nn
+
+import torchsurgery.compat.framepack as framepack
+
+SIZES: dict[str, dict[str, int]] = {
+    # hidden sizes, layer counts and the latent video's frames/height/width
+    "tiny": {"text": 32, "text_layers": 3, "heads": 2, "head_dim": 12, "double": 2, "single": 3,
+             "vae": 8, "frames": 3, "side": 8},
+    "bench": {"text": 256, "text_layers": 4, "heads": 4, "head_dim": 48, "double": 4, "single": 8,
+              "vae": 16, "frames": 3, "side": 8},
+}
+LATENT = 4
+
+
+@dataclass
+class Models:
+    """The app's four models."""
+
+    text_encoder: nn.Module  # Llama: the prompt's hidden states
+    text_encoder_2: nn.Module  # CLIP text: the pooled prompt
+    transformer: nn.Module  # the Hunyuan-video (FramePack) transformer
+    vae: nn.Module  # the Hunyuan-video VAE
+
+
+def build_models(size: str = "tiny", seed: int = 0) -> Models:
+    """Random-weight models of the app's architectures, built from small configs."""
+    s = SIZES[size]
+    torch.manual_seed(seed)
+    llama = transformers.LlamaModel(transformers.LlamaConfig(
+        hidden_size=s["text"], intermediate_size=2 * s["text"], num_hidden_layers=s["text_layers"],
+        num_attention_heads=s["heads"], num_key_value_heads=s["heads"], vocab_size=128, max_position_embeddings=64,
+    ))
+    clip = transformers.CLIPTextModel(transformers.CLIPTextConfig(
+        hidden_size=s["text"] // 2, intermediate_size=s["text"], num_hidden_layers=2, num_attention_heads=s["heads"],
+        vocab_size=128, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+    ))
+    third = s["head_dim"] // 3
+    transformer = diffusers.HunyuanVideoFramepackTransformer3DModel(
+        in_channels=LATENT, out_channels=LATENT, num_attention_heads=s["heads"], attention_head_dim=s["head_dim"],
+        num_layers=s["double"], num_single_layers=s["single"], num_refiner_layers=1, text_embed_dim=s["text"],
+        pooled_projection_dim=s["text"] // 2, rope_axes_dim=(third, third, third), image_condition_type=None,
+        has_image_proj=True, image_proj_dim=16, has_clean_x_embedder=True,
+    )
+    vae = diffusers.AutoencoderKLHunyuanVideo(
+        in_channels=3, out_channels=3, latent_channels=LATENT, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(s["vae"],) * 4, layers_per_block=1,
+        norm_num_groups=4, spatial_compression_ratio=8, temporal_compression_ratio=4,
+    )
+    models = Models(llama, clip, transformer, vae)
+    for model in vars(models).values():
+        model.eval().requires_grad_(False)
+    return models
+
+
+def plain_moves() -> Any:
+    """The app's memory functions done with whole-model ``.to()`` moves (the reference)."""
+
+    def to(model: nn.Module, device: Any, *_: Any, **__: Any) -> None:
+        model.to(device)
+
+    def unload(*models: nn.Module) -> None:
+        for model in models:
+            model.to("cpu")
+
+    return types.SimpleNamespace(
+        load_model_as_complete=to, move_model_to_device_with_memory_preservation=to,
+        offload_model_from_device_for_memory_preservation=lambda model, *_, **__: model.to("cpu"),
+        fake_diffusers_current_device=to, unload_complete_models=unload,
+    )
+
+
+def run(models: Models, memory: Any, device: torch.device, *, sections: int = 2, steps: int = 3,
+        size: str = "tiny", seed: int = 1) -> dict[str, torch.Tensor]:
+    """The app's stages, with its moves in and out, done with ``memory``'s functions."""
+    s = SIZES[size]
+    text, clip, transformer, vae = models.text_encoder, models.text_encoder_2, models.transformer, models.vae
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (1, 12), generator=g)
+    mask = torch.ones_like(ids)
+    image = torch.rand(1, 3, 1, 8 * s["side"], 8 * s["side"], generator=g) * 2 - 1
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        memory.unload_complete_models(text, clip, vae, transformer)
+
+        # text: the Llama encoder is only made to look as if on the device (the installer
+        # brings its weights at use); the CLIP encoder is loaded whole
+        memory.fake_diffusers_current_device(text, device)
+        memory.load_model_as_complete(clip, device)
+        hidden = text(ids.to(device), attention_mask=mask.to(device), output_hidden_states=True).hidden_states
+        prompt = hidden[-3]  # the app conditions on the third hidden state from the end
+        pooled = clip(ids.to(device)).pooler_output
+        out["prompt"], out["pooled"] = prompt.cpu(), pooled.cpu()
+
+        # the start image, encoded by the VAE loaded whole
+        memory.load_model_as_complete(vae, device)
+        start = vae.encode(image.to(device)).latent_dist.mode() * vae.config.scaling_factor
+        out["start"] = start.cpu()
+
+        frames, side = s["frames"], s["side"]
+        history = torch.zeros(1, LATENT, 1 + 2 + 16, side, side, device=device)
+        image_embeds = torch.randn(1, 4, 16, generator=g).to(device)
+        for section in range(sections):
+            memory.unload_complete_models()
+            memory.move_model_to_device_with_memory_preservation(transformer, device, preserved_memory_gb=6)
+            latents = torch.randn(1, LATENT, frames, side, side, generator=g).to(device)
+            clean = torch.cat([start, history[:, :, :1]], dim=2)
+            for step in range(steps):
+                t = 1.0 - step / steps
+                velocity = transformer(
+                    hidden_states=latents, timestep=torch.tensor([t * 1000.0], device=device),
+                    encoder_hidden_states=prompt, encoder_attention_mask=mask.bool().to(device),
+                    pooled_projections=pooled, image_embeds=image_embeds,
+                    indices_latents=torch.arange(3, 3 + frames, device=device),
+                    guidance=torch.tensor([10000.0], device=device),
+                    latents_clean=clean, indices_latents_clean=torch.tensor([0, 1], device=device),
+                    latents_history_2x=history[:, :, 1:3], indices_latents_history_2x=torch.tensor([2, 3], device=device),
+                    latents_history_4x=history[:, :, 3:], indices_latents_history_4x=torch.arange(4, 20, device=device),
+                ).sample
+                latents = latents - velocity / steps  # a plain Euler step of the flow
+            out[f"latents{section}"] = latents.cpu()
+            history = torch.cat([latents[:, :, :1], history[:, :, :-1]], dim=2)
+
+            memory.offload_model_from_device_for_memory_preservation(transformer, device, preserved_memory_gb=8)
+            memory.load_model_as_complete(vae, device)
+            pixels = vae.decode(latents / vae.config.scaling_factor).sample
+            out[f"pixels{section}"] = pixels.cpu()
+            memory.unload_complete_models()
+    return out
+
+
+def install_like_the_app(models: Models, device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
+    """What the app does on a small GPU: the transformer and the Llama encoder get the installer."""
+    kwargs: dict[str, Any] = {"device": device}
+    if compute_dtype is not None:
+        kwargs["dtype"] = compute_dtype
+    framepack.DynamicSwapInstaller.install_model(models.transformer, **kwargs)
+    framepack.DynamicSwapInstaller.install_model(models.text_encoder, **kwargs)
+
+
+def main() -> None:
+    device = framepack.gpu
+    reference = build_models()
+    ours = copy.deepcopy(reference)
+    expected = run(reference, plain_moves(), device)
+    install_like_the_app(ours, device)
+    got = run(ours, framepack, device)
+    print(f"device: {device}")
+    for key, value in expected.items():
+        print(f"{key:9s} {tuple(value.shape)!s:24s} max |difference| {float((got[key] - value).abs().max()):.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Drop-in modules with other projects' names and signatures, built on torchsurgery."""

@@ -1,0 +1,484 @@
+"""A device shared by several models: ask for a model before use, the others make room.
+
+A :class:`DevicePool` holds models for one device within a limit: a ``budget`` of bytes,
+or ``keep_free`` bytes of the device left free. A model in the pool is either *on the
+host* (as it was given) or *loaded*, through the :func:`~torchsurgery.offload` engine:
+whole when it fits, or partly resident with the rest streamed group by group when it
+does not. :meth:`DevicePool.load` first pushes back the other loaded models, least
+recently used first (a forward counts as a use), until the model fits whole or nothing
+is left to push back.
+
+Nothing here moves a tensor itself: loading is an ``offload`` and pushing back is its
+exact undo, so parameters keep their identity and every step is in the model's undo
+log (a pool entry, and above it the offload while loaded); ``torchsurgery.restore``
+takes a model out of its pool.
+
+Sizes are counted as the weights take them on the device, in their compute dtype; the
+device footprint of a streamed model is its resident groups plus ``prefetch + 1`` of
+its largest group in flight. On a CPU device the limit works the same way (the
+"device" is host memory holding the compute-dtype copies); ``keep_free`` there is
+measured against the host's available memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchsurgery import _undo
+from torchsurgery.offload.engine import DEFAULT_SKIP, OffloadHandle, _already_offloaded, offload
+from torchsurgery.offload.grouping import find_groups
+from torchsurgery.offload.stats import OffloadStats
+
+__all__ = ["DevicePool", "PoolStats"]
+
+_WHAT = "torchsurgery.DevicePool"
+
+
+def _free_bytes(device: torch.device) -> int:
+    """Bytes a new allocation on ``device`` can take now.
+
+    On a GPU: what the driver reports free plus what torch's caching allocator holds
+    unused. On a CPU: the host's available memory (``MemAvailable``).
+    """
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        stats = torch.cuda.memory_stats(device)
+        return int(free + stats.get("reserved_bytes.all.current", 0) - stats.get("active_bytes.all.current", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _device_gone(device: torch.device) -> str | None:
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        if (device.index or 0) >= torch.cuda.device_count():
+            return f"there are only {torch.cuda.device_count()} CUDA devices"
+    return None
+
+
+def _check_bytes(value: Any, arg: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{_WHAT}: {arg} must be a number of bytes (int >= 0) or None, got {value!r}")
+    return value
+
+
+@dataclass
+class PoolStats:
+    """What one model of a pool did so far.
+
+    Attributes:
+        name: the model's name in the pool.
+        state: ``"host"``, ``"whole"`` (every weight on the device) or ``"partial"``.
+        total_bytes: the model's weights in their compute dtype.
+        largest_group_bytes: its largest offload group, in the compute dtype.
+        device_bytes: what the pool counts the model as taking on the device now.
+        loads: how often it was brought to the device.
+        pushed_back: how often it went back to the host to make room for another model.
+        seconds_loading: time spent in :meth:`DevicePool.load` and :meth:`DevicePool.unload`.
+        offload: the statistics of its current offload (``None`` on the host).
+
+    Example:
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> pool = torchsurgery.DevicePool("cpu", budget=1 << 20)
+        >>> model = pool.add(nn.Linear(4, 4), name="proj")
+        >>> _ = pool.load(model)
+        >>> s = pool.stats()["proj"]
+        >>> s.state, s.total_bytes, s.loads
+        ('whole', 80, 1)
+    """
+
+    name: str
+    state: str
+    total_bytes: int
+    largest_group_bytes: int
+    device_bytes: int
+    loads: int
+    pushed_back: int
+    seconds_loading: float
+    offload: OffloadStats | None
+
+
+class _NoRoom(RuntimeError):
+    """Even with every other model pushed back, a model cannot run on the device."""
+
+
+class _Entry:
+    def __init__(self, model: nn.Module, name: str, options: dict[str, Any], total: int, largest: int) -> None:
+        self.model = model
+        self.name = name
+        self.options = options
+        self.total = total
+        self.largest = largest
+        self.handle: OffloadHandle | None = None
+        self.granted = 0  # device bytes counted against the limit while loaded
+        self.keep_free: int | None = None  # what the current load was planned for
+        self.last_used = 0
+        self.loads = 0
+        self.pushed_back = 0
+        self.seconds = 0.0
+        self.hook: Any = None
+        self.record: PoolRecord | None = None
+
+    @property
+    def loaded(self) -> bool:
+        # an offload undone from outside (torchsurgery.restore) leaves the model on the host
+        return self.handle is not None and self.handle.active
+
+    @property
+    def minimum(self) -> int:
+        """Device bytes to run streamed: the largest group, ``prefetch + 1`` times."""
+        return (int(self.options["prefetch"]) + 1) * self.largest
+
+
+class _Touch:
+    """A forward pre-hook: a forward is a use (for least-recently-used push-back)."""
+
+    def __init__(self, pool: DevicePool, entry: _Entry) -> None:
+        self.pool = pool
+        self.entry = entry
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.pool._touch(self.entry)
+
+
+class PoolRecord(_undo.Record):
+    """The undo-log entry of a model held by a pool: undoing it takes the model out."""
+
+    kind = "pool"
+
+    def __init__(self, pool: DevicePool, name: str) -> None:
+        super().__init__()
+        self.pool = pool
+        self.name = name
+
+    def describe(self) -> str:
+        return f"in the device pool of {self.pool.device} as {self.name!r}"
+
+    def undo(self, module: nn.Module) -> None:
+        self.pool.discard(module)
+
+
+def _sizes(model: nn.Module, groups: str | Sequence[str], dtype: torch.dtype | None) -> tuple[int, int]:
+    """The model's weight bytes in the compute dtype, and those of its largest group."""
+    names = find_groups(model, groups, _WHAT)
+    owner: dict[int, str] = {}
+    for qual, module in model.named_modules():
+        group = max((g for g in names if g == "" or qual == g or qual.startswith(f"{g}.")), key=len, default=None)
+        if group is None:
+            continue
+        for p in module.parameters(recurse=False):
+            owner.setdefault(id(p), group)
+    per_group = dict.fromkeys(names, 0)
+    for p in {id(p): p for p in model.parameters()}.values():
+        if id(p) in owner:
+            size = (dtype if dtype is not None and p.is_floating_point() else p.dtype).itemsize
+            per_group[owner[id(p)]] += p.numel() * size
+    return sum(per_group.values()), max(per_group.values(), default=0)
+
+
+class DevicePool:
+    """Several models sharing one device within a limit; least recently used go back first.
+
+    Args:
+        device: the shared device (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
+        budget: device bytes all loaded models may take together.
+        keep_free: instead of a budget: load only while this many bytes of the device
+            stay free (measured when loading). Without either, a GPU pool may use what is
+            free, and a CPU pool is unlimited.
+
+    Raises:
+        ValueError: a device that does not exist, both limits, or a negative one.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> pool = torchsurgery.DevicePool("cpu", budget=1000)
+        >>> a = pool.add(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), name="a", storage_dtype=torch.bfloat16, dtype=torch.float32)
+        >>> b = pool.add(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), name="b", storage_dtype=torch.bfloat16, dtype=torch.float32)
+        >>> _ = pool.load(a), pool.load(b)  # b does not fit next to a: a goes back to the host
+        >>> pool.state(a), pool.state(b), a[3].weight.dtype, b[3].weight.dtype
+        ('host', 'partial', torch.float32, torch.bfloat16)
+        >>> _ = a(torch.ones(1, 8)), b(torch.ones(1, 8))
+        >>> pool.close()
+    """
+
+    def __init__(
+        self, device: str | torch.device = "cuda", *, budget: int | None = None, keep_free: int | None = None
+    ) -> None:
+        try:
+            target = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"{_WHAT}: {device!r} is not a device ({exc})") from exc
+        if target.type not in ("cpu", "cuda"):
+            raise ValueError(f"{_WHAT}: device must be 'cpu' or a CUDA device, got {device!r}")
+        gone = _device_gone(target)
+        if gone:
+            raise ValueError(f"{_WHAT}: device {device!r} asked for, but {gone}")
+        if target.type == "cuda" and target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+        self.budget = _check_bytes(budget, "budget")
+        self.keep_free = _check_bytes(keep_free, "keep_free")
+        if self.budget is not None and self.keep_free is not None:
+            raise ValueError(f"{_WHAT}: give budget= or keep_free=, not both")
+        self.device = target
+        self._entries: dict[int, _Entry] = {}
+        self._clock = itertools.count(1)
+
+    # ------------------------------------------------------------------ membership
+
+    def add(
+        self,
+        model: nn.Module,
+        *,
+        name: str | None = None,
+        dtype: torch.dtype | None = None,
+        storage_dtype: torch.dtype | None = None,
+        groups: str | Sequence[str] = "blocks",
+        skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP,
+        prefetch: int = 1,
+        pin_memory: bool | None = None,
+    ) -> nn.Module:
+        """Put ``model`` in the pool, on the host until :meth:`load` asks for it.
+
+        Args:
+            model: the model (changed in place when loaded; nothing is copied).
+            name: its name in :meth:`stats` (default: its class name, numbered if taken).
+            dtype: compute dtype, as for :func:`~torchsurgery.offload`.
+            storage_dtype: storage dtype while loaded, as for :func:`~torchsurgery.offload`.
+            groups: offload groups, as for :func:`~torchsurgery.offload`.
+            skip: modules that keep their dtype, as for :func:`~torchsurgery.offload`.
+            prefetch: groups brought in ahead when streamed.
+            pin_memory: pin streamed host storage (default: on a GPU).
+
+        Returns:
+            ``model``.
+
+        Raises:
+            ValueError: the model is in a pool already, the name is taken, or the budget
+                is below what the model needs to run streamed.
+            RuntimeError: the model is offloaded already (by torchsurgery, accelerate or
+                diffusers), or the device is gone.
+        """
+        self._check_alive("add")
+        _undo.check_module(model, f"{_WHAT}.add")
+        for record in _undo.records(model):
+            if isinstance(record, PoolRecord):
+                where = "this pool" if record.pool is self else f"the pool of {record.pool.device}"
+                raise ValueError(
+                    f"{_WHAT}.add: the model is already in {where} as {record.name!r}; "
+                    f"a model belongs to one pool: discard it there first"
+                )
+        problem = _already_offloaded(model)
+        if problem:
+            raise RuntimeError(f"{_WHAT}.add: cannot pool the model: {problem}")
+        taken = {e.name for e in self._entries.values()}
+        if name is None:
+            base = type(model).__name__
+            name = next(n for n in itertools.chain([base], (f"{base}_{i}" for i in itertools.count(2))) if n not in taken)
+        elif not isinstance(name, str) or name in taken:
+            raise ValueError(f"{_WHAT}.add: name {name!r} is taken or not a string; the pool holds {sorted(taken)}")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"{_WHAT}.add: prefetch must be an int >= 0, got {prefetch!r}")
+        total, largest = _sizes(model, groups, dtype)
+        options = {"dtype": dtype, "storage_dtype": storage_dtype, "groups": groups, "skip": skip,
+                   "prefetch": prefetch, "pin_memory": pin_memory}
+        entry = _Entry(model, name, options, total, largest)
+        if self.budget is not None and self.budget < min(entry.total, entry.minimum):
+            raise ValueError(
+                f"{_WHAT}.add: budget={self.budget} bytes is below what {name!r} needs on the device: "
+                f"{entry.total} bytes whole, or {entry.minimum} bytes streamed (prefetch + 1 = {prefetch + 1} "
+                f"times its largest group, {largest} bytes); raise the budget, or add it with "
+                "groups='leaves' or prefetch=0"
+            )
+        entry.hook = model.register_forward_pre_hook(_Touch(self, entry))
+        entry.record = PoolRecord(self, name)
+        _undo.push(model, entry.record)
+        self._entries[id(model)] = entry
+        return model
+
+    def discard(self, model: nn.Module) -> nn.Module:
+        """Take ``model`` out of the pool, back on the host exactly as it was added.
+
+        Returns:
+            ``model``.
+        """
+        entry = self._entry(model, "discard")
+        self._push_back(entry)
+        entry.hook.remove()
+        if entry.record is not None:
+            _undo.remove(model, entry.record)
+        del self._entries[id(model)]
+        return model
+
+    def close(self) -> None:
+        """Discard every model (also when the device is gone: the models are on the host then)."""
+        for entry in list(self._entries.values()):
+            self.discard(entry.model)
+
+    # ------------------------------------------------------------------ residency
+
+    def load(self, model: nn.Module, *, keep_free: int | None = None) -> OffloadHandle:
+        """Bring ``model`` to the device: whole if it fits, else partly, others pushed back.
+
+        Other loaded models go back to the host, least recently used first, until
+        ``model`` fits whole or none is left; then it is loaded whole, or with as many
+        groups resident as the room allows and the rest streamed. A model loaded
+        already is only marked used, unless more room has become available for it
+        (it is then planned again).
+
+        Args:
+            model: a model of this pool.
+            keep_free: for this load, also leave this many device bytes free (instead
+                of the pool's ``keep_free``; a budget still applies).
+
+        Returns:
+            The model's :class:`~torchsurgery.OffloadHandle`.
+
+        Raises:
+            ValueError: the model is not in this pool.
+            RuntimeError: even with every other model pushed back, the room is below what
+                the model needs streamed (nothing is changed then), or the device is gone.
+        """
+        entry = self._entry(model, "load")
+        keep = _check_bytes(keep_free, "keep_free")
+        room, reclaimable = self._room(entry, keep)
+        if entry.loaded:
+            assert entry.handle is not None
+            # room is what is free beyond the model's own bytes: plan again only for a
+            # different keep_free, or when at least one more group would fit
+            if entry.granted >= entry.total or (keep == entry.keep_free and room < entry.largest):
+                self._touch(entry)
+                return entry.handle
+            room += entry.granted
+        if room + reclaimable < min(entry.total, entry.minimum):
+            raise _NoRoom(
+                f"{_WHAT}.load: {entry.name!r} needs {entry.total} bytes whole or {entry.minimum} streamed on "
+                f"{self.device}, but only {room + reclaimable} bytes can be made free; free memory on the device, "
+                "lower keep_free or raise the budget"
+            )
+        start = time.perf_counter()
+        for other in sorted(self._loaded(entry), key=lambda e: e.last_used):
+            if room >= entry.total:
+                break
+            room += other.granted
+            self._push_back(other)
+            other.pushed_back += 1
+        if entry.loaded:
+            self._push_back(entry)
+        grant = entry.total if room >= entry.total else room
+        options = dict(entry.options)
+        entry.handle = offload(model, self.device, budget=grant, **options)
+        entry.granted = grant
+        entry.keep_free = keep
+        entry.loads += 1
+        entry.seconds += time.perf_counter() - start
+        self._touch(entry)
+        return entry.handle
+
+    def unload(self, model: nn.Module) -> nn.Module:
+        """Push ``model`` back to the host (a no-op when it is there).
+
+        Returns:
+            ``model``.
+        """
+        self._push_back(self._entry(model, "unload"))
+        return model
+
+    def unload_all(self) -> None:
+        """Push every model back to the host."""
+        for entry in self._entries.values():
+            self._push_back(entry)
+
+    def state(self, model: nn.Module) -> str:
+        """``"host"``, ``"whole"`` or ``"partial"``."""
+        entry = self._entry(model, "state")
+        if not entry.loaded:
+            return "host"
+        return "whole" if entry.granted >= entry.total else "partial"
+
+    @property
+    def models(self) -> list[nn.Module]:
+        """The models of the pool, in the order they were added."""
+        return [e.model for e in self._entries.values()]
+
+    def stats(self) -> dict[str, PoolStats]:
+        """Per model (by name): state, sizes, loads, push-backs, time, offload statistics."""
+        return {
+            e.name: PoolStats(
+                e.name, self.state(e.model), e.total, e.largest, e.granted if e.loaded else 0, e.loads,
+                e.pushed_back, e.seconds, e.handle.stats() if e.loaded and e.handle is not None else None,
+            )
+            for e in self._entries.values()
+        }
+
+    def __contains__(self, model: object) -> bool:
+        return isinstance(model, nn.Module) and id(model) in self._entries
+
+    def __repr__(self) -> str:
+        limit = f"budget={self.budget}" if self.budget is not None else f"keep_free={self.keep_free}"
+        return f"DevicePool({str(self.device)!r}, {limit}, models={[e.name for e in self._entries.values()]})"
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_alive(self, what: str) -> None:
+        gone = _device_gone(self.device)
+        if gone:
+            raise RuntimeError(
+                f"{_WHAT}.{what}: the pool's device {self.device} is gone ({gone}); its models are left as they "
+                "are: call close() to take them out of the pool"
+            )
+
+    def _entry(self, model: Any, what: str) -> _Entry:
+        if what != "discard":
+            self._check_alive(what)
+        entry = self._entries.get(id(model)) if isinstance(model, nn.Module) else None
+        if entry is None:
+            held = [e.name for e in self._entries.values()]
+            kind = type(model).__name__
+            raise ValueError(f"{_WHAT}.{what}: this {kind} is not in the pool (it holds {held}); add() it first")
+        return entry
+
+    def _loaded(self, but: _Entry) -> list[_Entry]:
+        return [e for e in self._entries.values() if e is not but and e.loaded]
+
+    def _room(self, entry: _Entry, keep_free: int | None) -> tuple[int, int]:
+        """Device bytes free for ``entry`` now, and what pushing back the others would add."""
+        others = sum(e.granted for e in self._loaded(entry))
+        keep = keep_free if keep_free is not None else self.keep_free
+        limits = []
+        if self.budget is not None:
+            limits.append(self.budget - others - (entry.granted if entry.loaded else 0))
+        if keep is not None or (self.budget is None and self.device.type == "cuda"):
+            limits.append(_free_bytes(self.device) - (keep or 0))
+        room = min(limits) if limits else 1 << 62  # a CPU pool without a limit is unlimited
+        return max(0, room), others
+
+    def _push_back(self, entry: _Entry) -> None:
+        if entry.handle is not None:
+            start = time.perf_counter()
+            entry.handle.remove()
+            entry.seconds += time.perf_counter() - start
+        entry.handle = None
+        entry.granted = 0
+
+    def _touch(self, entry: _Entry) -> None:
+        entry.last_used = next(self._clock)

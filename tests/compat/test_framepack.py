@@ -1,0 +1,141 @@
+"""Tests of torchsurgery.compat.framepack: the video app's low-VRAM pattern, end to end.
+
+The pipeline (text encoding with Llama and CLIP encoders, denoising steps of the
+Hunyuan-video transformer, VAE encode and decode, the models moved in and out as the
+app does) is the one of ``examples/framepack_low_vram.py``; each run is compared with
+the same pipeline done with plain ``.to()`` moves.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchsurgery
+from torchsurgery import DevicePool
+from torchsurgery.compat import framepack
+from torchsurgery.offload import DEFAULT_SKIP
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+_PATH = Path(__file__).parent.parent.parent / "examples" / "framepack_low_vram.py"
+_spec = importlib.util.spec_from_file_location("framepack_low_vram", _PATH)
+assert _spec is not None and _spec.loader is not None
+app = importlib.util.module_from_spec(_spec)
+sys.modules["framepack_low_vram"] = app
+_spec.loader.exec_module(app)
+
+
+@pytest.fixture(scope="module")
+def models() -> Any:
+    return app.build_models()
+
+
+@pytest.fixture(scope="module")
+def expected(models: Any) -> dict[str, torch.Tensor]:
+    return app.run(copy.deepcopy(models), app.plain_moves(), torch.device("cpu"))
+
+
+def _rounded(model: nn.Module, keep: Any = None, buffers: bool = True) -> None:
+    """Round floating weights (and buffers) to bf16 values, in place, except those ``keep`` selects."""
+    kept = {id(t) for name, m in model.named_modules() if keep and keep(m, name) for t in m.parameters(recurse=False)}
+    with torch.no_grad():
+        for t in [*model.parameters(), *(model.buffers() if buffers else ())]:
+            if t.is_floating_point() and id(t) not in kept:
+                t.copy_(t.to(torch.bfloat16).float())
+
+
+def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], **tol: float) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], msg=lambda m, k=key: f"{k}: {m}", **tol)  # type: ignore[misc]
+
+
+def _clean(models: Any) -> None:
+    framepack.unload_complete_models()
+    for model in vars(models).values():
+        torchsurgery.restore(model)
+        framepack.DynamicSwapInstaller.uninstall_model(model)
+
+
+def test_the_app_pattern_gives_the_plain_pipeline_s_outputs(models: Any, expected: dict[str, torch.Tensor]) -> None:
+    ours = copy.deepcopy(models)
+    app.install_like_the_app(ours, framepack.gpu)
+    got = app.run(ours, framepack, framepack.gpu)
+    _assert_close(got, expected, rtol=0, atol=0)
+    _clean(ours)
+    assert all(torchsurgery.surgery_log(m) == [] for m in vars(ours).values())
+    assert all(not torchsurgery.is_patched(m) for model in vars(ours).values() for m in model.modules())
+
+
+def test_bf16_stored_models_computed_in_fp32_match_rounded_weights(models: Any) -> None:
+    reference = copy.deepcopy(models)
+    _rounded(reference.transformer)
+    _rounded(reference.text_encoder)
+    want = app.run(reference, app.plain_moves(), torch.device("cpu"))
+    ours = copy.deepcopy(models)
+    ours.transformer.to(torch.bfloat16)
+    ours.text_encoder.to(torch.bfloat16)
+    app.install_like_the_app(ours, framepack.gpu, compute_dtype=torch.float32)
+    got = app.run(ours, framepack, framepack.gpu)
+    assert ours.transformer.proj_out._parameters["weight"].dtype == torch.bfloat16  # stored narrow
+    _assert_close(got, want, rtol=1e-4, atol=1e-5)
+    _clean(ours)
+
+
+def test_a_budgeted_pool_streams_the_transformer_and_pushes_models_back(models: Any) -> None:
+    """The pool doing real work on a CPU: bf16 storage, a budget that forces partial loads."""
+    reference = copy.deepcopy(models)
+    _rounded(reference.transformer, DEFAULT_SKIP, buffers=False)  # the engine stores weights only
+    want = app.run(reference, app.plain_moves(), torch.device("cpu"))
+
+    # resident groups are converted from the weights as given, streamed ones pass through
+    # bf16: with weights that are bf16 values already, every plan computes the same
+    ours = copy.deepcopy(reference)
+    sizes = {name: sum(p.numel() * 4 for p in m.parameters()) for name, m in vars(ours).items()}
+    pool = DevicePool("cpu", budget=sizes["transformer"] * 2 // 3)
+    pool.add(ours.transformer, name="transformer", storage_dtype=torch.bfloat16, dtype=torch.float32)
+    pool.add(ours.text_encoder_2, name="clip")
+    pool.add(ours.vae, name="vae", groups="leaves")
+    app.install_like_the_app(ours, framepack.gpu)  # the Llama encoder only
+    framepack.DynamicSwapInstaller.uninstall_model(ours.transformer)
+    got = app.run(ours, framepack, torch.device("cpu"))
+    _assert_close(got, want, rtol=1e-4, atol=1e-5)
+    stats = pool.stats()
+    assert stats["transformer"].loads == 2 and stats["transformer"].pushed_back >= 1
+    assert stats["vae"].loads == 3 and stats["clip"].loads == 1
+    assert all(s.state == "host" for s in stats.values())  # the app unloads everything at the end
+    pool.close()
+    _clean(ours)
+
+
+def test_cpu_semantics_of_the_memory_functions() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    weights = {n: (id(p), p.dtype) for n, p in model.named_parameters()}
+    assert framepack.get_cuda_free_memory_gb(framepack.cpu) > 0
+    framepack.move_model_to_device_with_memory_preservation(model, framepack.cpu, preserved_memory_gb=10**6)
+    framepack.offload_model_from_device_for_memory_preservation(model, framepack.cpu, preserved_memory_gb=10**6)
+    assert [e.kind for e in torchsurgery.surgery_log(model)] == ["pool", "offload"]  # loaded, never pushed back
+    framepack.load_model_as_complete(nn.Linear(2, 2), framepack.cpu)  # pushes back nothing it need not
+    framepack.unload_complete_models(model)
+    assert {n: (id(p), p.dtype) for n, p in model.named_parameters()} == weights
+    torchsurgery.restore(model)
+    assert torchsurgery.surgery_log(model) == []
+
+
+@pytest.mark.cuda
+def test_the_app_pattern_on_cuda(models: Any, expected: dict[str, torch.Tensor]) -> None:
+    ours = copy.deepcopy(models)
+    app.install_like_the_app(ours, torch.device("cuda", 0))
+    got = app.run(ours, framepack, torch.device("cuda", 0))
+    _assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    _clean(ours)
+    assert all(p.device.type == "cpu" for m in vars(ours).values() for p in m.parameters())

@@ -1,0 +1,203 @@
+"""Tests of DevicePool: several models on one device, least recently used pushed back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchsurgery
+from torchsurgery import DevicePool
+from torchsurgery.offload import pool as pool_module
+
+
+def blocks(n: int = 4, d: int = 16) -> nn.Module:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.GELU()) for _ in range(n)]).eval()
+
+
+BLOCK = (16 * 16 + 16) * 4  # one block's bytes in fp32
+WHOLE = 4 * BLOCK
+
+
+def identity_map(model: nn.Module) -> dict[str, tuple[int, torch.device, torch.dtype]]:
+    return {n: (id(t), t.device, t.dtype) for n, t in model.state_dict(keep_vars=True).items()}
+
+
+def fingerprint(pool: DevicePool) -> dict[str, Any]:
+    return {name: (s.state, s.loads, s.pushed_back) for name, s in pool.stats().items()}
+
+
+X = torch.randn(3, 16)
+
+
+def test_models_fit_whole_until_the_budget_pushes_the_least_recently_used_back() -> None:
+    pool = DevicePool("cpu", budget=2 * WHOLE)
+    a, b, c = (pool.add(blocks(), name=n) for n in "abc")
+    pool.load(a)
+    pool.load(b)
+    assert (pool.state(a), pool.state(b), pool.state(c)) == ("whole", "whole", "host")
+    a(X)  # a forward is a use: b is now the least recently used
+    pool.load(c)
+    assert (pool.state(a), pool.state(b), pool.state(c)) == ("whole", "host", "whole")
+    stats = pool.stats()
+    assert stats["b"].pushed_back == 1 and stats["a"].pushed_back == 0
+    assert stats["c"].device_bytes == WHOLE and stats["b"].device_bytes == 0
+    assert stats["a"].offload is not None and stats["b"].offload is None
+    pool.close()
+
+
+def test_a_model_larger_than_the_room_is_loaded_partly_with_the_same_outputs() -> None:
+    model = blocks().requires_grad_(False)
+    expected = model(X)
+    ids = identity_map(model)
+    pool = DevicePool("cpu", budget=3 * BLOCK)  # whole needs 4 blocks
+    pool.add(model, storage_dtype=torch.float64, dtype=torch.float32)
+    handle = pool.load(model)
+    assert pool.state(model) == "partial" and handle.stats().streamed_groups
+    torch.testing.assert_close(model(X), expected)
+    pool.discard(model)
+    assert identity_map(model) == ids and torchsurgery.surgery_log(model) == []
+    torch.testing.assert_close(model(X), expected)
+
+
+def test_loading_again_only_marks_a_use_and_plans_again_when_room_appeared() -> None:
+    pool = DevicePool("cpu", budget=5 * BLOCK)
+    a = pool.add(blocks(), name="a", storage_dtype=torch.float64, dtype=torch.float32)
+    b = pool.add(blocks(), name="b", storage_dtype=torch.float64, dtype=torch.float32)
+    pool.load(a)
+    first = pool.load(b)  # a goes back, b fits whole
+    assert pool.load(b) is first and pool.stats()["b"].loads == 1
+    pool.load(a)  # b goes back
+    assert (pool.state(a), pool.state(b)) == ("whole", "host")
+    pool.close()
+
+
+def test_the_pool_is_in_the_undo_log_and_restore_takes_a_model_out() -> None:
+    model = blocks()
+    ids = identity_map(model)
+    pool = DevicePool("cpu", budget=WHOLE)
+    pool.add(model, name="m", storage_dtype=torch.float64, dtype=torch.float32)
+    pool.load(model)
+    assert [e.kind for e in torchsurgery.surgery_log(model)] == ["pool", "offload"]
+    torchsurgery.restore(model)
+    assert model not in pool and pool.models == []
+    assert identity_map(model) == ids and torchsurgery.surgery_log(model) == []
+    assert not model._forward_pre_hooks
+
+
+def test_an_offload_undone_from_outside_leaves_the_model_on_the_host() -> None:
+    pool = DevicePool("cpu", budget=WHOLE)
+    model = pool.add(blocks(), storage_dtype=torch.float64, dtype=torch.float32)
+    handle = pool.load(model)
+    handle.remove()
+    assert pool.state(model) == "host"
+    pool.load(model)
+    assert pool.state(model) == "whole"
+    pool.close()
+
+
+# ---------------------------------------------------------------------------
+# bad input: a clear error, and nothing changes
+
+
+def test_a_model_in_two_pools_is_refused() -> None:
+    first, second = DevicePool("cpu"), DevicePool("cpu")
+    model = first.add(blocks(), name="m")
+    with pytest.raises(ValueError, match="already in the pool of cpu as 'm'; a model belongs to one pool"):
+        second.add(model)
+    with pytest.raises(ValueError, match="already in this pool"):
+        first.add(model)
+    assert second.models == [] and [e.kind for e in torchsurgery.surgery_log(model)] == ["pool"]
+    first.close()
+
+
+def test_a_budget_below_what_a_model_needs_is_refused_naming_the_sizes() -> None:
+    pool = DevicePool("cpu", budget=BLOCK)
+    model = blocks()
+    with pytest.raises(ValueError, match=rf"{WHOLE} bytes whole, or {2 * BLOCK} bytes streamed"):
+        pool.add(model)
+    assert pool.models == [] and torchsurgery.surgery_log(model) == [] and not model._forward_pre_hooks
+
+
+def test_unknown_models_are_refused_naming_the_pool_s_models() -> None:
+    pool = DevicePool("cpu")
+    pool.add(blocks(), name="known")
+    for call in (pool.load, pool.unload, pool.discard, pool.state):
+        with pytest.raises(ValueError, match=r"not in the pool \(it holds \['known'\]\); add\(\) it first"):
+            call(blocks())
+    pool.close()
+
+
+def test_no_room_even_with_every_other_model_pushed_back_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = DevicePool("cpu", keep_free=1000)
+    a = pool.add(blocks(), name="a")
+    monkeypatch.setattr(pool_module, "_free_bytes", lambda device: 1000 + 10 * WHOLE)
+    pool.load(a)
+    b = pool.add(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), name="b")  # a group is larger than a
+    before = fingerprint(pool), identity_map(a), identity_map(b)
+    monkeypatch.setattr(pool_module, "_free_bytes", lambda device: 1000)  # a's WHOLE bytes are all there is
+    with pytest.raises(RuntimeError, match="'b' needs .* but only .* bytes can be made free"):
+        pool.load(b)
+    assert (fingerprint(pool), identity_map(a), identity_map(b)) == before
+    pool.close()
+
+
+def test_a_pool_whose_device_vanished_refuses_work_and_still_closes(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = DevicePool("cpu")
+    model = pool.add(blocks())
+    pool.load(model)
+    before = fingerprint(pool), identity_map(model)
+    monkeypatch.setattr(pool_module, "_device_gone", lambda device: "CUDA is not available")
+    with pytest.raises(RuntimeError, match="device cpu is gone .*call close\\(\\)"):
+        pool.load(model)
+    with pytest.raises(RuntimeError, match="is gone"):
+        pool.add(blocks())
+    assert identity_map(model) == before[1]
+    pool.close()
+    assert pool.models == [] and torchsurgery.surgery_log(model) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"device": "meta"}, "must be 'cpu' or a CUDA device"),
+        ({"device": "nonsense"}, "is not a device"),
+        ({"budget": -1}, "budget must be a number of bytes"),
+        ({"keep_free": 1.5}, "keep_free must be a number of bytes"),
+        ({"budget": 10, "keep_free": 10}, "not both"),
+    ],
+)
+def test_bad_pool_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DevicePool(**{"device": "cpu", **kwargs})
+
+
+def test_a_cuda_pool_without_cuda_is_refused() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        DevicePool("cuda")
+
+
+def test_a_taken_name_is_refused() -> None:
+    pool = DevicePool("cpu")
+    pool.add(blocks(), name="m")
+    with pytest.raises(ValueError, match="name 'm' is taken"):
+        pool.add(blocks(), name="m")
+    assert pool.add(blocks()) is not None and [s for s in pool.stats()] == ["m", "Sequential"]
+    pool.close()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_loaded_model_is_on_the_device_and_goes_back_exactly() -> None:
+    model = blocks().requires_grad_(False)
+    expected = model(X)
+    ids = identity_map(model)
+    pool = DevicePool("cuda", budget=3 * BLOCK)
+    pool.add(model)
+    pool.load(model)
+    torch.testing.assert_close(model(X.cuda()).cpu(), expected)
+    pool.close()
+    assert identity_map(model) == ids
