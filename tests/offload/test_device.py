@@ -297,6 +297,25 @@ def test_streaming_from_a_safetensors_file_through_the_staging_buffer(tmp_path: 
     assert all(p.is_meta for p in model.parameters())
 
 
+def test_groups_made_resident_by_the_planner_are_read_from_the_safetensors_file(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    reference = Blocks([8, 16, 32, 8, 16])
+    path = tmp_path / "blocks.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, path)
+    with torchsurgery.skeleton():
+        model = Blocks([8, 16, 32, 8, 16])
+    total = sum(p.numel() * 4 for p in reference.parameters())
+    # a slow link: every streamed group stalls, so the planner keeps what fits resident
+    with SimulatedDevice(seed=3, delay=(0.0, 1e-4), bandwidth=4e6) as sim, torch.no_grad():
+        handle = offload(model, sim, storage=path, budget=total - 1, prefetch=1)
+        for _ in range(3):
+            exact(model(X), reference(X))
+        assert handle.stats().resident_groups  # made resident after the first forward, from the file
+        handle.remove()
+    assert all(p.is_meta for p in model.parameters())  # back to the skeleton it was
+
+
 class _Stop(Exception):
     pass
 

@@ -209,9 +209,17 @@ class OffloadHandle:
         streamer = module.__dict__["_offload_streamer"]
         unpatch(module, _StreamedGroup, _internal=True)
         self._patched.remove(module)
-        for _, _, p, dtype in streamer.packed_entries + streamer.other_entries:
-            _swap_to(p, self.device, dtype)  # same object, now on the device in the compute dtype
         packed = self._transit.packed.pop(name, None)
+        values: dict[int, torch.Tensor] = {}
+        if packed is not None and packed.host is None:
+            # the group streams from the checkpoint file (its parameters are meta): read it once
+            buffer = torch.empty(packed.layout.nbytes, dtype=torch.uint8)
+            packed.fill(buffer)
+            views = unpack(buffer, packed.layout)
+            values = {id(p): v for (_, _, p, _), v in zip(streamer.packed_entries, views, strict=True)}
+        for _, _, p, dtype in streamer.packed_entries + streamer.other_entries:
+            # same object, now on the device in the compute dtype
+            _swap_to(p, self.device, dtype, data=values.get(id(p)))
         ring = self._transit.ring
         if ring is not None:
             ring.holding = [None if g is packed else g for g in ring.holding]
@@ -232,8 +240,15 @@ def _unpin(keys: list[int]) -> None:
         _undo.pinned.pop(key, None)
 
 
-def _swap_to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, pin: OffloadDevice | None = None) -> None:
-    data = tensor.detach().to(device=device, dtype=dtype, copy=True)
+def _swap_to(
+    tensor: torch.Tensor,
+    device: torch.device,
+    dtype: torch.dtype,
+    pin: OffloadDevice | None = None,
+    data: torch.Tensor | None = None,
+) -> None:
+    """Give ``tensor`` (same object) its values (or ``data``'s) on ``device`` in ``dtype``."""
+    data = (tensor if data is None else data).detach().to(device=device, dtype=dtype, copy=True)
     if pin is not None and data.device.type == "cpu":
         data = pin.pin(data)
     if type(tensor) in (torch.Tensor, nn.Parameter) and weakref.getweakrefs(tensor):
