@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from simulated_device import SimulatedDevice
 from torch import nn
 
 import torchsurgery
@@ -127,6 +128,44 @@ def test_default_groups_split_modules_that_are_never_called(groups: str) -> None
         with offload(model, storage_dtype=torch.float64, dtype=torch.float32, groups=groups):
             got = model(x)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+class _PatchEmbed(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x))
+
+
+class _BypassedForward(nn.Module):
+    """Calls a part of a piece that has a forward of its own (``self.embed.proj(x)``)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.embed = _PatchEmbed(d)
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed.proj(x)
+        for block in self.blocks:
+            x = block(x).relu()
+        return self.embed.norm(x)
+
+
+def test_default_groups_bring_in_parts_called_without_their_owner() -> None:
+    model = _BypassedForward()
+    assert {"embed.proj", "embed.norm"} <= set(find_groups(model, "blocks"))
+    x = torch.randn(2, 8)
+    largest = max(p.numel() * 4 for p in model.parameters())
+    # streamed groups are stored fp64 and brought in as fp32: a weight left out fails the matmul
+    with torch.no_grad(), SimulatedDevice(seed=1) as sim:
+        expected = model(x)
+        with offload(model, sim, storage_dtype=torch.float64, dtype=torch.float32, budget=4 * largest, prefetch=1):
+            got = model(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_an_explicit_group_that_is_never_called_is_refused_with_its_children() -> None:

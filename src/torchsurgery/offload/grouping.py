@@ -2,8 +2,9 @@
 
 ``"blocks"`` finds the repeated blocks of a model: the children of the longest
 ``nn.ModuleList``/``nn.Sequential`` whose children are all of one type (transformer
-layers, UNet blocks). Everything outside the blocks that holds weights is grouped by the
-top-level child it sits in. ``"leaves"`` makes every module that holds weights directly
+layers, UNet blocks). Outside the blocks every module that holds weights directly is a
+group (embeddings, norms, heads), so a model that calls a part of a piece rather than the
+piece (``self.x_embedder.proj(x)``) still brings the weights it uses in. ``"leaves"`` makes every module that holds weights directly
 a group. A list of qualified names gives full control.
 
 A group's weights come in when its module's ``forward`` runs, so a group must be a
@@ -85,7 +86,7 @@ def repeated_blocks(model: nn.Module) -> tuple[str, list[str]]:
 
 
 def _outside_groups(model: nn.Module, inside: set[str], container: str) -> list[str]:
-    """Top-level pieces that hold weights but are not inside the blocks."""
+    """The modules outside the blocks that hold weights directly."""
     groups: list[str] = []
 
     def visit(module: nn.Module, prefix: str) -> None:
@@ -98,8 +99,10 @@ def _outside_groups(model: nn.Module, inside: set[str], container: str) -> list[
                 if _holds_weights(child, False):
                     groups.append(name)
                 visit(child, f"{name}.")
-            elif _holds_weights(child, True):
-                groups.append(name)
+            else:
+                # every module holding weights, not the piece itself: a model may bypass a
+                # piece's forward and call its parts (``self.x_embedder.proj(x)``)
+                groups.extend(n for n, m in child.named_modules(prefix=name) if _holds_weights(m, False))
 
     visit(model, "")
     return groups
