@@ -569,7 +569,12 @@ def _install(
                 streamed.append((owner, pname, p, compute))
         if streamed:
             # pack what this group streams into one flat host buffer, the weights' only host copy
-            packable = [e for e in streamed if id(e[2]) not in packed_ids and type(e[2]) in (torch.Tensor, nn.Parameter)]
+            # a weight read from the file is read by every group that uses it (a tied weight is
+            # meta in between); one kept in host memory lives in the first group's buffer only
+            packable = [
+                e for e in streamed
+                if (handle._reader is not None or id(e[2]) not in packed_ids) and type(e[2]) in (torch.Tensor, nn.Parameter)
+            ]
             packed = None
             if packable and handle._reader is not None:
                 # the weights stay in the file: the parameters become meta (same objects)
