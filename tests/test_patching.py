@@ -491,6 +491,17 @@ def test_bad_input_is_refused_clearly() -> None:
         torchsurgery.unpatch(layer, Shifted)
     with pytest.raises(TypeError, match="from_existing"):
         Scaled(2, 2)
+    for fn in (torchsurgery.is_patched, torchsurgery.patches, torchsurgery.original_class):
+        with pytest.raises(TypeError, match=f"torchsurgery.{fn.__name__}: expected an nn.Module, got NoneType"):
+            fn(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="is_patched: expected a subclass of torchsurgery.Patch"):
+        torchsurgery.is_patched(layer, nn.Linear)  # type: ignore[arg-type]
+    model = nn.Sequential(nn.Linear(2, 2))
+    before = fingerprint(model)
+    with pytest.raises(TypeError, match="patched: targets must map selectors to patch classes.*got a list"):
+        with torchsurgery.patched(model, [Scaled]):  # type: ignore[arg-type]
+            pass
+    assert fingerprint(model) == before
 
 
 def test_patched_context_manager_by_glob_filter_and_name() -> None:

@@ -407,6 +407,9 @@ def is_patched(module: nn.Module, patch_cls: type[Patch] | None = None, /) -> bo
         >>> torchsurgery.is_patched(nn.Linear(2, 2))
         False
     """
+    _undo.check_module(module, "torchsurgery.is_patched")
+    if patch_cls is not None:
+        _check_patch_class(patch_cls, "is_patched")
     stack = patches(module)
     return bool(stack) if patch_cls is None else patch_cls in stack
 
@@ -420,6 +423,7 @@ def patches(module: nn.Module) -> list[type[Patch]]:
         >>> torchsurgery.patches(nn.ReLU())
         []
     """
+    _undo.check_module(module, "torchsurgery.patches")
     return [r.patch for r in _patch_records(module)]
 
 
@@ -433,6 +437,7 @@ def original_class(module: nn.Module) -> type[nn.Module]:
         >>> torchsurgery.original_class(torchsurgery.patch(nn.ReLU(), P)).__name__
         'ReLU'
     """
+    _undo.check_module(module, "torchsurgery.original_class")
     records = _patch_records(module)
     return records[0].original if records else type(module)
 
@@ -477,6 +482,11 @@ def patched(
         False
     """
     _undo.check_module(model, "torchsurgery.patched")
+    if not isinstance(targets, Mapping):
+        raise TypeError(
+            f"torchsurgery.patched: targets must map selectors to patch classes, e.g. "
+            f"{{'layers.*.mlp': MyPatch}}, got a {type(targets).__name__}: {targets!r}"
+        )
     plan: list[tuple[nn.Module, type[Patch]]] = []
     for selector, patch_cls in targets.items():
         _check_patch_class(patch_cls, "patched")

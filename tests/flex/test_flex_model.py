@@ -473,6 +473,11 @@ def test_bad_arguments_are_refused() -> None:
         flex.get_module_parameter("nope")
     with pytest.raises(TypeError, match="expected the loss tensor, got NoneType"):
         flex.backward(None)
+    with pytest.raises(ValueError, match="register_trainable_module: .*without '.', got 'a.b'; e.g. 'a_b'"):
+        flex.register_trainable_module("a.b", nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="create_hook_group: group_name must be a string other than 'all'"):
+        flex.create_hook_group("all", "")
+    assert len(flex.trainable_modules) == 0
     torch.testing.assert_close(flex.get_module_parameter("weight", (2, 2)), flex.module.weight.detach())
     flex.restore()
 

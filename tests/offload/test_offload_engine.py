@@ -355,7 +355,19 @@ def test_bad_input_is_refused_before_anything_changes() -> None:
         offload(model, device="tpu")
     with pytest.raises(TypeError, match="storage_dtype"):
         offload(model, storage_dtype=torch.int8)
+    with pytest.raises(TypeError, match="skip must be a filter \\(module, name\\) -> bool or None, got 5"):
+        offload(model, skip=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="pin_memory must be True, False or None.*'yes'"):
+        offload(model, pin_memory="yes")  # type: ignore[arg-type]
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pin_memory=True .* CUDA is not available"):
+            offload(model, pin_memory=True)
     assert identity_map(model) == ids
+    with torchsurgery.skeleton():
+        empty = mlp(2)
+    with pytest.raises(ValueError, match="on the meta device.*storage='model.safetensors'"):
+        offload(empty)
+    assert all(p.is_meta for p in empty.parameters()) and torchsurgery.surgery_log(empty) == []
     handle = offload(model)
     with pytest.raises(RuntimeError, match="already offloaded"):
         offload(model)

@@ -553,6 +553,12 @@ class FlexModel(nn.Module):
         """Expose ``module`` to every editing function as ``modules[name]``."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"torchsurgery.FlexModel.register_trainable_module: expected an nn.Module, got {module!r}")
+        if not isinstance(name, str) or not name or "." in name:
+            raise ValueError(
+                f"torchsurgery.FlexModel.register_trainable_module: the name is the key editing functions "
+                f"read (modules[name]) and must be a non-empty string without '.', got {name!r}; "
+                f"e.g. {str(name).replace('.', '_') or 'probe'!r}"
+            )
         self._runtime.routing.prepare_trainable(module)
         self.trainable_modules[name] = module
 
@@ -587,6 +593,11 @@ class FlexModel(nn.Module):
             ValueError: the string matches nothing (near matches listed), or a bad hook type.
         """
         what = "torchsurgery.FlexModel.create_hook_group"
+        if not isinstance(group_name, str) or group_name == "all":
+            raise ValueError(
+                f"{what}: group_name must be a string other than 'all' (the built-in group every hook "
+                f"is in), got {group_name!r}; choose another name"
+            )
         if hook_type not in HOOK_TYPES:
             raise ValueError(f"{what}: hook_type must be one of {HOOK_TYPES}, got {hook_type!r}")
         if isinstance(group_constructor, str):
