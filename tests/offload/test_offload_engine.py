@@ -357,6 +357,8 @@ def test_bad_input_is_refused_before_anything_changes() -> None:
         offload(model, storage_dtype=torch.int8)
     with pytest.raises(TypeError, match="skip must be a filter \\(module, name\\) -> bool or None, got 5"):
         offload(model, skip=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="groups must be 'blocks', 'leaves' or a list of module names, got None"):
+        offload(model, groups=None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="pin_memory must be True, False or None.*'yes'"):
         offload(model, pin_memory="yes")  # type: ignore[arg-type]
     if not torch.cuda.is_available():

@@ -617,18 +617,23 @@ class FlexModel(nn.Module):
         elif isinstance(group_constructor, HookFunction):
             hooks = [group_constructor]
         else:
-            hooks = list(group_constructor)
+            hooks = list(group_constructor) if isinstance(group_constructor, Iterable) else [group_constructor]
+            if not all(isinstance(h, HookFunction) for h in hooks):
+                raise TypeError(
+                    f"{what}: group_constructor must be a module-name pattern, a HookFunction or several, "
+                    f"got {group_constructor!r}"
+                )
         registered = {b.hook for b in self._bindings}
         for hook in hooks:
             if hook not in registered:
                 self._register(hook, hook_type)
-        self._groups.add(hooks, group_name)
+        self._groups.add(hooks, group_name, what)
         return hooks
 
     def update_hook_groups(self, group_constructor: str | HookFunction | Iterable[HookFunction], group_name: str) -> None:
         """Add registered hook functions (given, or matched by module name) to ``group_name``."""
         what = "torchsurgery.FlexModel.update_hook_groups"
-        self._groups.add(self._groups.select(group_constructor, what), group_name)
+        self._groups.add(self._groups.select(group_constructor, what), group_name, what)
 
     def remove_hook_groups(self, group_constructor: str | HookFunction | Iterable[HookFunction], group_name: str) -> None:
         """Take hook functions (given, or matched by module name) out of ``group_name``."""
@@ -641,6 +646,10 @@ class FlexModel(nn.Module):
 
     def get_hook_function_groups(self, hook_function: HookFunction) -> set[str]:
         """The groups ``hook_function`` belongs to."""
+        if not isinstance(hook_function, HookFunction):
+            raise TypeError(
+                f"torchsurgery.FlexModel.get_hook_function_groups: expected a HookFunction, got {hook_function!r}"
+            )
         return self._groups.groups_of(hook_function)
 
     # ------------------------------------------------------------ parameters
@@ -652,6 +661,8 @@ class FlexModel(nn.Module):
             ValueError: unknown parameter (near names listed) or a shape mismatch.
         """
         what = "torchsurgery.FlexModel.get_module_parameter"
+        if not isinstance(parameter_name, str):
+            raise TypeError(f"{what}: expected a parameter name such as 'fc1.weight', got {parameter_name!r}")
         params = dict(unwrap(self.module).named_parameters())
         if parameter_name not in params:
             message = no_match_message(what, parameter_name, list(params)).replace("submodule", "parameter")
