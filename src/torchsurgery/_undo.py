@@ -207,18 +207,20 @@ def snapshot(module: nn.Module) -> Snapshot:
     tensors = []
     by_storage: dict[int, list[torch.Tensor]] = {}
     seen: set[int] = set()
+    flags: list[tuple[nn.Parameter, bool]] = []
     for m, _ in modules:
-        for t in [*m._parameters.values(), *m._buffers.values()]:
+        for is_param, t in [*((True, p) for p in m._parameters.values()), *((False, b) for b in m._buffers.values())]:
             if t is None or id(t) in seen:
                 continue
             seen.add(id(t))
+            if is_param:
+                flags.append((t, t.requires_grad))  # type: ignore[arg-type]
             alias = t.detach()
             hooks = {a: (dict(h) if isinstance(h := getattr(t, a, None), dict) else None) for a in _TENSOR_HOOKS}
             tensors.append((t, alias, _layout(t), hooks))
             key = _storage_key(t)
             if key is not None:
                 by_storage.setdefault(key, []).append(alias)
-    flags = [(p, p.requires_grad) for p in module.parameters()]
     return Snapshot(module, modules, flags, tensors, by_storage)
 
 

@@ -221,9 +221,9 @@ def _outside_the_change_set(
                 f"applied {added[0].describe()} to a module below it; surgery inside __patch_init__ "
                 "cannot be undone with the patch, so apply it separately, before or after"
             )
-    names = {id(m): name for name, m in module.named_modules()}
     for child, was in state.modules[1:]:
         if type(child) is not was.cls:
+            names = {id(m): name for name, m in module.named_modules()}
             return (
                 f"changed the class of {names.get(id(child), 'a submodule')!r} from {was.cls.__qualname__} "
                 f"to {type(child).__qualname__}; patch that module with its own patch instead"
@@ -296,7 +296,7 @@ def patch(module: M, patch_cls: type[Patch], /, *args: Any, **kwargs: Any) -> M:
         )
     new_cls = _compose(patch_cls, before)  # may raise TypeError (MRO) before any change
     state = _undo.snapshot(module)
-    logs = [(m, _undo.records(m)) for m in module.modules()]
+    logs = [(m, _undo.records(m)) for m, _ in state.modules]
     module.__class__ = new_cls  # type: ignore[assignment]
     try:
         with _undo.tracking_writes(state):
