@@ -715,3 +715,17 @@ def test_what_a_patch_cannot_undo_is_refused_and_left_as_it_was(factory: Any, pa
     assert_same_state(state(module), values)
     assert torchsurgery.surgery_log(module) == []
     torchsurgery.restore(module)  # nothing stuck in the log
+
+
+class PatchesItself(Patch, nn.Linear):
+    def __patch_init__(self) -> None:
+        Shifted.from_existing(self)
+
+
+def test_a_patch_applying_another_patch_to_its_own_module_is_refused() -> None:
+    layer = Scaled.from_existing(nn.Linear(2, 2))
+    before = fingerprint(layer)
+    with pytest.raises(RuntimeError, match="torchsurgery.patch: the module's class is PatchesItself"):
+        torchsurgery.patch(layer, PatchesItself)
+    assert fingerprint(layer) == before and torchsurgery.patches(layer) == [Scaled]
+    assert type(torchsurgery.unpatch(layer)) is nn.Linear

@@ -182,7 +182,6 @@ class Snapshot:
     are copied only when a :func:`tracking_writes` block is about to write to it.
     """
 
-    root: nn.Module
     modules: list[tuple[nn.Module, _ModuleState]]
     grad_flags: list[tuple[nn.Parameter, bool]]
     tensors: list[tuple[torch.Tensor, torch.Tensor, tuple[Any, ...], dict[str, dict[Any, Any] | None]]]
@@ -221,7 +220,7 @@ def snapshot(module: nn.Module) -> Snapshot:
             key = _storage_key(t)
             if key is not None:
                 by_storage.setdefault(key, []).append(alias)
-    return Snapshot(module, modules, flags, tensors, by_storage)
+    return Snapshot(modules, flags, tensors, by_storage)
 
 
 class _WriteTracker(TorchDispatchMode):

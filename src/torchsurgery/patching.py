@@ -239,7 +239,10 @@ def _put_back(
     for child, log in reversed(logs):
         for record in reversed(_undo.records(child)):
             if record not in log:
-                record.undo(child)
+                try:
+                    record.undo(child)
+                except Exception:  # e.g. a patch of the module itself: the diff below puts all back
+                    _undo.remove(child, record)
     _undo.diff(state, module).revert(module)
     module.__class__ = before
 
