@@ -58,7 +58,7 @@ class HookGroups:
             raise ValueError(f"{what}: {unknown[:3]!r} are not registered with this FlexModel; register them first")
         return chosen
 
-    def add(self, hooks: Iterable[HookFunction], group: str, what: str) -> None:
+    def add(self, hooks: Iterable[HookFunction], group: str, what: str = "torchsurgery.FlexModel") -> None:
         if not isinstance(group, str):
             raise TypeError(f"{what}: a group name is a string, got {group!r}")
         self._declared.add(group)
