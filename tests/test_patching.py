@@ -491,6 +491,17 @@ def test_bad_input_is_refused_clearly() -> None:
         torchsurgery.unpatch(layer, Shifted)
     with pytest.raises(TypeError, match="from_existing"):
         Scaled(2, 2)
+    for fn in (torchsurgery.is_patched, torchsurgery.patches, torchsurgery.original_class):
+        with pytest.raises(TypeError, match=f"torchsurgery.{fn.__name__}: expected an nn.Module, got NoneType"):
+            fn(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="is_patched: expected a subclass of torchsurgery.Patch"):
+        torchsurgery.is_patched(layer, nn.Linear)  # type: ignore[arg-type]
+    model = nn.Sequential(nn.Linear(2, 2))
+    before = fingerprint(model)
+    with pytest.raises(TypeError, match="patched: targets must map selectors to patch classes.*got a list"):
+        with torchsurgery.patched(model, [Scaled]):  # type: ignore[arg-type]
+            pass
+    assert fingerprint(model) == before
 
 
 def test_patched_context_manager_by_glob_filter_and_name() -> None:
@@ -611,3 +622,110 @@ def test_random_patch_and_unpatch_sequences_undo_exactly(
     assert_same_state(state(tree), values)
     for m in linears:
         torch.testing.assert_close(m(x), reference[id(m)])
+
+
+# ---------------------------------------------------------------------------
+# A patch's change set covers its whole subtree
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.norm = nn.LayerNorm(3)
+        self.register_buffer("scale", torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x)) * self.scale
+
+
+class ReachesBelow(Patch, Block):
+    """Changes children's hooks, parameters, buffers, values and storage, then maybe fails."""
+
+    def __patch_init__(self, fail: bool = False) -> None:
+        self.fc.register_forward_hook(lambda m, i, o: o * 0)
+        self.fc.weight.register_hook(lambda g: g * 0)
+        self.norm.bias = nn.Parameter(torch.full((3,), 5.0))
+        self.norm.register_buffer("extra", torch.zeros(1))
+        with torch.no_grad():
+            self.fc.weight.mul_(3)        # in place, seen by autograd's version counter
+            self.fc.bias.data.fill_(7.0)  # through .data, which the version counter misses
+            self.scale[0] = -1.0          # through a view
+        self.norm.weight.data = torch.zeros(3)  # the storage itself replaced
+        self.fc.training = False
+        if fail:
+            raise KeyError("boom below")
+
+
+def _block_state(block: nn.Module) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[int]]:
+    hooks = [len(p._backward_hooks or {}) for p in block.parameters()]
+    return fingerprint(block), state(block), hooks
+
+
+@pytest.mark.parametrize("how", ["fails", "unpatched", "restored"])
+def test_changes_below_the_patched_module_are_undone(how: str) -> None:
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(2, 3)
+    before, expected = _block_state(block), block(x)
+    if how == "fails":
+        with pytest.raises(KeyError, match="boom below"):
+            torchsurgery.patch(block, ReachesBelow, fail=True)
+    else:
+        torchsurgery.patch(block, ReachesBelow)
+        assert float(block.fc.bias[0].detach()) == 7.0 and len(block.fc._forward_hooks) == 1
+        if how == "unpatched":
+            torchsurgery.unpatch(block)
+        else:
+            torchsurgery.restore(block)
+    after = _block_state(block)
+    assert after[0] == before[0] and after[2] == before[2]
+    assert_same_state(after[1], before[1])
+    torch.testing.assert_close(block(x), expected, rtol=0, atol=0)
+
+
+class ChangesClass(Patch, nn.Linear):
+    def __patch_init__(self) -> None:
+        self.__class__ = nn.Linear
+
+
+class ChangesChildClass(Patch, Block):
+    def __patch_init__(self) -> None:
+        self.fc.__class__ = MyLinear
+
+
+class PatchesChild(Patch, Block):
+    def __patch_init__(self) -> None:
+        Scaled.from_existing(self.fc)
+
+
+@pytest.mark.parametrize(
+    ("factory", "patch_cls", "message"),
+    [
+        (lambda: nn.Linear(2, 2), ChangesClass, "changed the module's class to Linear; a patch never changes"),
+        (Block, ChangesChildClass, "changed the class of 'fc' from Linear to MyLinear"),
+        (Block, PatchesChild, "applied patch Scaled to a module below it"),
+    ],
+)
+def test_what_a_patch_cannot_undo_is_refused_and_left_as_it_was(factory: Any, patch_cls: Any, message: str) -> None:
+    module = factory()
+    before, values = fingerprint(module), state(module)
+    with pytest.raises(RuntimeError, match=message):
+        torchsurgery.patch(module, patch_cls)
+    assert fingerprint(module) == before
+    assert_same_state(state(module), values)
+    assert torchsurgery.surgery_log(module) == []
+    torchsurgery.restore(module)  # nothing stuck in the log
+
+
+class PatchesItself(Patch, nn.Linear):
+    def __patch_init__(self) -> None:
+        Shifted.from_existing(self)
+
+
+def test_a_patch_applying_another_patch_to_its_own_module_is_refused() -> None:
+    layer = Scaled.from_existing(nn.Linear(2, 2))
+    before = fingerprint(layer)
+    with pytest.raises(RuntimeError, match="torchsurgery.patch: the module's class is PatchesItself"):
+        torchsurgery.patch(layer, PatchesItself)
+    assert fingerprint(layer) == before and torchsurgery.patches(layer) == [Scaled]
+    assert type(torchsurgery.unpatch(layer)) is nn.Linear

@@ -212,7 +212,10 @@ def test_convert_bad_arguments() -> None:
         convert_(layer, dtype=torch.float64, optimizer=object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="nn.Module"):
         convert_("layer", dtype=torch.float64)  # type: ignore[type-var]
-    assert layer.weight.dtype == torch.float32
+    for device in ("mps", "xpu"):  # devices this build has no backend for
+        with pytest.raises(ValueError, match=f"convert_: device '{device}' is not available here"):
+            convert_(layer, device=device)
+    assert layer.weight.dtype == torch.float32 and layer.weight.device.type == "cpu"
 
 
 def test_convert_undoes_swaps_done_before_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -495,7 +498,7 @@ def _write_raw_safetensors(path: Path, header: dict[str, Any], data: bytes) -> N
 
 @pytest.mark.parametrize(
     "case",
-    ["truncated", "huge_size", "overlap", "bad_dtype", "not_utf8", "huge_header", "size_mismatch"],
+    ["truncated", "huge_size", "overlap", "bad_dtype", "not_utf8", "huge_header", "size_mismatch", "deep_nesting"],
 )
 def test_crafted_or_damaged_safetensors_is_rejected_and_module_untouched(tmp_path: Path, case: str) -> None:
     path = tmp_path / f"{case}.safetensors"
@@ -522,6 +525,9 @@ def test_crafted_or_damaged_safetensors_is_rejected_and_module_untouched(tmp_pat
     elif case == "size_mismatch":
         good["bias"]["shape"] = [3]
         _write_raw_safetensors(path, good, data)
+    elif case == "deep_nesting":  # deeper than Python's JSON parser recurses
+        raw = b'{"w":' * 100_000 + b"1" + b"}" * 100_000
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw)
     with skeleton():
         meta = nn.Linear(2, 2)
     for model in (nn.Linear(2, 2), meta):  # read in place, or mapped / copied into a skeleton
@@ -543,6 +549,16 @@ def test_unknown_sources_are_refused(tmp_path: Path) -> None:
         load_(model, 42)
     with pytest.raises(TypeError, match="names \\(str\\) to tensors"):
         load_(model, {"weight": [1.0]})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match="load_: .*pipe.safetensors is not a regular file"):
+        load_(model, fifo)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"weight": 5, "bias": 5}}))
+    with pytest.raises(CheckpointError, match="shard 5 is not a file next to the index"):
+        load_(model, tmp_path / "model.safetensors.index.json")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
 
 
 # ---------------------------------------------------------------------------

@@ -6,7 +6,7 @@ random surgery to it, checks after every step that the model computes what the a
 surgery should give (against an independent reference forward), and at the end undoes
 everything with ``torchsurgery.restore`` and compares with a snapshot taken at the start.
 
-``TORCHSURGERY_HYPOTHESIS_EXAMPLES`` raises the number of examples for a long run.
+300 examples run by default (about 20-30 s); ``TORCHSURGERY_HYPOTHESIS_EXAMPLES=5000`` is the long run.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 import torchsurgery
 from torchsurgery import Patch
 
-EXAMPLES = int(os.environ.get("TORCHSURGERY_HYPOTHESIS_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("TORCHSURGERY_HYPOTHESIS_EXAMPLES", "300"))
 DIM = 4
 
 
@@ -133,8 +133,16 @@ class Freeze(Patch, nn.Module):
 
 
 class Broken(Patch, nn.Module):
+    """Changes its whole subtree (values, hooks, buffers, grad flags), then fails."""
+
     def __patch_init__(self) -> None:
         self.half_done = nn.Parameter(torch.zeros(1))
+        for module in self.modules():
+            module.register_forward_hook(lambda m, args, out: out)
+            module.register_buffer("stray", torch.ones(1))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.mul_(3.0)
         self.requires_grad_(False)
         raise RuntimeError("injected failure in __patch_init__")
 
@@ -232,11 +240,16 @@ class SurgeryMachine(RuleBasedStateMachine):
 
     @rule(which=st.integers(0, 100))
     def failing_patch_changes_nothing(self, which: int) -> None:
-        leaf = self.leaves[which % len(self.leaves)]
-        before = fingerprint(self.model)
+        modules = list(self.model.modules())  # containers too: the failure reaches below them
+        module = modules[which % len(modules)]
+        before, values = fingerprint(self.model), state_values(self.model)
         with pytest.raises(RuntimeError, match="injected failure"):
-            torchsurgery.patch(leaf, Broken)
+            torchsurgery.patch(module, Broken)
         assert fingerprint(self.model) == before
+        now = state_values(self.model)
+        assert now.keys() == values.keys()
+        for k in now:
+            assert torch.equal(now[k], values[k]), k
 
     @precondition(lambda self: any(torchsurgery.is_patched(m) for m in self.leaves))
     @rule(which=st.integers(0, 100), pick=st.integers(0, 3))

@@ -164,6 +164,8 @@ def _parse_header(path: Path, f: BinaryIO) -> dict[str, _Located]:
         header = json.loads(f.read(header_len).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: the safetensors header is not valid UTF-8 JSON ({exc})") from exc
+    except RecursionError as exc:  # crafted: a header nested deeper than Python's parser goes
+        raise CheckpointError(f"{path}: the safetensors header is nested too deeply to be one") from exc
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
     data_start = 8 + header_len
@@ -448,9 +450,10 @@ def _index_shards(index: Path) -> list[Path]:
         raise CheckpointError(f"{index}: not a valid sharded-checkpoint index ({exc})") from exc
     shards = []
     for name in files:
-        shard = (index.parent / name).resolve()
-        if not isinstance(name, str) or shard.parent != index.parent.resolve():
+        if not isinstance(name, str) or (shard := (index.parent / name).resolve()).parent != index.parent.resolve():
             raise CheckpointError(f"{index}: shard {name!r} is not a file next to the index")
+        if shard.exists() and not shard.is_file():
+            raise CheckpointError(f"{index}: shard {name!r} is not a regular file (a pipe, socket or device)")
         if not shard.is_file():
             raise CheckpointError(f"{index}: shard {name!r} is missing")
         shards.append(shard)
@@ -478,6 +481,11 @@ def open_source(source: Any, what: str) -> Source:
             if (path / candidate).is_file():
                 return open_source(path / candidate, what)
         raise FileNotFoundError(f"{what}: {path} holds no model.safetensors(.index.json) or pytorch_model.bin")
+    if path.exists() and not path.is_file():
+        raise CheckpointError(
+            f"{what}: {path} is not a regular file (a pipe, socket or device); checkpoints are read "
+            "by offset, so save it to a file first"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"{what}: no such checkpoint file: {path}")
     if path.name.endswith(".index.json"):

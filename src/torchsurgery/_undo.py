@@ -13,6 +13,7 @@ is then exact even for user code (a patch's ``__patch_init__``) that we do not s
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _LOG_KEY = "_torchsurgery_log"
 
@@ -56,7 +58,7 @@ def _same(a: Any, b: Any) -> bool:
 
 @dataclass
 class ChangeSet:
-    """What one surgery changed on one module, with the values needed to undo it.
+    """What one surgery changed in the subtree of one module, with the values to undo it.
 
     Attributes:
         attrs: ``__dict__`` key -> ``(old, new)``; ``old`` is :data:`MISSING` for an
@@ -66,11 +68,26 @@ class ChangeSet:
             attribute -> {key -> ``(old, new)``}. Set members map to ``(True/MISSING, ...)``.
         grad_flags: ``(parameter, old_requires_grad, new_requires_grad)`` for every
             parameter of the subtree whose flag changed.
+        below: ``(submodule, its own ChangeSet)`` for every submodule (found before the
+            surgery) whose attributes, parameters, buffers, hooks or class changed.
+        classes: ``(old_class, new_class)`` of the module's own class when it changed
+            (only submodules' change sets carry one: a patch never changes its own).
+        values: ``(alias, copy)``: a tensor of the subtree written in place, as an alias of
+            its storage, and a copy of what it held before the first write.
+        storage: ``(tensor, alias)``: a tensor of the subtree whose ``.data`` was replaced,
+            and an alias of the storage it had.
+        tensor_hooks: ``(tensor, attribute, key, old, new)`` for hooks registered on or
+            removed from the subtree's parameters and buffers themselves.
     """
 
     attrs: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     entries: dict[str, dict[Any, tuple[Any, Any]]] = field(default_factory=dict)
     grad_flags: list[tuple[nn.Parameter, bool, bool]] = field(default_factory=list)
+    below: list[tuple[nn.Module, ChangeSet]] = field(default_factory=list)
+    classes: tuple[type, type] | None = None
+    values: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    storage: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    tensor_hooks: list[tuple[torch.Tensor, str, Any, Any, Any]] = field(default_factory=list)
 
     def keys(self) -> set[tuple[str, Any]]:
         """Every place this change set touched, as comparable keys."""
@@ -78,6 +95,13 @@ class ChangeSet:
         for name, changes in self.entries.items():
             touched.update(("entry", (name, k)) for k in changes)
         touched.update(("grad", id(p)) for p, _, _ in self.grad_flags)
+        for child, own in self.below:
+            touched.update(("below", (id(child), key)) for key in own.keys())
+            if own.classes is not None:
+                touched.add(("class", id(child)))
+        touched.update(("value", alias.untyped_storage().data_ptr()) for alias, _ in self.values)
+        touched.update(("value", id(t)) for t, _ in self.storage)
+        touched.update(("tensor_hook", (id(t), a, k)) for t, a, k, _, _ in self.tensor_hooks)
         return touched
 
     def revert(self, module: nn.Module) -> None:
@@ -102,21 +126,70 @@ class ChangeSet:
                 d.pop(key, None)
             else:
                 d[key] = old
+        for child, own in self.below:
+            own.revert(child)
+            if own.classes is not None:
+                child.__class__ = own.classes[0]
         for param, old_flag, _ in self.grad_flags:
             param.requires_grad_(old_flag)
+        with torch.no_grad():
+            for alias, copy in self.values:
+                alias.copy_(copy)
+        for tensor, alias in self.storage:
+            tensor.data = alias
+        for tensor, attr, key, old, _ in self.tensor_hooks:
+            hooks = getattr(tensor, attr, None)
+            if hooks is None:
+                continue
+            if old is MISSING:
+                hooks.pop(key, None)
+            else:
+                hooks[key] = old
+
+
+_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """The address of the memory ``tensor`` views, where it has values to keep."""
+    if tensor.device.type == "meta" or tensor.numel() == 0:
+        return None
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass has no storage
+        return None
+
+
+def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What ``tensor.data = other`` changes (its memory, shape and placement)."""
+    if tensor.layout is not torch.strided:
+        return (tensor.layout, tensor.shape, tensor.dtype, tensor.device)
+    return (_storage_key(tensor), tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype, tensor.device)
+
+
+@dataclass
+class _ModuleState:
+    cls: type
+    attrs: dict[str, Any]
+    containers: dict[str, dict[Any, Any] | set[Any]]
 
 
 @dataclass
 class Snapshot:
-    """A shallow picture of a module, diffed later into a :class:`ChangeSet`."""
+    """A shallow picture of a module's subtree, diffed later into a :class:`ChangeSet`.
 
-    attrs: dict[str, Any]
-    containers: dict[str, dict[Any, Any] | set[Any]]
+    Nothing is copied but containers: tensors are kept as aliases, and the values of one
+    are copied only when a :func:`tracking_writes` block is about to write to it.
+    """
+
+    modules: list[tuple[nn.Module, _ModuleState]]
     grad_flags: list[tuple[nn.Parameter, bool]]
+    tensors: list[tuple[torch.Tensor, torch.Tensor, tuple[Any, ...], dict[str, dict[Any, Any] | None]]]
+    by_storage: dict[int, list[torch.Tensor]]
+    written: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
 
-def snapshot(module: nn.Module) -> Snapshot:
-    """Take a shallow picture of ``module`` (its ``__dict__`` and the subtree's grad flags)."""
+def _module_state(module: nn.Module) -> _ModuleState:
     attrs = {k: v for k, v in module.__dict__.items() if k != _LOG_KEY}
     containers: dict[str, dict[Any, Any] | set[Any]] = {}
     for key, value in attrs.items():
@@ -124,12 +197,67 @@ def snapshot(module: nn.Module) -> Snapshot:
             containers[key] = dict(value)
         elif isinstance(value, set):
             containers[key] = set(value)
-    flags = [(p, p.requires_grad) for p in module.parameters()]
-    return Snapshot(attrs, containers, flags)
+    return _ModuleState(type(module), attrs, containers)
 
 
-def diff(before: Snapshot, module: nn.Module) -> ChangeSet:
-    """Everything that changed on ``module`` since ``before`` was taken."""
+def snapshot(module: nn.Module) -> Snapshot:
+    """Take a shallow picture of ``module`` and every module, parameter and buffer below it."""
+    modules = [(m, _module_state(m)) for m in module.modules()]
+    tensors = []
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    seen: set[int] = set()
+    flags: list[tuple[nn.Parameter, bool]] = []
+    for m, _ in modules:
+        for is_param, t in [*((True, p) for p in m._parameters.values()), *((False, b) for b in m._buffers.values())]:
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            if is_param:
+                flags.append((t, t.requires_grad))  # type: ignore[arg-type]
+            alias = t.detach()
+            hooks = {a: (dict(h) if isinstance(h := getattr(t, a, None), dict) else None) for a in _TENSOR_HOOKS}
+            tensors.append((t, alias, _layout(t), hooks))
+            key = _storage_key(t)
+            if key is not None:
+                by_storage.setdefault(key, []).append(alias)
+    return Snapshot(modules, flags, tensors, by_storage)
+
+
+class _WriteTracker(TorchDispatchMode):
+    """Copies a snapshotted tensor's values just before the first in-place write to them."""
+
+    def __init__(self, state: Snapshot) -> None:
+        super().__init__()
+        self.state = state
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        schema = func._schema
+        if schema.is_mutable:
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+                for tensor in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(tensor, torch.Tensor):
+                        self._keep(tensor)
+        return func(*args, **kwargs)
+
+    def _keep(self, tensor: torch.Tensor) -> None:
+        key = _storage_key(tensor)
+        if key is None or key in self.state.written or key not in self.state.by_storage:
+            return
+        self.state.written[key] = [(alias, alias.clone()) for alias in self.state.by_storage[key]]
+
+
+@contextlib.contextmanager
+def tracking_writes(state: Snapshot) -> Iterator[None]:
+    """Within the block, tensors of ``state`` written in place have their values kept first."""
+    with _WriteTracker(state):
+        yield
+
+
+def _diff_module(before: _ModuleState, module: nn.Module) -> ChangeSet:
     now = {k: v for k, v in module.__dict__.items() if k != _LOG_KEY}
     changes = ChangeSet()
     for key in before.attrs.keys() | now.keys():
@@ -154,9 +282,39 @@ def diff(before: Snapshot, module: nn.Module) -> ChangeSet:
                     entry_changes[k] = (o, n)
         if entry_changes:
             changes.entries[key] = entry_changes
+    if type(module) is not before.cls:
+        changes.classes = (before.cls, type(module))
+    return changes
+
+
+def diff(before: Snapshot, module: nn.Module) -> ChangeSet:
+    """Everything that changed in ``module``'s subtree since ``before`` was taken.
+
+    The module's own class is not compared (a patch changes it on purpose); the
+    classes of the modules below it are.
+    """
+    (_, own), *rest = before.modules
+    changes = _diff_module(own, module)
+    changes.classes = None
+    for child, state in rest:
+        below = _diff_module(state, child)
+        if below.attrs or below.entries or below.classes is not None:
+            changes.below.append((child, below))
     for param, flag in before.grad_flags:
         if param.requires_grad != flag:
             changes.grad_flags.append((param, flag, param.requires_grad))
+    for pairs in before.written.values():
+        changes.values.extend(pairs)
+    for tensor, alias, layout, hooks in before.tensors:
+        if _layout(tensor) != layout:
+            changes.storage.append((tensor, alias))
+        for attr, was in hooks.items():
+            cur = getattr(tensor, attr, None)
+            was, cur = was or {}, cur if isinstance(cur, dict) else {}
+            for k in was.keys() | cur.keys():
+                o, n = was.get(k, MISSING), cur.get(k, MISSING)
+                if not _same(o, n):
+                    changes.tensor_hooks.append((tensor, attr, k, o, n))
     return changes
 
 
@@ -198,6 +356,13 @@ def pinned_in(changes: ChangeSet) -> str | None:
             for tensor in (old, new):
                 if tensor is not MISSING and id(tensor) in pinned:
                     return pinned[id(tensor)]
+    for tensor, _ in changes.storage:
+        if id(tensor) in pinned:
+            return pinned[id(tensor)]
+    for _, below in changes.below:
+        holder = pinned_in(below)
+        if holder:
+            return holder
     return None
 
 

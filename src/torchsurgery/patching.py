@@ -126,9 +126,14 @@ class Patch(nn.Module):
         """Set up the patch on the existing instance (add parameters, freeze weights...).
 
         Runs with ``self`` already of the patched class. Whatever it changes on ``self``
-        (attributes, parameters, buffers, submodules, hooks) and the ``requires_grad``
-        flags it changes anywhere below ``self`` are undone by :func:`unpatch`. If it
-        raises, the module is left exactly as it was and the exception propagates.
+        or on any module below it (attributes, parameters, buffers, submodules, module
+        hooks, hooks on the parameters themselves, ``requires_grad`` flags, values written
+        in place, storage replaced through ``.data``) is undone by :func:`unpatch`; values
+        are copied just before their first in-place write, so only what it writes costs
+        memory. If it raises, the module is left exactly as it was and the exception
+        propagates. What a patch could not undo is refused the same way, with a
+        ``RuntimeError``: changing ``__class__`` (of ``self`` or of a module below) and
+        applying other surgery (another patch, an offload) below ``self``.
         """
 
     @classmethod
@@ -237,6 +242,49 @@ def _check_class_intact(module: nn.Module, records: list[PatchRecord], what: str
         )
 
 
+def _outside_the_change_set(
+    module: nn.Module, new_cls: type[nn.Module], state: _undo.Snapshot,
+    logs: list[tuple[nn.Module, list[_undo.Record]]],
+) -> str | None:
+    """What ``__patch_init__`` did that its patch could not undo, if anything."""
+    if type(module) is not new_cls:
+        return (
+            f"changed the module's class to {type(module).__qualname__}; a patch never changes "
+            "__class__ itself (its class is the patch), so override methods in the patch instead"
+        )
+    for child, log in logs:
+        added = [r for r in _undo.records(child) if r not in log]
+        if added:
+            return (
+                f"applied {added[0].describe()} to a module below it; surgery inside __patch_init__ "
+                "cannot be undone with the patch, so apply it separately, before or after"
+            )
+    for child, was in state.modules[1:]:
+        if type(child) is not was.cls:
+            names = {id(m): name for name, m in module.named_modules()}
+            return (
+                f"changed the class of {names.get(id(child), 'a submodule')!r} from {was.cls.__qualname__} "
+                f"to {type(child).__qualname__}; patch that module with its own patch instead"
+            )
+    return None
+
+
+def _put_back(
+    module: nn.Module, before: type[nn.Module], state: _undo.Snapshot,
+    logs: list[tuple[nn.Module, list[_undo.Record]]],
+) -> None:
+    """Undo a failed or refused ``__patch_init__``: surgery it did below, its changes, the class."""
+    for child, log in reversed(logs):
+        for record in reversed(_undo.records(child)):
+            if record not in log:
+                try:
+                    record.undo(child)
+                except Exception:  # e.g. a patch of the module itself: the diff below puts all back
+                    _undo.remove(child, record)
+    _undo.diff(state, module).revert(module)
+    module.__class__ = before
+
+
 def patch(module: M, patch_cls: type[Patch], /, *args: Any, **kwargs: Any) -> M:
     """Apply ``patch_cls`` to ``module`` in place and return ``module``.
 
@@ -289,22 +337,22 @@ def patch(module: M, patch_cls: type[Patch], /, *args: Any, **kwargs: Any) -> M:
         )
     new_cls = _compose(patch_cls, before)  # may raise TypeError (MRO) before any change
     state = _undo.snapshot(module)
+    logs = [(m, _undo.records(m)) for m, _ in state.modules]
     module.__class__ = new_cls  # type: ignore[assignment]
     try:
-        patch_cls.__patch_init__(module, *args, **kwargs)  # type: ignore[arg-type]
+        with _undo.tracking_writes(state):
+            patch_cls.__patch_init__(module, *args, **kwargs)  # type: ignore[arg-type]
     except BaseException:
-        _undo.diff(state, module).revert(module)
-        module.__class__ = before
+        _put_back(module, before, state, logs)
         raise
+    problem = _outside_the_change_set(module, new_cls, state, logs)
     changes = _undo.diff(state, module)
     holder = _undo.pinned_in(changes)
     if holder:
-        changes.revert(module)
-        module.__class__ = before
-        raise RuntimeError(
-            f"torchsurgery.patch: {patch_cls.__qualname__}.__patch_init__ replaced or removed a "
-            f"parameter that {holder} depends on; undo that first, then patch"
-        )
+        problem = f"replaced or removed a parameter that {holder} depends on; undo that first, then patch"
+    if problem:
+        _put_back(module, before, state, logs)
+        raise RuntimeError(f"torchsurgery.patch: {patch_cls.__qualname__}.__patch_init__ {problem}")
     original = records[0].original if records else before
     _undo.push(module, PatchRecord(patch_cls, original, changes))
     return module
@@ -400,6 +448,9 @@ def is_patched(module: nn.Module, patch_cls: type[Patch] | None = None, /) -> bo
         >>> torchsurgery.is_patched(nn.Linear(2, 2))
         False
     """
+    _undo.check_module(module, "torchsurgery.is_patched")
+    if patch_cls is not None:
+        _check_patch_class(patch_cls, "is_patched")
     stack = patches(module)
     return bool(stack) if patch_cls is None else patch_cls in stack
 
@@ -413,6 +464,7 @@ def patches(module: nn.Module) -> list[type[Patch]]:
         >>> torchsurgery.patches(nn.ReLU())
         []
     """
+    _undo.check_module(module, "torchsurgery.patches")
     return [r.patch for r in _patch_records(module)]
 
 
@@ -426,6 +478,7 @@ def original_class(module: nn.Module) -> type[nn.Module]:
         >>> torchsurgery.original_class(torchsurgery.patch(nn.ReLU(), P)).__name__
         'ReLU'
     """
+    _undo.check_module(module, "torchsurgery.original_class")
     records = _patch_records(module)
     return records[0].original if records else type(module)
 
@@ -470,6 +523,11 @@ def patched(
         False
     """
     _undo.check_module(model, "torchsurgery.patched")
+    if not isinstance(targets, Mapping):
+        raise TypeError(
+            f"torchsurgery.patched: targets must map selectors to patch classes, e.g. "
+            f"{{'layers.*.mlp': MyPatch}}, got a {type(targets).__name__}: {targets!r}"
+        )
     plan: list[tuple[nn.Module, type[Patch]]] = []
     for selector, patch_cls in targets.items():
         _check_patch_class(patch_cls, "patched")

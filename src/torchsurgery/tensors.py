@@ -170,6 +170,14 @@ def _check_device(device: Any, what: str) -> torch.device | None:
         raise ValueError(f"{what}: {device!r} is not a device ({exc})") from exc
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{what}: device {device!r} was asked for but CUDA is not available")
+    if resolved.type not in ("cpu", "meta"):
+        try:  # mps, xpu, a CUDA index past the last GPU...: each backend fails its own way
+            torch.empty(0, device=resolved)
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            raise ValueError(
+                f"{what}: device {device!r} is not available here ({str(exc).splitlines()[0][:120]}); "
+                "use 'cpu' or an available accelerator"
+            ) from exc
     return resolved
 
 

@@ -2,13 +2,20 @@
 
 Each test spawns its own processes (no launcher needed) and compares what rank 0
 returns with a single-process reference computed in the test itself.
+
+The ranks meet through a file in a private folder rather than a TCP port, so runs that
+happen at the same time (other suites, other users) cannot meet each other's ranks.
+Each rank ends in step with the others: it collects what its function left in reference
+cycles (unwaited sends, hooks) while its process group still exists, waits at a barrier
+so no rank tears down a connection another is still using, then destroys the group, so
+nothing of gloo is left for the interpreter's shutdown to free.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
-import socket
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -19,26 +26,27 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-TIMEOUT = datetime.timedelta(seconds=60)  # a hang becomes an error, never a stuck suite
+# generous: on a loaded machine a peer may take long to import a model; a hang still
+# becomes an error rather than a stuck suite
+TIMEOUT = datetime.timedelta(seconds=300)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _entry(rank: int, world: int, port: int, folder: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+def _entry(rank: int, world: int, folder: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    os.environ.update(OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
+    store = dist.FileStore(str(Path(folder) / "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
     try:
         result = fn(rank, world, *args)
         torch.save(result, Path(folder) / f"rank{rank}.pt")
+        del result
+        gc.collect()
+        dist.barrier()
     except BaseException:
         (Path(folder) / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
     finally:
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -49,8 +57,8 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     """
     with tempfile.TemporaryDirectory() as folder:
         try:
-            mp.spawn(_entry, args=(world, _free_port(), folder, fn, args), nprocs=world, join=True)
-        except mp.ProcessRaisedException as exc:
+            mp.spawn(_entry, args=(world, folder, fn, args), nprocs=world, join=True)
+        except mp.ProcessException as exc:  # a rank raised, or died of a signal
             errors = sorted(Path(folder).glob("*.err"))
             details = "\n".join(f"--- {p.stem}\n{p.read_text()}" for p in errors)
             raise AssertionError(f"a rank failed:\n{details}") from exc

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 
 @pytest.fixture
-def one_rank() -> Iterator[None]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    store = dist.FileStore(str(tmp_path / "store"), 1)  # a file, not a port another run may take
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         yield

@@ -460,6 +460,8 @@ def test_bad_arguments_are_refused() -> None:
         FlexModel(nn.Linear(2, 2), {}, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="expected_shape"):
         HookFunction("x", expected_shape=(1, "a"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="expected_shape must be a sequence of sizes or None, e.g. \\(None, 16\\), got 5"):
+        HookFunction("x", expected_shape=5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="callable"):
         HookFunction("x", editing_function=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="edit_on must be 'all' or 'rank0', got 'rank1'"):
@@ -473,6 +475,27 @@ def test_bad_arguments_are_refused() -> None:
         flex.get_module_parameter("nope")
     with pytest.raises(TypeError, match="expected the loss tensor, got NoneType"):
         flex.backward(None)
+    with pytest.raises(ValueError, match="register_trainable_module: .*without '.', got 'a.b'; e.g. 'a_b'"):
+        flex.register_trainable_module("a.b", nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="create_hook_group: group_name must be a string other than 'all'"):
+        flex.create_hook_group("all", "")
+    assert len(flex.trainable_modules) == 0
+    for call in (
+        lambda: flex.create_hook_group("g", 5),  # type: ignore[arg-type]
+        lambda: flex.update_hook_groups(5, "g"),  # type: ignore[arg-type]
+        lambda: flex.remove_hook_groups(None, "g"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(TypeError, match="a module-name pattern, a HookFunction or several"):
+            call()
+    with pytest.raises(TypeError, match="forward: groups must be a group name or several.*got 5"):
+        flex(torch.ones(1, 2), groups=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="get_module_parameter: expected a parameter name.*got None"):
+        flex.get_module_parameter(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="get_hook_function_groups: expected a HookFunction, got 'x'"):
+        flex.get_hook_function_groups("x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="update_hook_groups: a group name is a string, got 3"):
+        flex.update_hook_groups([], 3)  # type: ignore[arg-type]
+    assert flex.get_group_hook_functions("all") == []
     torch.testing.assert_close(flex.get_module_parameter("weight", (2, 2)), flex.module.weight.detach())
     flex.restore()
 

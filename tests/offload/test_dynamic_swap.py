@@ -106,6 +106,12 @@ def test_attribute_errors_are_plain_attribute_errors() -> None:
     assert not hasattr(layer, "no_such")
     with pytest.raises(ValueError, match="give the conversion"):
         DynamicSwapInstaller._install_module(layer)
+    with pytest.raises(TypeError, match="install_model: expected an nn.Module, got NoneType"):
+        DynamicSwapInstaller.install_model(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dtype=torch.int8 would turn weights into integers"):
+        DynamicSwapInstaller.install_model(nn.Sequential(nn.Linear(2, 2)), dtype=torch.int8)
+    with pytest.raises(ValueError, match="is not one Tensor.to can do here"):
+        DynamicSwapInstaller.install_model(nn.Sequential(nn.Linear(2, 2)), device="xpu")
     DynamicSwapInstaller._uninstall_module(layer)
     DynamicSwapInstaller._uninstall_module(layer)  # a no-op when not installed
     assert type(layer) is nn.Linear

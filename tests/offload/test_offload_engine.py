@@ -445,7 +445,21 @@ def test_bad_input_is_refused_before_anything_changes() -> None:
         offload(model, device="tpu")
     with pytest.raises(TypeError, match="storage_dtype"):
         offload(model, storage_dtype=torch.int8)
+    with pytest.raises(TypeError, match="skip must be a filter \\(module, name\\) -> bool or None, got 5"):
+        offload(model, skip=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="groups must be 'blocks', 'leaves' or a list of module names, got None"):
+        offload(model, groups=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="pin_memory must be True, False or None.*'yes'"):
+        offload(model, pin_memory="yes")  # type: ignore[arg-type]
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pin_memory=True .* CUDA is not available"):
+            offload(model, pin_memory=True)
     assert identity_map(model) == ids
+    with torchsurgery.skeleton():
+        empty = mlp(2)
+    with pytest.raises(ValueError, match="on the meta device.*storage='model.safetensors'"):
+        offload(empty)
+    assert all(p.is_meta for p in empty.parameters()) and torchsurgery.surgery_log(empty) == []
     handle = offload(model)
     with pytest.raises(RuntimeError, match="already offloaded"):
         offload(model)
@@ -714,3 +728,61 @@ def test_streaming_from_a_checkpoint_file_for_models_larger_than_memory(tmp_path
 
     with pytest.raises(ValueError, match="lacks"):
         offload(_Conv(blocks=5), storage=path)  # block 4 is not in the file
+
+
+def _tiny_t5() -> nn.Module:
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def _tied_llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("make", [tiny_gpt2, _tied_llama, _tiny_t5])
+@pytest.mark.parametrize("groups", ["blocks", "leaves"])
+def test_tied_weights_stream_from_a_save_pretrained_checkpoint(tmp_path: Any, make: Any, groups: str) -> None:
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    model = make().eval()
+    ids = torch.tensor([[1, 5, 7, 2]])
+    extra = {"decoder_input_ids": ids} if model.config.is_encoder_decoder else {}
+    with torch.no_grad():
+        expected = model(ids, **extra).logits
+    model.save_pretrained(tmp_path)  # the tied weight is written once, under one of its names
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert set(model.state_dict()) - set(f.keys())
+    before = identity_map(model)
+    output = model.get_output_embeddings().weight
+    assert output is model.get_input_embeddings().weight
+
+    handle = offload(model, storage=tmp_path, groups=groups)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(model(ids, **extra).logits, expected, rtol=0, atol=0)
+    handle.remove()
+    assert identity_map(model) == before
+    assert model.get_output_embeddings().weight is output is model.get_input_embeddings().weight
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, **extra).logits, expected, rtol=0, atol=0)
+
+
+def test_a_tied_weight_stored_under_its_other_name_is_found(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = tiny_gpt2().eval()
+    ids = torch.tensor([[1, 5, 7, 2]])
+    with torch.no_grad():
+        expected = model(ids).logits
+    weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "transformer.wte.weight"}
+    save_file(weights, tmp_path / "model.safetensors")  # only lm_head.weight holds the tied weight
+    handle = offload(model, storage=tmp_path / "model.safetensors")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
+    handle.remove()

@@ -44,6 +44,10 @@ class HookGroups:
             chosen = [constructor]
         elif isinstance(constructor, str):
             chosen = [h for h in self._groups if name_matches(constructor, h.module_name)]
+        elif not isinstance(constructor, Iterable):
+            raise TypeError(
+                f"{what}: expected a module-name pattern, a HookFunction or several, got {constructor!r}"
+            )
         else:
             chosen = list(constructor)
             bad = [h for h in chosen if not isinstance(h, HookFunction)]
@@ -54,12 +58,16 @@ class HookGroups:
             raise ValueError(f"{what}: {unknown[:3]!r} are not registered with this FlexModel; register them first")
         return chosen
 
-    def add(self, hooks: Iterable[HookFunction], group: str) -> None:
+    def add(self, hooks: Iterable[HookFunction], group: str, what: str = "torchsurgery.FlexModel") -> None:
+        if not isinstance(group, str):
+            raise TypeError(f"{what}: a group name is a string, got {group!r}")
         self._declared.add(group)
         for hook in hooks:
             self._groups.setdefault(hook, {ALL}).add(group)
 
     def discard(self, hooks: Iterable[HookFunction], group: str, what: str) -> None:
+        if not isinstance(group, str):
+            raise TypeError(f"{what}: a group name is a string, got {group!r}")
         if group == ALL:
             raise ValueError(f"{what}: every hook is in the group 'all'; it cannot be removed from it")
         for hook in hooks:
@@ -75,7 +83,11 @@ class HookGroups:
         return self._declared.union(*self._groups.values())
 
     def active(self, groups: str | Iterable[str], complement: bool, what: str) -> set[HookFunction]:
-        wanted = {groups} if isinstance(groups, str) else set(groups)
+        names = [groups] if isinstance(groups, str) else list(groups) if isinstance(groups, Iterable) else [groups]
+        bad = [g for g in names if not isinstance(g, str)]
+        if bad:
+            raise TypeError(f"{what}: groups must be a group name or several, e.g. 'all' or ['early'], got {groups!r}")
+        wanted = set(names)
         unknown = wanted - self.known()
         if unknown:
             raise ValueError(f"{what}: unknown hook group(s) {sorted(unknown)}; known: {sorted(self.known())}")

@@ -88,6 +88,11 @@ class HookFunction:
         if not isinstance(module_name, str):
             raise TypeError(f"torchsurgery.HookFunction: module_name must be a str, got {module_name!r}")
         if expected_shape is not None:
+            if not isinstance(expected_shape, (list, tuple, torch.Size)):
+                raise ValueError(
+                    f"torchsurgery.HookFunction: expected_shape must be a sequence of sizes or None, "
+                    f"e.g. (None, 16), got {expected_shape!r}"
+                )
             expected_shape = tuple(expected_shape)
             if not all(d is None or (isinstance(d, int) and d >= 0) for d in expected_shape):
                 raise ValueError(

@@ -790,6 +790,12 @@ class FlexModel(nn.Module):
         """Expose ``module`` to every editing function as ``modules[name]``."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"torchsurgery.FlexModel.register_trainable_module: expected an nn.Module, got {module!r}")
+        if not isinstance(name, str) or not name or "." in name:
+            raise ValueError(
+                f"torchsurgery.FlexModel.register_trainable_module: the name is the key editing functions "
+                f"read (modules[name]) and must be a non-empty string without '.', got {name!r}; "
+                f"e.g. {str(name).replace('.', '_') or 'probe'!r}"
+            )
         self._runtime.routing.prepare_trainable(module)
         self.trainable_modules[name] = module
 
@@ -824,6 +830,11 @@ class FlexModel(nn.Module):
             ValueError: the string matches nothing (near matches listed), or a bad hook type.
         """
         what = "torchsurgery.FlexModel.create_hook_group"
+        if not isinstance(group_name, str) or group_name == "all":
+            raise ValueError(
+                f"{what}: group_name must be a string other than 'all' (the built-in group every hook "
+                f"is in), got {group_name!r}; choose another name"
+            )
         if hook_type not in HOOK_TYPES:
             raise ValueError(f"{what}: hook_type must be one of {HOOK_TYPES}, got {hook_type!r}")
         if isinstance(group_constructor, str):
@@ -843,18 +854,23 @@ class FlexModel(nn.Module):
         elif isinstance(group_constructor, HookFunction):
             hooks = [group_constructor]
         else:
-            hooks = list(group_constructor)
+            hooks = list(group_constructor) if isinstance(group_constructor, Iterable) else [group_constructor]
+            if not all(isinstance(h, HookFunction) for h in hooks):
+                raise TypeError(
+                    f"{what}: group_constructor must be a module-name pattern, a HookFunction or several, "
+                    f"got {group_constructor!r}"
+                )
         registered = {b.hook for b in self._bindings}
         for hook in hooks:
             if hook not in registered:
                 self._register(hook, hook_type)
-        self._groups.add(hooks, group_name)
+        self._groups.add(hooks, group_name, what)
         return hooks
 
     def update_hook_groups(self, group_constructor: str | HookFunction | Iterable[HookFunction], group_name: str) -> None:
         """Add registered hook functions (given, or matched by module name) to ``group_name``."""
         what = "torchsurgery.FlexModel.update_hook_groups"
-        self._groups.add(self._groups.select(group_constructor, what), group_name)
+        self._groups.add(self._groups.select(group_constructor, what), group_name, what)
 
     def remove_hook_groups(self, group_constructor: str | HookFunction | Iterable[HookFunction], group_name: str) -> None:
         """Take hook functions (given, or matched by module name) out of ``group_name``."""
@@ -867,6 +883,10 @@ class FlexModel(nn.Module):
 
     def get_hook_function_groups(self, hook_function: HookFunction) -> set[str]:
         """The groups ``hook_function`` belongs to."""
+        if not isinstance(hook_function, HookFunction):
+            raise TypeError(
+                f"torchsurgery.FlexModel.get_hook_function_groups: expected a HookFunction, got {hook_function!r}"
+            )
         return self._groups.groups_of(hook_function)
 
     # ------------------------------------------------------------ parameters
@@ -878,6 +898,8 @@ class FlexModel(nn.Module):
             ValueError: unknown parameter (near names listed) or a shape mismatch.
         """
         what = "torchsurgery.FlexModel.get_module_parameter"
+        if not isinstance(parameter_name, str):
+            raise TypeError(f"{what}: expected a parameter name such as 'fc1.weight', got {parameter_name!r}")
         root, prefixes = unwrap_with_prefixes(self.module)
         params = dict(root.named_parameters())
         parameter_name = _split_prefix(parameter_name, prefixes)[1]

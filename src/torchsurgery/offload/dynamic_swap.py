@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchsurgery import _undo
 from torchsurgery.patching import Patch, is_patched, patch, unpatch
 
 __all__ = ["DynamicSwapInstaller"]
@@ -101,7 +102,19 @@ class DynamicSwapInstaller:
                 "torchsurgery.DynamicSwapInstaller: give the conversion, e.g. device='cuda' or "
                 "dtype=torch.float16 (the keyword arguments of Tensor.to)"
             )
-        torch.empty(0).to(**{k: v for k, v in kwargs.items() if k != "non_blocking"})  # validate early
+        try:  # validate early
+            torch.empty(0).to(**{k: v for k, v in kwargs.items() if k != "non_blocking"})
+        except (TypeError, RuntimeError, AssertionError) as exc:
+            raise ValueError(
+                f"torchsurgery.DynamicSwapInstaller: the conversion {kwargs} is not one Tensor.to "
+                f"can do here ({exc}); give an available device and a dtype"
+            ) from exc
+        dtype = kwargs.get("dtype")
+        if isinstance(dtype, torch.dtype) and not (dtype.is_floating_point or dtype.is_complex):
+            raise ValueError(
+                f"torchsurgery.DynamicSwapInstaller: dtype={dtype} would turn weights into integers, "
+                "which no forward can compute with; give a floating dtype such as torch.float16"
+            )
         if is_patched(module, _DynamicSwap):
             unpatch(module, _DynamicSwap)
         patch(module, _DynamicSwap, **kwargs)
@@ -123,6 +136,7 @@ class DynamicSwapInstaller:
         Raises:
             ValueError: no conversion was given.
         """
+        _undo.check_module(model, "torchsurgery.DynamicSwapInstaller.install_model")
         done: list[nn.Module] = []
         try:
             for module in model.modules():
@@ -136,5 +150,6 @@ class DynamicSwapInstaller:
     @staticmethod
     def uninstall_model(model: nn.Module) -> None:
         """Remove the installation from every module of ``model``."""
+        _undo.check_module(model, "torchsurgery.DynamicSwapInstaller.uninstall_model")
         for module in model.modules():
             DynamicSwapInstaller._uninstall_module(module)

@@ -358,6 +358,12 @@ def offload(
         raise TypeError(f"{what}: budget must be a number of bytes (int >= 0) or None, got {budget!r}")
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"{what}: prefetch must be an int >= 0, got {prefetch!r}")
+    if skip is not None and not callable(skip):
+        raise TypeError(f"{what}: skip must be a filter (module, name) -> bool or None, got {skip!r}")
+    if pin_memory is not None and not isinstance(pin_memory, bool):
+        raise TypeError(f"{what}: pin_memory must be True, False or None (automatic), got {pin_memory!r}")
+    if pin_memory and not torch.cuda.is_available():
+        raise ValueError(f"{what}: pin_memory=True pins host memory for a GPU, but CUDA is not available; leave it None")
     problem = _already_offloaded(model)
     if problem:
         raise RuntimeError(f"{what}: cannot offload the model: {problem}")
@@ -411,6 +417,13 @@ def offload(
             plan.append(_Group(gname, group_module, params, nbytes))
     if not plan:
         raise ValueError(f"{what}: the model has no parameters to offload")
+    if storage is None:
+        empty = [f"{g.name}.{n}" if g.name else n for g in plan for _, n, p in g.params if p.is_meta]
+        if empty:
+            raise ValueError(
+                f"{what}: {len(empty)} weights are on the meta device (no values), e.g. {empty[:3]}; "
+                "stream them from their checkpoint with storage='model.safetensors', or load them first"
+            )
 
     # residency within the budget (see below); None: nothing to plan from measurements
     planning_budget: int | None = None
@@ -580,7 +593,12 @@ def _install(
                 streamed.append((owner, pname, p, compute))
         if streamed:
             # pack what this group streams into one flat host buffer, the weights' only host copy
-            packable = [e for e in streamed if id(e[2]) not in packed_ids and type(e[2]) in (torch.Tensor, nn.Parameter)]
+            # a weight read from the file is read by every group that uses it (a tied weight is
+            # meta in between); one kept in host memory lives in the first group's buffer only
+            packable = [
+                e for e in streamed
+                if (handle._reader is not None or id(e[2]) not in packed_ids) and type(e[2]) in (torch.Tensor, nn.Parameter)
+            ]
             packed = None
             if packable and handle._reader is not None:
                 # the weights stay in the file: the parameters become meta (same objects)

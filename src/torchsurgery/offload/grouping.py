@@ -127,6 +127,8 @@ def find_groups(model: nn.Module, groups: str | Sequence[str], what: str = "torc
         ['0', '2']
     """
     named = dict(model.named_modules())
+    if not isinstance(groups, (str, list, tuple)):
+        raise TypeError(f"{what}: groups must be 'blocks', 'leaves' or a list of module names, got {groups!r}")
     if isinstance(groups, str):
         if groups == "leaves":
             found = [n for n, m in named.items() if _holds_weights(m, False)]
