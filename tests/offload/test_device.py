@@ -10,18 +10,18 @@ the resident model.
 from __future__ import annotations
 
 import copy
-import itertools
 from typing import Any
 
 import pytest
 import torch
+from _residency import best_stall, in_order
 from simulated_device import POISON, Hazard, SimulatedDevice
 from torch import nn
 
 import torchsurgery
 from torchsurgery import offload
 from torchsurgery.offload.device import AcceleratorDevice, resolve_device
-from torchsurgery.offload.planner import GroupCost, plan_residency, simulate
+from torchsurgery.offload.planner import plan_residency, simulate
 
 
 class Blocks(nn.Module):
@@ -221,28 +221,6 @@ def test_training_through_streamed_groups_matches_the_resident_model() -> None:
         handle.remove()
 
 
-def _in_order(groups: list[GroupCost], budget: int, prefetch: int) -> list[str]:
-    """What peers do: keep groups resident in execution order while they fit."""
-    room = budget - (prefetch + 1) * max(g.nbytes for g in groups)
-    chosen = []
-    for g in groups:
-        if g.nbytes <= room:
-            chosen.append(g.name)
-            room -= g.nbytes
-    return chosen
-
-
-def _best_stall(groups: list[GroupCost], budget: int, bandwidth: float, prefetch: int) -> float:
-    best = simulate(groups, [], bandwidth, prefetch)[1]
-    names = [g.name for g in groups]
-    for r in range(1, len(groups) + 1):
-        for keep in itertools.combinations(names, r):
-            rest = [g.nbytes for g in groups if g.name not in keep]
-            if sum(g.nbytes for g in groups if g.name in keep) + (prefetch + 1) * max(rest, default=0) <= budget:
-                best = min(best, simulate(groups, keep, bandwidth, prefetch)[1])
-    return best
-
-
 @pytest.mark.parametrize(
     "widths", [[4, 4, 4, 4, 256, 256, 256], [4, 128, 4, 4, 256, 256, 256], [64, 4, 256, 4, 256, 4, 256]]
 )
@@ -269,8 +247,8 @@ def test_the_planner_runs_on_the_simulated_links_timings(widths: list[int]) -> N
         assert s.resident_bytes + 2 * max(streamed) <= budget
         assert s.seconds_transferring >= sum(sizes) / link and s.achieved_gbps * 1e9 <= link
         ours = simulate(costs, chosen, bandwidth)[1]
-        in_order = simulate(costs, _in_order(costs, budget, 1), bandwidth)[1]
-        assert ours < in_order and ours <= 1.10 * _best_stall(costs, budget, bandwidth, 1)
+        filled = simulate(costs, in_order(costs, budget, 1), bandwidth)[1]
+        assert ours < filled and ours <= 1.10 * best_stall(costs, budget, bandwidth, 1)
         for _ in range(2):
             exact(model(X), reference(X))
         handle.remove()

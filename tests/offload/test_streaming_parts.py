@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
 import torch
+from _residency import best_stall, in_order
 
 from torchsurgery.offload.order import OrderRecorder
 from torchsurgery.offload.packing import ALIGNMENT, FlatLayout, pack, unpack
@@ -80,28 +80,6 @@ def test_order_recorder_prefetches_along_the_recorded_order() -> None:
     assert order.ahead("missing", 3) == []
 
 
-def _greedy_in_order(groups: list[GroupCost], budget: int, prefetch: int) -> list[str]:
-    """What peers do: fill the budget in execution order."""
-    room = budget - (prefetch + 1) * max(g.nbytes for g in groups)
-    chosen = []
-    for g in groups:
-        if g.nbytes <= room:
-            chosen.append(g.name)
-            room -= g.nbytes
-    return chosen
-
-
-def _best(groups: list[GroupCost], budget: int, bandwidth: float, prefetch: int) -> float:
-    best = simulate(groups, [], bandwidth, prefetch)[1]
-    for r in range(1, len(groups) + 1):
-        for keep in itertools.combinations([g.name for g in groups], r):
-            rest = [g.nbytes for g in groups if g.name not in keep]
-            used = sum(g.nbytes for g in groups if g.name in keep) + (prefetch + 1) * max(rest, default=0)
-            if used <= budget:
-                best = min(best, simulate(groups, keep, bandwidth, prefetch)[1])
-    return best
-
-
 def test_simulation_matches_hand_computed_timelines() -> None:
     groups = [GroupCost("a", 200, 1.0), GroupCost("b", 200, 1.0), GroupCost("c", 200, 1.0)]
     # transfers of 2 s behind 1 s of compute: each later group waits 1 s
@@ -122,10 +100,10 @@ def test_planner_beats_filling_in_order_and_is_near_the_best_choice() -> None:
         rest = [g.nbytes for g in groups if g.name not in ours]
         assert sum(g.nbytes for g in groups if g.name in ours) + 2 * max(rest, default=0) <= budget or not rest
         ours_stall = simulate(groups, ours, bandwidth, prefetch)[1]
-        greedy_stall = simulate(groups, _greedy_in_order(groups, budget, prefetch), bandwidth, prefetch)[1]
-        best_stall = _best(groups, budget, bandwidth, prefetch)
+        greedy_stall = simulate(groups, in_order(groups, budget, prefetch), bandwidth, prefetch)[1]
+        best = best_stall(groups, budget, bandwidth, prefetch)
         assert ours_stall <= simulate(groups, [], bandwidth, prefetch)[1] + 1e-9
-        ours_total, greedy_total, best_total = ours_total + ours_stall, greedy_total + greedy_stall, best_total + best_stall
+        ours_total, greedy_total, best_total = ours_total + ours_stall, greedy_total + greedy_stall, best_total + best
     assert ours_total < greedy_total  # residency by hidden-ness beats residency by order
     assert ours_total <= 1.10 * best_total  # and comes close to the exhaustive optimum
 
