@@ -362,8 +362,6 @@ def offload(
         raise TypeError(f"{what}: skip must be a filter (module, name) -> bool or None, got {skip!r}")
     if pin_memory is not None and not isinstance(pin_memory, bool):
         raise TypeError(f"{what}: pin_memory must be True, False or None (automatic), got {pin_memory!r}")
-    if pin_memory and not torch.cuda.is_available():
-        raise ValueError(f"{what}: pin_memory=True pins host memory for a GPU, but CUDA is not available; leave it None")
     problem = _already_offloaded(model)
     if problem:
         raise RuntimeError(f"{what}: cannot offload the model: {problem}")
