@@ -84,6 +84,18 @@ def test_storage_streams_every_group_from_the_file(
         torch.testing.assert_close(stored[key], plain[key], rtol=0, atol=0)
 
 
+def test_storage_with_a_budget_that_holds_the_model(call: Callable[..., Any], saved: Path, tmp_path: Path,
+                                                    plain: dict[str, torch.Tensor]) -> None:
+    out = tmp_path / "t.safetensors"
+    offloaded = _trace(call, saved, out, "--storage", "--budget", "10MB")["offload"]
+    reference = transformers.BertModel.from_pretrained(saved)
+    total = sum(p.numel() * p.element_size() for p in reference.parameters())
+    assert offloaded["resident_bytes"] == total and offloaded["streamed_bytes"] == 0  # read from the file once
+    stored = load_file(out)
+    for key in LAYERS:
+        torch.testing.assert_close(stored[key], plain[key], rtol=0, atol=0)
+
+
 def test_storage_with_a_compute_dtype(call: Callable[..., Any], saved: Path, tmp_path: Path,
                                       plain: dict[str, torch.Tensor]) -> None:
     out = tmp_path / "t.safetensors"

@@ -729,6 +729,32 @@ def test_streaming_from_a_checkpoint_file_for_models_larger_than_memory(tmp_path
         offload(_Conv(blocks=5), storage=path)  # block 4 is not in the file
 
 
+@pytest.mark.parametrize("fits", [True, False])
+def test_groups_kept_resident_by_the_budget_are_read_from_the_checkpoint_file(tmp_path: Any, fits: bool) -> None:
+    from safetensors.torch import save_file
+
+    reference = _Conv()
+    x = torch.randn(2, 4, 8)
+    with torch.no_grad():
+        expected = reference(x)
+    path = tmp_path / "conv.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, path)
+    with torchsurgery.skeleton():
+        model = _Conv()
+    ids = identity_map(model)
+    total = sum(p.numel() * 4 for p in reference.parameters())
+    largest = max(sum(p.numel() * 4 for p in b.parameters()) for b in reference.blocks)
+    # the whole model fits, or room for the groups in flight and a little more
+    budget = 10 * total if fits else 3 * largest
+    handle = offload(model, storage=path, budget=budget)
+    stats = handle.stats()
+    assert stats.resident_groups and (not stats.streamed_groups) == fits
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    handle.remove()
+    assert identity_map(model) == ids and all(p.is_meta for p in model.parameters())
+
+
 def _tiny_t5() -> nn.Module:
     config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
     return transformers.T5ForConditionalGeneration(config)

@@ -100,9 +100,6 @@ class OffloadOptions:
         """Check the options' values; any of them turns offloading on."""
         if prefetch is not None and prefetch < 0:
             raise CliError(f"--prefetch: {prefetch} is below 0; give how many groups to bring in ahead (0, 1, 2...)")
-        if storage and budget is not None:
-            raise CliError("--budget cannot be combined with --storage: groups kept resident would need their "
-                           "weights read from the file first; leave out --budget")
         if storage and storage_dtype is not None:
             raise CliError("--storage-dtype does not apply with --storage: the weights are read from the file in "
                            "its own dtype; leave out --storage-dtype (--dtype sets the compute dtype)")

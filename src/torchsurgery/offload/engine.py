@@ -469,8 +469,8 @@ def offload(
         problems = []
         for g in plan:
             for _, pname, p in g.params:
-                if g.resident or id(p) in file_keys:
-                    continue
+                if (g.resident and not p.is_meta) or id(p) in file_keys:
+                    continue  # a resident group reads from the file only what has no values
                 found = [k for k in state_names.get(id(p), []) if k in stored_entries]
                 if not found or stored_entries[found[0]].shape != tuple(p.shape):
                     problems.append(f"{g.name}.{pname}" if g.name else pname)
@@ -550,6 +550,13 @@ def _install(
             done.add(id(p))
             stored, compute = wants[id(p)]
             if group.resident:
+                if id(p) in handle._file_keys:
+                    # a meta parameter of a resident group: its values come from the file, once
+                    assert handle._reader is not None
+                    values = handle._reader.read(handle._file_keys.pop(id(p)))
+                    handle._originals.append((p, p.device, p.dtype))
+                    _swap_to(p, target, compute, data=values)
+                    continue
                 moves.append((f"{group.name}:{pname}", p, target, compute, False))
             elif id(p) not in handle._file_keys:
                 moves.append((f"{group.name}:{pname}", p, storage_device, stored, pin))
