@@ -690,15 +690,20 @@ def test_budget_residency_is_planned_from_the_first_forwards_measurements() -> N
     assert identity_map(model) == ids
 
 
-def test_streaming_from_a_checkpoint_file_for_models_larger_than_memory(tmp_path: Any) -> None:
+def _conv_and_its_file(tmp_path: Any) -> tuple[nn.Module, Any]:
     from safetensors.torch import save_file
 
     reference = _Conv()
+    path = tmp_path / "conv.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, path)
+    return reference, path
+
+
+def test_streaming_from_a_checkpoint_file_for_models_larger_than_memory(tmp_path: Any) -> None:
+    reference, path = _conv_and_its_file(tmp_path)
     x = torch.randn(2, 4, 8)
     with torch.no_grad():
         expected = reference(x)
-    path = tmp_path / "conv.safetensors"
-    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, path)
 
     # a skeleton model offloaded straight from its file: its weights never enter memory whole
     with torchsurgery.skeleton():
@@ -731,14 +736,10 @@ def test_streaming_from_a_checkpoint_file_for_models_larger_than_memory(tmp_path
 
 @pytest.mark.parametrize("fits", [True, False])
 def test_groups_kept_resident_by_the_budget_are_read_from_the_checkpoint_file(tmp_path: Any, fits: bool) -> None:
-    from safetensors.torch import save_file
-
-    reference = _Conv()
+    reference, path = _conv_and_its_file(tmp_path)
     x = torch.randn(2, 4, 8)
     with torch.no_grad():
         expected = reference(x)
-    path = tmp_path / "conv.safetensors"
-    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, path)
     with torchsurgery.skeleton():
         model = _Conv()
     ids = identity_map(model)
