@@ -66,6 +66,18 @@ def test_json_describes_the_file(call: Callable[..., Any], saved: Path, tmp_path
         assert torch.equal(tensor, plain[capture["module"]])
 
 
+def _weight_bytes(saved: Path) -> int:
+    reference = transformers.BertModel.from_pretrained(saved)
+    return sum(p.numel() * p.element_size() for p in reference.parameters())
+
+
+def _captures_match(out: Path, plain: dict[str, torch.Tensor], tol: float) -> None:
+    """Every hooked layer's capture in ``out`` equals the plain trace's (within ``tol``)."""
+    stored = load_file(out)
+    for key in LAYERS:
+        torch.testing.assert_close(stored[key], plain[key], rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("source", ["folder", "file"])
 def test_storage_streams_every_group_from_the_file(
     call: Callable[..., Any], saved: Path, tmp_path: Path, plain: dict[str, torch.Tensor], source: str
@@ -74,26 +86,20 @@ def test_storage_streams_every_group_from_the_file(
     out = tmp_path / "t.safetensors"
     document = _trace(call, model, out, "--storage")
     offloaded = document["offload"]
-    reference = transformers.BertModel.from_pretrained(saved)
-    total = sum(p.numel() * p.element_size() for p in reference.parameters())
+    total = _weight_bytes(saved)
     assert offloaded["streamed_from"] == str(model) and offloaded["held_bytes"] == 0  # nothing held in memory
     assert offloaded["resident_bytes"] == 0 and offloaded["streamed_bytes"] == total
     assert offloaded["moved_bytes"] == total * 2  # every group read once per batch (2 batches)
-    stored = load_file(out)
-    for key in LAYERS:
-        torch.testing.assert_close(stored[key], plain[key], rtol=0, atol=0)
+    _captures_match(out, plain, tol=0.0)
 
 
 def test_storage_with_a_budget_that_holds_the_model(call: Callable[..., Any], saved: Path, tmp_path: Path,
                                                     plain: dict[str, torch.Tensor]) -> None:
     out = tmp_path / "t.safetensors"
     offloaded = _trace(call, saved, out, "--storage", "--budget", "10MB")["offload"]
-    reference = transformers.BertModel.from_pretrained(saved)
-    total = sum(p.numel() * p.element_size() for p in reference.parameters())
+    total = _weight_bytes(saved)
     assert offloaded["resident_bytes"] == total and offloaded["streamed_bytes"] == 0  # read from the file once
-    stored = load_file(out)
-    for key in LAYERS:
-        torch.testing.assert_close(stored[key], plain[key], rtol=0, atol=0)
+    _captures_match(out, plain, tol=0.0)
 
 
 def test_storage_with_a_compute_dtype(call: Callable[..., Any], saved: Path, tmp_path: Path,
@@ -114,9 +120,7 @@ def test_offload_options_keep_the_captures(call: Callable[..., Any], saved: Path
     offloaded = document["offload"]
     assert offloaded["storage_dtype"] == "bfloat16" and offloaded["groups"] == "leaves" and offloaded["prefetch"] == 2
     assert offloaded["streamed_from"] == "memory" and offloaded["moved_bytes"] > 0
-    stored = load_file(out)
-    for key in LAYERS:
-        torch.testing.assert_close(stored[key], plain[key], rtol=0.05, atol=0.05)
+    _captures_match(out, plain, tol=0.05)
 
 
 def test_budget_that_holds_the_model_changes_nothing(call: Callable[..., Any], saved: Path, tmp_path: Path,

@@ -690,24 +690,25 @@ def test_budget_residency_is_planned_from_the_first_forwards_measurements() -> N
     assert identity_map(model) == ids
 
 
-def _conv_and_its_file(tmp_path: Any) -> tuple[nn.Module, Any]:
+def _conv_file_and_skeleton(tmp_path: Any) -> tuple[nn.Module, Any, nn.Module]:
+    """A conv model, its safetensors file, and a skeleton of the same model (weights on meta)."""
     from safetensors.torch import save_file
 
     reference = _Conv()
     path = tmp_path / "conv.safetensors"
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, path)
-    return reference, path
+    with torchsurgery.skeleton():
+        model = _Conv()
+    return reference, path, model
 
 
 def test_streaming_from_a_checkpoint_file_for_models_larger_than_memory(tmp_path: Any) -> None:
-    reference, path = _conv_and_its_file(tmp_path)
+    reference, path, model = _conv_file_and_skeleton(tmp_path)
     x = torch.randn(2, 4, 8)
     with torch.no_grad():
         expected = reference(x)
 
     # a skeleton model offloaded straight from its file: its weights never enter memory whole
-    with torchsurgery.skeleton():
-        model = _Conv()
     ids = identity_map(model)
     handle = offload(model, storage=path, dtype=torch.float32)
     with torch.no_grad():
@@ -736,12 +737,10 @@ def test_streaming_from_a_checkpoint_file_for_models_larger_than_memory(tmp_path
 
 @pytest.mark.parametrize("fits", [True, False])
 def test_groups_kept_resident_by_the_budget_are_read_from_the_checkpoint_file(tmp_path: Any, fits: bool) -> None:
-    reference, path = _conv_and_its_file(tmp_path)
+    reference, path, model = _conv_file_and_skeleton(tmp_path)
     x = torch.randn(2, 4, 8)
     with torch.no_grad():
         expected = reference(x)
-    with torchsurgery.skeleton():
-        model = _Conv()
     ids = identity_map(model)
     total = sum(p.numel() * 4 for p in reference.parameters())
     largest = max(sum(p.numel() * 4 for p in b.parameters()) for b in reference.blocks)

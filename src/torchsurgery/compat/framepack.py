@@ -34,6 +34,8 @@ runs unchanged and gives the results of plain ``.to()`` moves.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -127,10 +129,8 @@ def move_model_to_device_with_memory_preservation(
     """
     pool = _pool_for(model, target_device)
     keep = None if pool.device.type == "cpu" else int(preserved_memory_gb * _GIB)
-    try:
+    with contextlib.suppress(_NoRoom):  # not even one group fits: the model stays on the host
         pool.load(model, keep_free=keep)
-    except _NoRoom:
-        pass  # as module-by-module moves would: nothing more goes in
 
 
 def offload_model_from_device_for_memory_preservation(
