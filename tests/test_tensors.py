@@ -213,7 +213,7 @@ def test_convert_bad_arguments() -> None:
     with pytest.raises(TypeError, match="nn.Module"):
         convert_("layer", dtype=torch.float64)  # type: ignore[type-var]
     for device in ("mps", "xpu"):  # devices this build has no backend for
-        with pytest.raises(ValueError, match=f"convert_: device '{device}' is not available here"):
+        with pytest.raises(ValueError, match=f"convert_: device '{device}' is not available: this PyTorch reports only 'cpu'"):
             convert_(layer, device=device)
     assert layer.weight.dtype == torch.float32 and layer.weight.device.type == "cpu"
 

@@ -10,7 +10,7 @@ Four pillars, each with an exact undo:
 
 from torchsurgery._undo import SurgeryEntry, restore, surgery_log
 from torchsurgery.flex import DummyModule, FlexModel, HookFunction
-from torchsurgery.offload import (
+from torchsurgery.offloading import (
     DEFAULT_SKIP,
     DevicePool,
     DynamicSwapInstaller,

@@ -38,24 +38,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
-    "BOOL": torch.bool,
-    "C64": torch.complex64,
-}
+from torchsurgery._validate import dtype_from_safetensors
+
 _MAX_HEADER = 100 * 1024 * 1024
 _CHUNK = 64 * 1024 * 1024  # the most bytes one read system call asks for
 _IOV_MAX = 1024  # the most buffers one preadv call fills (Linux's limit)
@@ -177,7 +161,7 @@ def _parse_header(path: Path, f: BinaryIO) -> dict[str, _Located]:
             continue
         if not isinstance(info, dict):
             raise CheckpointError(f"{path}: entry {name!r} is not an object")
-        dtype = _DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+        dtype = dtype_from_safetensors(str(info.get("dtype")))
         if dtype is None:
             raise CheckpointError(f"{path}: entry {name!r} has unknown dtype {info.get('dtype')!r}")
         shape, offsets = info.get("shape"), info.get("data_offsets")

@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 from torch import nn
 
+from torchsurgery.errors import NoMatchError
+
 ModuleFilter = Callable[[nn.Module, str], bool]
 """A predicate ``(module, qualified_name) -> bool`` selecting submodules."""
 
@@ -60,11 +62,14 @@ def near_matches(wanted: str, names: list[str], n: int = 5) -> list[str]:
     return close
 
 
-def no_match_message(what: str, wanted: str, names: list[str]) -> str:
-    """The shared wording of "matches no submodule" errors."""
-    close = near_matches(wanted, names)
-    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    return f"{what}: {wanted!r} matches no submodule of the model{hint}"
+def no_match(what: str, wanted: str, names: list[str], kind: str = "submodule", advice: str = "") -> NoMatchError:
+    """The error for a name or glob that matches none of ``names``, with the near matches.
+
+    Example:
+        >>> str(no_match("example", "layer.0", ["layers.0", "head"]))
+        "example: 'layer.0' matches no submodule of the model; did you mean 'layers.0'?"
+    """
+    return NoMatchError(what, wanted, near_matches(wanted, names), kind, advice)
 
 
 def select(
@@ -82,7 +87,7 @@ def select(
 
     Raises:
         TypeError: ``selector`` is neither a string nor a callable.
-        ValueError: nothing matches; the message lists near matches.
+        NoMatchError: nothing matches (a ``ValueError``); it lists near matches.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
@@ -93,7 +98,7 @@ def select(
     if isinstance(selector, str):
         found = [(name, m) for name, m in named if glob_match(selector, name)]
         if not found:
-            raise ValueError(no_match_message(what, selector, [n for n, _ in named if n]))
+            raise no_match(what, selector, [n for n, _ in named if n])
         return found
     if callable(selector):
         found = [(name, m) for name, m in named if selector(m, name)]

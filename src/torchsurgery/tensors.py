@@ -26,6 +26,7 @@ from torch import nn
 
 from torchsurgery import _undo
 from torchsurgery._checkpoint import CheckpointError, Entry, Source, Stash, open_source
+from torchsurgery._validate import check_device, check_dtype
 
 __all__ = ["swap_on_conversion", "convert_", "load_", "LoadResult", "skeleton", "CheckpointError"]
 
@@ -149,38 +150,6 @@ def _own_weakrefs_released(module: nn.Module) -> Iterator[None]:
             rnn._init_flat_weights()
 
 
-def _check_dtype(dtype: Any, what: str) -> torch.dtype | None:
-    if dtype is None:
-        return None
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{what}: dtype must be a torch.dtype, got {dtype!r}")
-    if not (dtype.is_floating_point or dtype.is_complex):
-        raise ValueError(
-            f"{what}: dtype must be a floating point or complex dtype (as for module.to), got {dtype}"
-        )
-    return dtype
-
-
-def _check_device(device: Any, what: str) -> torch.device | None:
-    if device is None:
-        return None
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"{what}: {device!r} is not a device ({exc})") from exc
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{what}: device {device!r} was asked for but CUDA is not available")
-    if resolved.type not in ("cpu", "meta"):
-        try:  # mps, xpu, a CUDA index past the last GPU...: each backend fails its own way
-            torch.empty(0, device=resolved)
-        except (RuntimeError, AssertionError, ValueError) as exc:
-            raise ValueError(
-                f"{what}: device {device!r} is not available here ({str(exc).splitlines()[0][:120]}); "
-                "use 'cpu' or an available accelerator"
-            ) from exc
-    return resolved
-
-
 def _converted(t: torch.Tensor, device: torch.device | None, dtype: torch.dtype | None, non_blocking: bool) -> torch.Tensor:
     target_dtype = dtype if dtype is not None and (t.is_floating_point() or t.is_complex()) else t.dtype
     if t.is_meta and device is not None and device.type != "meta":
@@ -238,8 +207,8 @@ def convert_(
     what = "torchsurgery.convert_"
     _undo.check_not_compiling("convert_")
     _undo.check_module(module, what)
-    target_device = _check_device(device, what)
-    target_dtype = _check_dtype(dtype, what)
+    target_device = check_device(device, what)
+    target_dtype = check_dtype(dtype, what, complex_ok=True)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{what}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
 
@@ -423,8 +392,8 @@ def load_(
     what = "torchsurgery.load_"
     _undo.check_not_compiling("load_")
     _undo.check_module(module, what)
-    target_device = _check_device(device, what)
-    target_dtype = _check_dtype(dtype, what)
+    target_device = check_device(device, what)
+    target_dtype = check_dtype(dtype, what, complex_ok=True)
     if not isinstance(copy, bool):
         raise TypeError(f"{what}: copy must be True or False, got {copy!r}")
     reader = open_source(source, what)
@@ -606,7 +575,7 @@ def skeleton(device: str | torch.device = "meta", include_buffers: bool = False)
         >>> bn.weight.device.type, bn.running_mean.device.type
         ('meta', 'cpu')
     """
-    target = _check_device(device, "torchsurgery.skeleton") or torch.device("meta")
+    target = check_device(device, "torchsurgery.skeleton") or torch.device("meta")
     original_param = nn.Module.register_parameter
     original_buffer = nn.Module.register_buffer
 

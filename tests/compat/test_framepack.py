@@ -21,7 +21,7 @@ from torch import nn
 import torchsurgery
 from torchsurgery import DevicePool
 from torchsurgery.compat import framepack
-from torchsurgery.offload import DEFAULT_SKIP
+from torchsurgery.offloading import DEFAULT_SKIP
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")

@@ -105,13 +105,13 @@ def _build() -> Any:
         json: as_json = False,
     ) -> None:
         """Run the model over inputs and write every captured activation to a safetensors file."""
+        from torchsurgery._validate import dtype_name
         from torchsurgery.cli import models
         from torchsurgery.cli import trace as tracing
         from torchsurgery.cli.figures import figures as weight_figures
         from torchsurgery.cli.options import (
             COMPUTE_DTYPES,
             OffloadOptions,
-            dtype_name,
             parse_device,
             parse_dtype,
         )

@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 
 import torchsurgery
-from torchsurgery._names import glob_match, no_match_message
+from torchsurgery._names import glob_match, no_match
 from torchsurgery.cli.errors import CliError
 from torchsurgery.cli.output import Table, human_bytes
 
@@ -25,7 +25,7 @@ def module_rows(model: nn.Module, depth: int | None, pattern: str | None) -> lis
     rows = []
     named = list(model.named_modules())
     if pattern is not None and not any(glob_match(pattern, n) for n, _ in named):
-        raise CliError(no_match_message("--filter", pattern, [n for n, _ in named if n]))
+        raise CliError(str(no_match("--filter", pattern, [n for n, _ in named if n])))
     surgery: dict[str, list[str]] = {}
     for entry in torchsurgery.surgery_log(model):
         surgery.setdefault(entry.module_name, []).append(entry.description)

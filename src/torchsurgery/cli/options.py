@@ -14,27 +14,15 @@ import torch
 from torch import nn
 
 import torchsurgery
-from torchsurgery._names import glob_match, no_match_message
+from torchsurgery._names import glob_match, no_match
+from torchsurgery._validate import dtype_from_name, dtype_name
 from torchsurgery.cli.errors import CliError, parse_size
 
-DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
-}
+STORAGE_DTYPES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp8", "float8_e4m3fn")
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``.
-
-    Example:
-        >>> dtype_name(torch.bfloat16)
-        'bfloat16'
-    """
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_dtype(name: str, option: str, accepted: tuple[str, ...] = tuple(DTYPES)) -> torch.dtype:
+def parse_dtype(name: str, option: str, accepted: tuple[str, ...] = STORAGE_DTYPES) -> torch.dtype:
     """``"bf16"`` -> ``torch.bfloat16``, for the names in ``accepted``.
 
     Example:
@@ -44,7 +32,9 @@ def parse_dtype(name: str, option: str, accepted: tuple[str, ...] = tuple(DTYPES
     key = name.lower()
     if key not in accepted:
         raise CliError(f"{option}: unknown dtype {name!r}; use one of {', '.join(accepted)}")
-    return DTYPES[key]
+    dtype = dtype_from_name(key)
+    assert dtype is not None, key
+    return dtype
 
 
 def devices() -> list[str]:
@@ -126,8 +116,7 @@ class OffloadOptions:
                 continue
             matches = [name for name in named if glob_match(pattern, name)]
             if not matches:
-                message = no_match_message("--groups", pattern, named)
-                raise CliError(f"{message} (or use blocks or leaves)")
+                raise CliError(str(no_match("--groups", pattern, named, advice="or use blocks or leaves")))
             found += [name for name in matches if name not in found]
         return found
 

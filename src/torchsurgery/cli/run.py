@@ -12,10 +12,11 @@ from typing import Any
 import torch
 
 import torchsurgery
+from torchsurgery._validate import dtype_name
 from torchsurgery.cli.errors import CliError
 from torchsurgery.cli.figures import figures
 from torchsurgery.cli.models import LoadedModel
-from torchsurgery.cli.options import OffloadOptions, dtype_name
+from torchsurgery.cli.options import OffloadOptions
 from torchsurgery.cli.output import Table, human_bytes
 
 

@@ -17,6 +17,7 @@ from torchsurgery.cli.errors import CliError
 from torchsurgery.cli.models import LoadedModel
 from torchsurgery.cli.output import Table, human_bytes
 from torchsurgery.cli.store import StreamingWriter
+from torchsurgery.errors import NoMatchError
 from torchsurgery.flex import FlexModel, HookFunction
 
 
@@ -95,8 +96,10 @@ def trace(
         for pattern in hooks:
             try:
                 flex.register_forward_hook(HookFunction(pattern))
+            except NoMatchError as exc:
+                raise CliError(exc.render("--hook")) from exc
             except ValueError as exc:
-                raise CliError(str(exc).replace("torchsurgery.FlexModel (forward hook)", f"--hook {pattern}")) from exc
+                raise CliError(f"--hook {pattern}: {exc}") from exc
         short = sum(len(t) for t in texts) <= 65536
         metadata = {
             "model": loaded.name,

@@ -40,8 +40,8 @@ import torch
 from torch import nn
 
 from torchsurgery import _undo
-from torchsurgery.offload.dynamic_swap import DynamicSwapInstaller
-from torchsurgery.offload.pool import DevicePool, PoolRecord, _free_bytes, _NoRoom
+from torchsurgery.offloading.dynamic_swap import DynamicSwapInstaller
+from torchsurgery.offloading.pool import DevicePool, PoolRecord, _free_bytes, _NoRoom
 
 __all__ = [
     "cpu",

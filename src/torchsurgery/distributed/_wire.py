@@ -14,12 +14,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from torchsurgery._validate import dtype_from_name, dtype_name
+
 _ALIGN = 16
-_DTYPES = {str(t): t for t in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-    torch.float8_e4m3fn, torch.float8_e5m2,
-)}
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -40,14 +37,14 @@ def pack(items: Sequence[tuple[str, torch.Tensor]], *, device: torch.device, sta
     chunks: list[torch.Tensor] = []
     offset = 0
     for name, tensor in items:
-        if str(tensor.dtype) not in _DTYPES:
+        if dtype_from_name(dtype_name(tensor.dtype)) is None:
             raise TypeError(f"torchsurgery.distributed: cannot send a {tensor.dtype} tensor ({name!r})")
         data = _bytes_of(tensor).to(device)
         pad = -offset % _ALIGN
         if pad:
             chunks.append(torch.zeros(pad, dtype=torch.uint8, device=device))
             offset += pad
-        entries.append([name, str(tensor.dtype), list(tensor.shape), offset])
+        entries.append([name, dtype_name(tensor.dtype), list(tensor.shape), offset])
         chunks.append(data)
         offset += data.numel()
     header = json.dumps({"status": status, "items": entries}).encode()
@@ -65,8 +62,10 @@ def unpack(buffer: torch.Tensor) -> tuple[int, list[tuple[str, torch.Tensor]]]:
     start = 8 + length
     start += -start % _ALIGN
     items = []
-    for name, dtype_name, shape, offset in header["items"]:
-        dtype = _DTYPES[dtype_name]
+    for name, code, shape, offset in header["items"]:
+        dtype = dtype_from_name(code)
+        if dtype is None:
+            raise ValueError(f"torchsurgery.distributed: a received buffer names an unknown dtype {code!r}")
         count = 1
         for d in shape:
             count *= d

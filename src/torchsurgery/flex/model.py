@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from torchsurgery import _undo
-from torchsurgery._names import glob_match, is_glob, no_match_message
+from torchsurgery._names import glob_match, is_glob, no_match
 from torchsurgery.flex._pytree import flatten
 from torchsurgery.flex.groups import HookGroups, name_matches
 from torchsurgery.flex.hook_function import EditingFunction, HookFunction
@@ -721,12 +721,12 @@ class FlexModel(nn.Module):
             params = dict(root.named_parameters())
             names = [n for n in params if glob_match(pattern, n)] if is_glob(pattern) else [n for n in params if n == pattern]
             if not local and not routing.matched_anywhere(bool(names), hook_type, pattern):
-                raise ValueError(no_match_message(what, pattern, list(params)).replace("submodule", "parameter"))
+                raise no_match(what, pattern, list(params), kind="parameter")
             return [(prefix + n, params[n], root.get_submodule(n.rpartition(".")[0])) for n in names]
         modules = dict(root.named_modules())
         names = [n for n in modules if glob_match(pattern, n)]
         if not local and not routing.matched_anywhere(bool(names), hook_type, pattern):
-            raise ValueError(no_match_message(what, pattern, [n for n in modules if n]))
+            raise no_match(what, pattern, [n for n in modules if n])
         return [(prefix + n, modules[n], None) for n in names]  # none here: another pipeline stage holds it
 
     def _register(self, hook: HookFunction, hook_type: str, *, local: bool = False) -> None:
@@ -846,7 +846,7 @@ class FlexModel(nn.Module):
             )
             matched = [n for n in names if name_matches(group_constructor, n)]
             if not self._runtime.routing.matched_anywhere(bool(matched), hook_type, group_constructor):
-                raise ValueError(no_match_message(what, group_constructor, names))
+                raise no_match(what, group_constructor, names)
             hooks = [HookFunction(n, expected_shape, editing_function, unpack_idx) for n in matched]
             # pipeline stages match different names: no stage-wide check per created hook
             for hook in hooks:
@@ -904,10 +904,8 @@ class FlexModel(nn.Module):
         params = dict(root.named_parameters())
         parameter_name = _split_prefix(parameter_name, prefixes)[1]
         if parameter_name not in params:
-            message = no_match_message(what, parameter_name, list(params)).replace("submodule", "parameter")
-            if self.pp_size > 1:
-                message += "; with pipeline parallelism, ask on the ranks of the stage that holds it"
-            raise ValueError(message)
+            advice = "with pipeline parallelism, ask on the ranks of the stage that holds it" if self.pp_size > 1 else ""
+            raise no_match(what, parameter_name, list(params), kind="parameter", advice=advice)
         local = params[parameter_name].detach()
         probe = HookFunction(parameter_name, expected_shape)
         return self._runtime.routing.gather_parameter(local, probe).to("cpu", copy=True)

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from torchsurgery._validate import check_device
+
 
 class OffloadDevice(abc.ABC):
     """Where an offloaded model computes, and every device operation the engine needs.
@@ -38,7 +40,9 @@ class OffloadDevice(abc.ABC):
 
     Example:
         >>> import torch
-        >>> from torchsurgery.offload.device import resolve_device
+
+from torchsurgery._validate import check_device
+        >>> from torchsurgery.offloading.device import resolve_device
         >>> dev = resolve_device("cpu", "example")
         >>> buffer = dev.empty(4)
         >>> side = dev.new_stream()
@@ -219,18 +223,11 @@ def resolve_device(device: str | torch.device | OffloadDevice, what: str) -> Off
     """
     if isinstance(device, OffloadDevice):
         return device
-    try:
-        target = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"{what}: {device!r} is not a device ({exc})") from exc
+    target = check_device(device, what)
+    assert target is not None
     if target.type == "cpu":
         return AcceleratorDevice(torch.device("cpu"))
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if accelerator is None or accelerator.type != target.type:
-        have = f"'cpu' and {accelerator.type!r}" if accelerator is not None else "only 'cpu'"
-        raise ValueError(f"{what}: device {str(device)!r} is not available: this PyTorch reports {have}")
-    count = torch.accelerator.device_count()
+    if target.type == "meta":
+        raise ValueError(f"{what}: cannot compute on the 'meta' device; use 'cpu' or an accelerator")
     index = torch.accelerator.current_device_index() if target.index is None else target.index
-    if not 0 <= index < count:
-        raise ValueError(f"{what}: device {str(device)!r} does not exist ({count} {target.type} devices)")
     return AcceleratorDevice(torch.device(target.type, index))

@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from torchsurgery.offload.device import OffloadDevice
+from torchsurgery.offloading.device import OffloadDevice
 
 POISON = 0xFF
 

@@ -8,7 +8,7 @@ device when the storage dtype differs). While a group computes, the next groups 
 the recorded execution order are copied into other slots on a side stream, each copy
 ordered after the last use of its slot by events, so results are exactly those of the
 resident model. Every device operation, timing included, goes through one
-:class:`~torchsurgery.offload.device.OffloadDevice`; on a CPU the same machinery runs with
+:class:`~torchsurgery.offloading.device.OffloadDevice`; on a CPU the same machinery runs with
 plain synchronous copies, and the test suite runs it on a simulated asynchronous device.
 
 Forwards that record gradients do not use the ring (autograd keeps the weights it saved
@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchsurgery.offload.device import OffloadDevice
-from torchsurgery.offload.order import OrderRecorder
-from torchsurgery.offload.packing import FlatLayout, unpack
-from torchsurgery.offload.planner import GroupCost, stall_hint
-from torchsurgery.offload.stats import OffloadStats
+from torchsurgery.offloading.device import OffloadDevice
+from torchsurgery.offloading.order import OrderRecorder
+from torchsurgery.offloading.packing import FlatLayout, unpack
+from torchsurgery.offloading.planner import GroupCost, stall_hint
+from torchsurgery.offloading.stats import OffloadStats
 from torchsurgery.patching import Patch
 
 
@@ -57,14 +57,14 @@ class Ring:
     """``slots`` device buffers, each big enough for the largest packed group.
 
     Every device operation goes through ``device`` (an
-    :class:`~torchsurgery.offload.device.OffloadDevice`). Each slot carries two events: its
+    :class:`~torchsurgery.offloading.device.OffloadDevice`). Each slot carries two events: its
     copy's end (``ready``; the compute stream waits on it before reading the slot) and its
     last use's end (``released``; the copy stream waits on it before overwriting the slot).
 
     Example:
         >>> import torch
-        >>> from torchsurgery.offload.device import resolve_device
-        >>> from torchsurgery.offload.packing import FlatLayout, pack
+        >>> from torchsurgery.offloading.device import resolve_device
+        >>> from torchsurgery.offloading.packing import FlatLayout, pack
         >>> weights = [torch.arange(3.0)]
         >>> layout = FlatLayout.of(weights)
         >>> group = PackedGroup("g", layout, pack(weights, layout))

@@ -26,7 +26,7 @@ class OffloadStats:
         achieved_gbps: bytes moved per second of transferring.
 
     Timings come from events recorded through the offload's
-    :class:`~torchsurgery.offload.device.OffloadDevice`, so they are read the same way on a
+    :class:`~torchsurgery.offloading.device.OffloadDevice`, so they are read the same way on a
     CPU, a GPU and the test suite's simulated device.
 
     Example:

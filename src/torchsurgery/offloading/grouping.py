@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from torchsurgery._names import no_match_message
+from torchsurgery._names import no_match
 from torchsurgery.patching import original_class
 
 
@@ -147,7 +147,7 @@ def find_groups(model: nn.Module, groups: str | Sequence[str], what: str = "torc
         found = list(groups)
         for name in found:
             if not isinstance(name, str) or name not in named:
-                raise ValueError(no_match_message(f"{what} (groups)", str(name), [n for n in named if n]))
+                raise no_match(f"{what} (groups)", str(name), [n for n in named if n])
         for a in found:
             for b in found:
                 if a != b and (a == "" or b.startswith(f"{a}.")):

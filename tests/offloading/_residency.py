@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from torchsurgery.offload.planner import GroupCost, simulate
+from torchsurgery.offloading.planner import GroupCost, simulate
 
 
 def in_order(groups: list[GroupCost], budget: int, prefetch: int) -> list[str]:

@@ -8,9 +8,9 @@ import pytest
 import torch
 from _residency import best_stall, in_order
 
-from torchsurgery.offload.order import OrderRecorder
-from torchsurgery.offload.packing import ALIGNMENT, FlatLayout, pack, unpack
-from torchsurgery.offload.planner import GroupCost, plan_residency, simulate, stall_hint
+from torchsurgery.offloading.order import OrderRecorder
+from torchsurgery.offloading.packing import ALIGNMENT, FlatLayout, pack, unpack
+from torchsurgery.offloading.planner import GroupCost, plan_residency, simulate, stall_hint
 
 DTYPES = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,

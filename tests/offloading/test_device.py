@@ -20,8 +20,8 @@ from torch import nn
 
 import torchsurgery
 from torchsurgery import offload
-from torchsurgery.offload.device import AcceleratorDevice, resolve_device
-from torchsurgery.offload.planner import plan_residency, simulate
+from torchsurgery.offloading.device import AcceleratorDevice, resolve_device
+from torchsurgery.offloading.planner import plan_residency, simulate
 
 
 class Blocks(nn.Module):

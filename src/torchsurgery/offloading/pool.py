@@ -33,9 +33,10 @@ import torch
 from torch import nn
 
 from torchsurgery import _undo
-from torchsurgery.offload.engine import DEFAULT_SKIP, OffloadHandle, _already_offloaded, offload
-from torchsurgery.offload.grouping import find_groups
-from torchsurgery.offload.stats import OffloadStats
+from torchsurgery._validate import check_bytes
+from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle, _already_offloaded, offload
+from torchsurgery.offloading.grouping import find_groups
+from torchsurgery.offloading.stats import OffloadStats
 
 __all__ = ["DevicePool", "PoolStats"]
 
@@ -69,14 +70,6 @@ def _device_gone(device: torch.device) -> str | None:
         if (device.index or 0) >= torch.cuda.device_count():
             return f"there are only {torch.cuda.device_count()} CUDA devices"
     return None
-
-
-def _check_bytes(value: Any, arg: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{_WHAT}: {arg} must be a number of bytes (int >= 0) or None, got {value!r}")
-    return value
 
 
 @dataclass
@@ -235,8 +228,8 @@ class DevicePool:
             raise ValueError(f"{_WHAT}: device {device!r} asked for, but {gone}")
         if target.type == "cuda" and target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
-        self.budget = _check_bytes(budget, "budget")
-        self.keep_free = _check_bytes(keep_free, "keep_free")
+        self.budget = check_bytes(budget, _WHAT, "budget")
+        self.keep_free = check_bytes(keep_free, _WHAT, "keep_free")
         if self.budget is not None and self.keep_free is not None:
             raise ValueError(f"{_WHAT}: give budget= or keep_free=, not both")
         self.device = target
@@ -359,7 +352,7 @@ class DevicePool:
                 the model needs streamed (nothing is changed then), or the device is gone.
         """
         entry = self._entry(model, "load")
-        keep = _check_bytes(keep_free, "keep_free")
+        keep = check_bytes(keep_free, _WHAT, "keep_free")
         room, reclaimable = self._room(entry, keep)
         if entry.loaded:
             assert entry.handle is not None

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchsurgery.offload.stats import OffloadStats
+from torchsurgery.offloading.stats import OffloadStats
 from torchsurgery.patching import Patch
 
 _FUSED_MIN_WEIGHT = 1 << 18  # below this a fused kernel does not pay for itself

@@ -1,4 +1,4 @@
-"""Tests of torchsurgery.offload.narrow: narrow-weight matmuls against plain fp32, and threads."""
+"""Tests of torchsurgery.offloading.narrow: narrow-weight matmuls against plain fp32, and threads."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from torchsurgery import offload
-from torchsurgery.offload import narrow
-from torchsurgery.offload.narrow import (
+from torchsurgery.offloading import narrow
+from torchsurgery.offloading.narrow import (
     _FUSED_MAX_ROWS,
     _FUSED_MIN_WEIGHT,
     _fused,

@@ -17,7 +17,7 @@ from torch import nn
 
 import torchsurgery
 from torchsurgery import offload
-from torchsurgery.offload.grouping import find_groups, repeated_blocks
+from torchsurgery.offloading.grouping import find_groups, repeated_blocks
 
 transformers = pytest.importorskip("transformers")
 
@@ -200,7 +200,7 @@ def test_bf16_storage_fp32_compute_matches_a_bf16_rounded_reference(make: Any) -
     x = IDS if make is not mlp else torch.randn(3, 32)
     # reference: the same weights rounded to bf16 (except norms/embeddings), computed in fp32
     reference = copy.deepcopy(model)
-    from torchsurgery.offload import DEFAULT_SKIP
+    from torchsurgery.offloading import DEFAULT_SKIP
 
     with torch.no_grad():
         named = list(reference.named_modules())
@@ -443,8 +443,10 @@ def test_bad_input_is_refused_before_anything_changes() -> None:
         offload(model, groups=["1.0.22"])
     with pytest.raises(ValueError, match="not a device|CUDA|device must be"):
         offload(model, device="tpu")
-    with pytest.raises(TypeError, match="storage_dtype"):
+    with pytest.raises(ValueError, match="storage_dtype must be a floating point dtype, got torch.int8"):
         offload(model, storage_dtype=torch.int8)
+    with pytest.raises(TypeError, match="dtype must be a floating point dtype .* got 'bf16'"):
+        offload(model, dtype="bf16")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="skip must be a filter \\(module, name\\) -> bool or None, got 5"):
         offload(model, skip=5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="groups must be 'blocks', 'leaves' or a list of module names, got None"):

@@ -12,10 +12,10 @@ Mechanics, chosen so that nothing about the model's identity changes:
   (``torch.utils.swap_tensors``), so optimizers and user references stay valid;
 * a streamed group's weights are packed into one flat host buffer that the parameters
   are views into, and its root module gets a patch whose forward brings the group in
-  through a ring of device buffers (:mod:`torchsurgery.offload.streams`) and puts the
+  through a ring of device buffers (:mod:`torchsurgery.offloading.streams`) and puts the
   stored parameters back in a ``finally``, also on ``KeyboardInterrupt``;
 * on a CPU, ``nn.Linear`` (and transformers ``Conv1D``) layers stored narrower than they
-  compute read the narrow weight directly (:mod:`torchsurgery.offload.narrow`).
+  compute read the narrow weight directly (:mod:`torchsurgery.offloading.narrow`).
 
 This module plans (groups, residency, dtypes), installs and removes. Everything is
 recorded in the model's undo log; :meth:`OffloadHandle.remove` (or ``torchsurgery.restore``)
@@ -37,13 +37,14 @@ from torch import nn
 
 from torchsurgery import _undo
 from torchsurgery._checkpoint import SafetensorsSource, open_source
-from torchsurgery.offload.device import OffloadDevice, resolve_device
-from torchsurgery.offload.grouping import find_groups
-from torchsurgery.offload.narrow import _is_matmul_layer, _NarrowMatmul, _Scratch, _Shadows
-from torchsurgery.offload.packing import FlatLayout, pack, unpack
-from torchsurgery.offload.planner import plan_residency
-from torchsurgery.offload.stats import OffloadStats
-from torchsurgery.offload.streams import (
+from torchsurgery._validate import check_bytes, check_dtype
+from torchsurgery.offloading.device import OffloadDevice, resolve_device
+from torchsurgery.offloading.grouping import find_groups
+from torchsurgery.offloading.narrow import _is_matmul_layer, _NarrowMatmul, _Scratch, _Shadows
+from torchsurgery.offloading.packing import FlatLayout, pack, unpack
+from torchsurgery.offloading.planner import plan_residency
+from torchsurgery.offloading.stats import OffloadStats
+from torchsurgery.offloading.streams import (
     PackedGroup,
     Ring,
     _EndForward,
@@ -270,14 +271,6 @@ def _already_offloaded(model: nn.Module) -> str | None:
     return None
 
 
-def _check_dtype(value: Any, arg: str) -> torch.dtype | None:
-    if value is None:
-        return None
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise TypeError(f"torchsurgery.offload: {arg} must be a floating point torch.dtype, got {value!r}")
-    return value
-
-
 def offload(
     model: nn.Module,
     device: str | torch.device | OffloadDevice = "cpu",
@@ -298,7 +291,7 @@ def offload(
         model: the model (changed in place; nothing is copied).
         device: where the computation runs: ``"cpu"`` or a device of the accelerator this
             PyTorch reports (``"cuda"``, also for ROCm; ``"xpu"``, ``"mps"``, ...), or an
-            :class:`~torchsurgery.offload.device.OffloadDevice` (e.g. a simulated one).
+            :class:`~torchsurgery.offloading.device.OffloadDevice` (e.g. a simulated one).
         dtype: the compute dtype of floating weights (default: their current dtype).
         storage_dtype: the dtype weights are stored in (e.g. ``torch.bfloat16`` or
             ``torch.float8_e4m3fn``); modules selected by ``skip`` keep theirs.
@@ -306,7 +299,7 @@ def offload(
             streamed groups in flight. A model that fits is kept whole. Otherwise the
             groups that stream through the ring are measured on the first forward and
             those whose transfers cannot be hidden behind compute are kept resident
-            (:func:`~torchsurgery.offload.planner.plan_residency`); groups served by the
+            (:func:`~torchsurgery.offloading.planner.plan_residency`); groups served by the
             CPU narrow-weight path are filled in execution order. ``None``: nothing is
             resident on a CPU; on an accelerator, what is free minus a margin.
         prefetch: how many groups ahead to bring in, along the order recorded on the
@@ -351,11 +344,10 @@ def offload(
     _undo.check_module(model, what)
     seam = resolve_device(device, what)
     target = seam.device
-    compute_dtype = _check_dtype(dtype, "dtype")
-    store_dtype = _check_dtype(storage_dtype, "storage_dtype")
-    master = _check_dtype(master_dtype, "master_dtype")
-    if budget is not None and (not isinstance(budget, int) or budget < 0):
-        raise TypeError(f"{what}: budget must be a number of bytes (int >= 0) or None, got {budget!r}")
+    compute_dtype = check_dtype(dtype, what, "dtype")
+    store_dtype = check_dtype(storage_dtype, what, "storage_dtype")
+    master = check_dtype(master_dtype, what, "master_dtype")
+    check_bytes(budget, what, "budget")
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"{what}: prefetch must be an int >= 0, got {prefetch!r}")
     if skip is not None and not callable(skip):

@@ -1,0 +1,20 @@
+"""The offload pillar: where and in what dtype weights live (dynamic swapping, the offload engine, pools).
+
+The package is named ``offloading`` so that ``torchsurgery.offload`` stays the function.
+"""
+
+from torchsurgery.offloading.device import OffloadDevice
+from torchsurgery.offloading.dynamic_swap import DynamicSwapInstaller
+from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle, OffloadStats, offload
+from torchsurgery.offloading.pool import DevicePool, PoolStats
+
+__all__ = [
+    "DynamicSwapInstaller",
+    "offload",
+    "OffloadHandle",
+    "OffloadStats",
+    "OffloadDevice",
+    "DEFAULT_SKIP",
+    "DevicePool",
+    "PoolStats",
+]
