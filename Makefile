@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 CONSTRAINTS := $(VENV)/constraints.txt
 
-.PHONY: demo test lint unit bench clean
+.PHONY: demo test lint unit docs bench clean
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -46,10 +46,14 @@ lint: $(VENV)/.dev
 unit: $(VENV)/.dev
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=600 $(PYTEST_ARGS)
 
-test: lint unit
+# The site in site/, from docs/ and the docstrings; --strict: a broken link or reference fails.
+docs: $(VENV)/.dev
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir site
+
+test: lint unit docs
 
 bench: $(VENV)/.bench
-	@echo "benchmarks: $(PY) benchmarks/<name>.py (see README)"
+	@echo "benchmarks: $(PY) benchmarks/<name>.py (see docs/benchmarks.md)"
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build dist site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
