@@ -46,9 +46,10 @@ lint: $(VENV)/.dev
 unit: $(VENV)/.dev
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=600 $(PYTEST_ARGS)
 
-# The site in site/, from docs/ and the docstrings; --strict: a broken link or reference fails.
+# The site in site/, from docs/ and the docstrings; --strict: a broken link or reference fails
+# (not --quiet: mkdocs then drops the warnings before --strict counts them).
 docs: $(VENV)/.dev
-	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 test: lint unit docs
 

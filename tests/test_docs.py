@@ -8,12 +8,16 @@ reason is required, and other fences (``bash``, ``json``, ``text``) are never ru
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import re
 import sys
 import types
 from pathlib import Path
 
 import pytest
+
+import torchsurgery
 
 DOCS = Path(__file__).parent.parent / "docs"
 FENCE = re.compile(r"^```python\n(.*?)^```", flags=re.DOTALL | re.MULTILINE)
@@ -56,3 +60,46 @@ def test_page_examples_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setitem(sys.modules, module.__name__, module)
     for index, code in enumerate(blocks(page)[0]):
         exec(compile(code, f"{page.name} (python block {index + 1})", "exec"), module.__dict__)
+
+
+def _documented() -> set[str]:
+    """The objects the API reference pages render (their ``::: path`` lines).
+
+    The package itself is left out: its page shows the package docstring, not its members.
+    """
+    text = "\n".join(page.read_text(encoding="utf-8") for page in (DOCS / "api").glob("*.md"))
+    return set(re.findall(r"^::: ([\w.]+)", text, flags=re.MULTILINE)) - {"torchsurgery"}
+
+
+_NAMES = {f"torchsurgery.{name}" for name in torchsurgery.__all__}
+
+
+def test_every_public_name_is_in_the_api_reference() -> None:
+    documented = _documented()
+    missing = []
+    for name in torchsurgery.__all__:
+        obj = getattr(torchsurgery, name)
+        exported = any(
+            name in getattr(module, "__all__", ()) and getattr(module, name) is obj
+            for module in map(importlib.import_module, (path for path in documented if path not in _NAMES))
+        )
+        if f"torchsurgery.{name}" not in documented and not exported:
+            missing.append(name)
+    assert not missing, f"add a '::: ...' line for these to a page under docs/api/: {missing}"
+
+
+def test_every_public_module_is_in_the_api_reference() -> None:
+    documented = _documented()
+    public = [
+        info.name
+        for info in pkgutil.walk_packages(torchsurgery.__path__, prefix="torchsurgery.")
+        if not any(part.startswith("_") for part in info.name.split("."))
+        and not info.name.startswith("torchsurgery.cli")  # the command: docs/cli.md
+    ]
+    missing = [
+        name
+        for name in public
+        if not any(name == path or name.startswith(path + ".") for path in documented)
+        and getattr(importlib.import_module(name), "__all__", None) is not None
+    ]
+    assert not missing, f"add a '::: ...' line for these to a page under docs/api/: {missing}"
