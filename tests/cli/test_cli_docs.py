@@ -50,14 +50,10 @@ def test_examples_match_real_output(call: Callable[..., Any], tmp_path: Path) ->
         assert _shape(json.loads(result.stdout)) == _shape(examples[command]), command
 
 
-README = Path(__file__).parents[2] / "README.md"
-
-
 def _readme_sessions() -> list[tuple[str, str]]:
-    """The ``$ command`` / output pairs of the README's command section."""
-    section = README.read_text(encoding="utf-8").split("### The `torchsurgery` command")[1].split("\n### ")[0]
+    """The ``$ command`` / output pairs of docs/cli.md."""
     sessions = []
-    for block in re.findall(r"```bash\n(.*?)```", section, re.DOTALL):
+    for block in re.findall(r"```bash\n(.*?)```", DOC.read_text(encoding="utf-8"), re.DOTALL):
         for chunk in block.split("$ ")[1:]:
             command, _, output = chunk.partition("\n")
             sessions.append((command, output))

@@ -15,7 +15,7 @@ to its package. Here their functions run as they are, with two kinds of help:
 Their data-parallel tests (DDP and FSDP1 against one process) run on one rank: on two,
 they read the captures on every rank, which flex_model all-gathers to every rank and we
 deliver to rank 0 only; ``tests/distributed`` covers them at DP=2 and DP=4. The tests left
-out, and why, are listed in the README (flex section) and in ``EXCLUDED``.
+out, and why, are listed in docs/flex.md and in ``EXCLUDED``.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ EXCLUDED = {
     "examples/fsdp_example.py": "asserts Llama-2-13B's width (5120): no random model that wide fits here",
     "examples/megatron_example.py": "needs Meta's llama package and a Llama-2 checkpoint",
 }
-"""What does not run here, by file, folder or test, and why (the README lists the same)."""
+"""What does not run here, by file, folder or test, and why (docs/flex.md lists the same)."""
 
 EXAMPLES = ["examples/single_gpu_example.py"]
 
@@ -102,7 +102,7 @@ def test_every_shipped_test_and_example_is_run_or_excluded() -> None:
         return (path, name) in run or path in EXAMPLES or excluded
 
     assert [item for item in shipped if not accounted(*item)] == []
-    assert len(run) + len(EXAMPLES) == 13  # the pass count the README quotes
+    assert len(run) + len(EXAMPLES) == 13  # the pass count docs/flex.md quotes
 
 
 # ------------------------------------------------------------------- the shim
