@@ -81,6 +81,28 @@ def parse_device(name: str) -> torch.device:
     return torch.device(name.lower())
 
 
+def parse_common(
+    device: str,
+    dtype: str | None,
+    offload: bool,
+    storage_dtype: str | None,
+    budget: str | None,
+    groups: str | None,
+    prefetch: int | None,
+    storage: bool = False,
+) -> tuple[torch.device, torch.dtype | None, OffloadOptions]:
+    """``--device``, ``--dtype`` and the offload options ``run`` and ``trace`` share, checked in that order.
+
+    Example:
+        >>> where, dtype, options = parse_common("cpu", "bf16", False, None, "1MB", None, None)
+        >>> where, dtype, options.enabled, options.budget
+        (device(type='cpu'), torch.bfloat16, True, 1000000)
+    """
+    where = parse_device(device)
+    compute = parse_dtype(dtype, "--dtype", COMPUTE_DTYPES) if dtype is not None else None
+    return where, compute, OffloadOptions.parse(offload, storage_dtype, budget, groups, prefetch, storage)
+
+
 @dataclass
 class OffloadOptions:
     """What ``--offload`` and its companions asked for (``enabled`` when any was given)."""
