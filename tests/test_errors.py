@@ -29,10 +29,12 @@ ERRORS = [
 
 
 @pytest.mark.parametrize("error", ERRORS, ids=lambda e: type(e).__name__)
-def test_pickling_keeps_type_fields_and_message(error: Exception) -> None:
+def test_pickling_keeps_type_fields_message_and_notes(error: Exception) -> None:
+    error.add_note("raised on rank 1")
     copy = pickle.loads(pickle.dumps(error))
     assert type(copy) is type(error) and str(copy) == str(error)
-    assert vars(copy) == vars(error)
+    assert vars(copy) == vars(error) and copy.__notes__ == ["raised on rank 1"]
+    del error.__notes__
 
 
 def test_each_error_is_the_builtin_exception_raised_before() -> None:

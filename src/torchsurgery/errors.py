@@ -5,8 +5,8 @@ instance, renders the same error with its option names instead of the function's
 argument names, from the fields, without parsing or rewriting the text.
 
 Each error is also the built-in exception a caller would expect (``ValueError`` or
-``TypeError``), so ``except ValueError`` keeps working, and each survives pickling (it
-crosses process boundaries in distributed runs).
+``TypeError``), so ``except ValueError`` keeps working, and each survives pickling with
+its fields and notes (so it can cross process boundaries), where its value pickles.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class NoMatchError(ValueError):
         return f"{prefix}: {self.wanted!r} matches no {self.kind} of the model{hint}{advice}"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.what, self.wanted, self.near, self.kind, self.advice, self.arg)
+        return type(self), (self.what, self.wanted, self.near, self.kind, self.advice, self.arg), self.__dict__
 
 
 class ArgumentError(Exception):
@@ -129,7 +129,7 @@ class ArgumentError(Exception):
         return f"{self.what}: {self.arg} {self.problem}" + (f"; {fix}" if fix else "")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.what, self.arg, self.value, self.problem, self.fix, self.setting)
+        return type(self), (self.what, self.arg, self.value, self.problem, self.fix, self.setting), self.__dict__
 
 
 class ArgumentValueError(ArgumentError, ValueError):
@@ -187,7 +187,7 @@ class BudgetError(ArgumentValueError):
         return f"{self.what}: {self.arg}={self.budget} bytes {self.problem}; {self.fix_in()}"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.what, self.budget, self.needed, self.group, self.finer)
+        return type(self), (self.what, self.budget, self.needed, self.group, self.finer), self.__dict__
 
 
 __all__ = ["ArgumentError", "ArgumentTypeError", "ArgumentValueError", "BudgetError", "NoMatchError", "Setting"]

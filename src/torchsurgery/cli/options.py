@@ -14,7 +14,7 @@ from torch import nn
 
 import torchsurgery
 from torchsurgery._names import glob_match, no_match
-from torchsurgery._validate import dtype_from_name, dtype_name
+from torchsurgery._validate import check_device, dtype_from_name, dtype_name
 from torchsurgery.cli.errors import CliError, parse_size
 from torchsurgery.errors import ArgumentError, BudgetError, NoMatchError, Setting
 
@@ -71,14 +71,19 @@ def devices() -> list[str]:
 def parse_device(name: str) -> torch.device:
     """``--device``: ``cpu`` or an accelerator of this machine (``cuda``, ``cuda:1``, ``mps``...).
 
+    The library's own device check decides; the error lists what :func:`devices` offers.
+
     Example:
         >>> parse_device("cpu")
         device(type='cpu')
     """
-    accepted = devices()
-    if name.lower() not in accepted:
-        raise CliError(f"--device: {name!r} is not a device of this machine; use one of {', '.join(accepted)}")
-    return torch.device(name.lower())
+    try:
+        device = check_device(name.lower(), "--device")
+    except ArgumentError:
+        device = None
+    if device is None or device.type == "meta":  # (meta holds no values: nothing to compute with)
+        raise CliError(f"--device: {name!r} is not a device of this machine; use one of {', '.join(devices())}")
+    return device
 
 
 def parse_common(
