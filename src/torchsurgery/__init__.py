@@ -9,6 +9,14 @@ Four pillars, each with an exact undo:
 """
 
 from torchsurgery._undo import SurgeryEntry, restore, surgery_log
+from torchsurgery.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    ArgumentValueError,
+    BudgetError,
+    NoMatchError,
+    Setting,
+)
 from torchsurgery.flex import DummyModule, FlexModel, HookFunction
 from torchsurgery.offloading import (
     DEFAULT_SKIP,
@@ -73,4 +81,11 @@ __all__ = [
     "FlexModel",
     "HookFunction",
     "DummyModule",
+    # errors: refusals that carry their facts as fields
+    "ArgumentError",
+    "ArgumentValueError",
+    "ArgumentTypeError",
+    "BudgetError",
+    "NoMatchError",
+    "Setting",
 ]

@@ -52,7 +52,17 @@ def glob_match(pattern: str, name: str) -> bool:
 
 
 def near_matches(wanted: str, names: list[str], n: int = 5) -> list[str]:
-    """Names close to ``wanted``, best first, for "did you mean" messages."""
+    """Names close to ``wanted``, best first, for "did you mean" messages.
+
+    Wildcards are ignored; when nothing is close, names ending in ``wanted``'s last
+    component come instead (``layers.0.mlp`` for ``layrs.*.mlp``).
+
+    Example:
+        >>> near_matches("0.wieght", ["0.weight", "0.bias"])
+        ['0.weight']
+        >>> near_matches("blocks.*.mlp", ["layers.0.mlp", "layers.1.mlp", "head"])
+        ['layers.1.mlp', 'layers.0.mlp']
+    """
     plain = wanted.replace("*", "").replace("?", "")
     close = difflib.get_close_matches(plain, names, n=n, cutoff=0.5)
     if not close:
@@ -62,14 +72,18 @@ def near_matches(wanted: str, names: list[str], n: int = 5) -> list[str]:
     return close
 
 
-def no_match(what: str, wanted: str, names: list[str], kind: str = "submodule", advice: str = "") -> NoMatchError:
+def no_match(
+    what: str, wanted: str, names: list[str], kind: str = "submodule", advice: str = "", arg: str = ""
+) -> NoMatchError:
     """The error for a name or glob that matches none of ``names``, with the near matches.
+
+    ``arg`` names the argument that held ``wanted`` when it is not the caller's main one.
 
     Example:
         >>> str(no_match("example", "layer.0", ["layers.0", "head"]))
         "example: 'layer.0' matches no submodule of the model; did you mean 'layers.0'?"
     """
-    return NoMatchError(what, wanted, near_matches(wanted, names), kind, advice)
+    return NoMatchError(what, wanted, near_matches(wanted, names), kind, advice, arg)
 
 
 def select(

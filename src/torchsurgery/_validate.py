@@ -7,10 +7,13 @@ argument checks a value and names the caller, the argument and what it accepts.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, Setting
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,9 @@ def safetensors_code(dtype: torch.dtype) -> str | None:
 def check_dtype(value: Any, what: str, arg: str = "dtype", *, complex_ok: bool = False) -> torch.dtype | None:
     """``value`` if it is a floating point (or, with ``complex_ok``, complex) dtype; ``None`` stays ``None``.
 
+    Accepted are the dtypes ``nn.Module.to`` takes: floating point ones PyTorch can cast
+    a tensor to (not the packed ``torch.float4_e2m1fn_x2``), and complex ones with ``complex_ok``.
+
     Args:
         value: what the caller was given.
         what: the caller's name, for the message (``"torchsurgery.offload"``).
@@ -115,8 +121,8 @@ def check_dtype(value: Any, what: str, arg: str = "dtype", *, complex_ok: bool =
         complex_ok: accept complex dtypes too (as ``module.to`` does).
 
     Raises:
-        TypeError: ``value`` is not a ``torch.dtype``.
-        ValueError: it is a dtype of the wrong kind (an integer dtype, say).
+        ArgumentTypeError: ``value`` is not a ``torch.dtype`` (a ``TypeError``).
+        ArgumentValueError: it is a dtype of the wrong kind, an integer dtype say (a ``ValueError``).
 
     Example:
         >>> check_dtype(torch.bfloat16, "example")
@@ -124,16 +130,28 @@ def check_dtype(value: Any, what: str, arg: str = "dtype", *, complex_ok: bool =
         >>> check_dtype(torch.int8, "example", "storage_dtype")
         Traceback (most recent call last):
         ...
-        ValueError: example: storage_dtype must be a floating point dtype, got torch.int8
+        torchsurgery.errors.ArgumentValueError: example: storage_dtype must be a floating point dtype, got torch.int8
     """
     if value is None:
         return None
     kinds = "a floating point or complex dtype" if complex_ok else "a floating point dtype"
     if not isinstance(value, torch.dtype):
-        raise TypeError(f"{what}: {arg} must be {kinds} (a torch.dtype such as torch.bfloat16), got {value!r}")
+        raise ArgumentTypeError(what, arg, value, f"must be {kinds} (a torch.dtype such as torch.bfloat16), got {value!r}")
     if not (value.is_floating_point or (complex_ok and value.is_complex)):
-        raise ValueError(f"{what}: {arg} must be {kinds}, got {value}")
+        raise ArgumentValueError(what, arg, value, f"must be {kinds}, got {value}")
+    if not _castable(value):
+        raise ArgumentValueError(what, arg, value, f"must be {kinds} PyTorch can cast tensors to, got {value}")
     return value
+
+
+@functools.cache
+def _castable(dtype: torch.dtype) -> bool:
+    # packed dtypes (torch.float4_e2m1fn_x2) are floating point, but nothing casts to them
+    try:
+        torch.zeros(1).to(dtype)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def check_device(value: Any, what: str) -> torch.device | None:
@@ -143,7 +161,8 @@ def check_device(value: Any, what: str) -> torch.device | None:
     its index must be in range.
 
     Raises:
-        ValueError: not a device, or no such device here.
+        ArgumentValueError: not a device, or no such device here (a ``ValueError``); its
+            fix suggests ``device='cpu'``.
 
     Example:
         >>> check_device("cpu", "example")
@@ -151,26 +170,30 @@ def check_device(value: Any, what: str) -> torch.device | None:
         >>> check_device("tpu", "example")
         Traceback (most recent call last):
         ...
-        ValueError: example: 'tpu' is not a device (...)
+        torchsurgery.errors.ArgumentValueError: example: device 'tpu' is not a device (...)
     """
     if value is None:
         return None
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"{what}: {value!r} is not a device ({str(exc).splitlines()[0][:160]})") from exc
+        reason = str(exc).splitlines()[0][:160]  # torch's own words, shortened
+        raise ArgumentValueError(what, "device", value, f"{value!r} is not a device ({reason})") from exc
     if device.type in ("cpu", "meta"):
         return device
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if accelerator is None or accelerator.type != device.type:
         have = f"'cpu' and {accelerator.type!r}" if accelerator is not None else "only 'cpu'"
-        raise ValueError(
-            f"{what}: device {str(value)!r} is not available: this PyTorch reports {have}; "
-            "use 'cpu' or an available accelerator"
+        raise ArgumentValueError(
+            what, "device", value, f"{str(value)!r} is not available: this PyTorch reports {have}",
+            "use {} or an available accelerator", Setting("device", "cpu"),
         )
     count = torch.accelerator.device_count()
     if device.index is not None and not 0 <= device.index < count:
-        raise ValueError(f"{what}: device {str(value)!r} does not exist ({count} {device.type} devices)")
+        raise ArgumentValueError(
+            what, "device", value, f"{str(value)!r} does not exist ({count} {device.type} devices)",
+            "use {} or an available accelerator", Setting("device", "cpu"),
+        )
     return device
 
 
@@ -178,8 +201,8 @@ def check_bytes(value: Any, what: str, arg: str) -> int | None:
     """``value`` if it is a byte count (an ``int`` >= 0); ``None`` stays ``None``.
 
     Raises:
-        TypeError: not an ``int`` (a ``bool`` is not a byte count).
-        ValueError: negative.
+        ArgumentTypeError: not an ``int``; a ``bool`` is not a byte count (a ``TypeError``).
+        ArgumentValueError: negative (a ``ValueError``).
 
     Example:
         >>> check_bytes(1 << 20, "example", "budget")
@@ -187,12 +210,13 @@ def check_bytes(value: Any, what: str, arg: str) -> int | None:
         >>> check_bytes(-1, "example", "budget")
         Traceback (most recent call last):
         ...
-        ValueError: example: budget must be a number of bytes (int >= 0) or None, got -1
+        torchsurgery.errors.ArgumentValueError: example: budget must be a number of bytes (int >= 0) or None, got -1
     """
     if value is None:
         return None
+    problem = f"must be a number of bytes (int >= 0) or None, got {value!r}"
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{what}: {arg} must be a number of bytes (int >= 0) or None, got {value!r}")
+        raise ArgumentTypeError(what, arg, value, problem)
     if value < 0:
-        raise ValueError(f"{what}: {arg} must be a number of bytes (int >= 0) or None, got {value!r}")
+        raise ArgumentValueError(what, arg, value, problem)
     return value

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copyreg
-import difflib
 import threading
 import weakref
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from torch import nn
 
 from torchsurgery import _undo
 from torchsurgery._checkpoint import CheckpointError, Entry, Source, Stash, open_source
+from torchsurgery._names import near_matches
 from torchsurgery._validate import check_device, check_dtype
 
 __all__ = ["swap_on_conversion", "convert_", "load_", "LoadResult", "skeleton", "CheckpointError"]
@@ -293,7 +293,7 @@ class LoadResult(NamedTuple):
 
 
 def _suggest(key: str, names: list[str]) -> str:
-    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    close = near_matches(key, names, n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

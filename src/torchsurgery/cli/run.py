@@ -13,11 +13,30 @@ import torch
 
 import torchsurgery
 from torchsurgery._validate import dtype_name
+from torchsurgery.cli import models
 from torchsurgery.cli.errors import CliError
 from torchsurgery.cli.figures import figures
-from torchsurgery.cli.models import LoadedModel
-from torchsurgery.cli.options import OffloadOptions
-from torchsurgery.cli.output import Table, human_bytes
+from torchsurgery.cli.options import OffloadOptions, parse_common
+from torchsurgery.cli.output import Table, emit, human_bytes
+
+
+def command(
+    model: str | None,
+    device: str,
+    dtype: str | None,
+    offload: bool,
+    storage_dtype: str | None,
+    budget: str | None,
+    groups: str | None,
+    prefetch: int | None,
+    text: str,
+    as_json: bool,
+) -> None:
+    """``torchsurgery run``: check the options, load MODEL, run it both ways, print the figures."""
+    where, compute, options = parse_common(device, dtype, offload, storage_dtype, budget, groups, prefetch)
+    loaded = models.load(model)
+    result = compare(loaded, text, where, compute, options)
+    emit(table(result), result, as_json)
 
 
 def _main_tensor(output: Any) -> torch.Tensor:
@@ -35,7 +54,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _timed(
-    loaded: LoadedModel,
+    loaded: models.LoadedModel,
     inputs: dict[str, torch.Tensor],
     device: torch.device,
     handle: torchsurgery.OffloadHandle | None = None,
@@ -57,7 +76,7 @@ def _timed(
 
 
 def compare(
-    loaded: LoadedModel,
+    loaded: models.LoadedModel,
     text: str,
     device: torch.device,
     dtype: torch.dtype | None,

@@ -18,11 +18,7 @@ from typing import BinaryIO
 
 import torch
 
-_NAMES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+from torchsurgery._validate import safetensors_code
 
 
 class StreamingWriter:
@@ -53,8 +49,8 @@ class StreamingWriter:
     def append(self, key: str, tensor: torch.Tensor) -> None:
         """Add ``tensor``'s rows to ``key`` (same trailing shape and dtype every time)."""
         tensor = tensor.detach().to("cpu").contiguous()
-        if tensor.dtype not in _NAMES:
-            raise ValueError(f"cannot store {key!r}: dtype {tensor.dtype} has no safetensors name here")
+        if safetensors_code(tensor.dtype) is None:
+            raise ValueError(f"cannot store {key!r}: dtype {tensor.dtype} has no safetensors name")
         shape = list(tensor.shape) or [1]
         if key in self._shapes:
             known = self._shapes[key]
@@ -77,7 +73,7 @@ class StreamingWriter:
             offset = 0
             for key, shape in self._shapes.items():
                 size = (self._spill / f"{list(self._files).index(key)}.bin").stat().st_size
-                header[key] = {"dtype": _NAMES[self._dtypes[key]], "shape": shape, "data_offsets": [offset, offset + size]}
+                header[key] = {"dtype": safetensors_code(self._dtypes[key]), "shape": shape, "data_offsets": [offset, offset + size]}
                 offset += size
             raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
             raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned

@@ -13,12 +13,142 @@ from typing import Any
 import torch
 
 from torchsurgery._names import select
+from torchsurgery._validate import dtype_name
+from torchsurgery.cli import models
 from torchsurgery.cli.errors import CliError
+from torchsurgery.cli.figures import figures
 from torchsurgery.cli.models import LoadedModel
-from torchsurgery.cli.output import Table, human_bytes
+from torchsurgery.cli.options import OffloadOptions, parse_common
+from torchsurgery.cli.output import Table, emit, human_bytes
 from torchsurgery.cli.store import StreamingWriter
 from torchsurgery.errors import NoMatchError
 from torchsurgery.flex import FlexModel, HookFunction
+
+
+@dataclass
+class TraceRequest:
+    """What ``torchsurgery trace`` was asked for, as given on the command line."""
+
+    model: str | None
+    hooks: list[str]
+    texts: list[str]
+    input_file: Path | None
+    out: Path
+    batch_size: int
+    max_length: int
+    plot: Path | None
+    device: str
+    dtype: str | None
+    offload: bool
+    storage: bool
+    storage_dtype: str | None
+    budget: str | None
+    groups: str | None
+    prefetch: int | None
+    as_json: bool
+
+
+def command(request: TraceRequest) -> None:
+    """``torchsurgery trace``: check everything before loading, trace, write the file (and plot), print."""
+    r = request
+    where, compute, options = parse_common(
+        r.device, r.dtype, r.offload, r.storage_dtype, r.budget, r.groups, r.prefetch, r.storage
+    )
+    for value, option in ((r.batch_size, "--batch-size"), (r.max_length, "--max-length")):
+        if value < 1:
+            raise CliError(f"{option}: {value} is below 1; give a positive number")
+    if not r.hooks:
+        raise CliError("give at least one --hook NAME_OR_GLOB (e.g. --hook 'encoder.layer.*')")
+    texts = read_texts(r.texts, r.input_file)
+    check_output(r.out, ".safetensors", "--out")
+    if r.plot is not None:
+        check_output(r.plot, ".png", "--plot")
+    loaded = models.load(r.model, weights=not r.storage)
+    compute = compute or next(loaded.model.parameters()).dtype
+    shapes, stats, dtypes, seconds, offloaded = _trace_maybe_offloaded(loaded, r, texts, where, compute, options)
+    document = {
+        "command": "trace", "model": loaded.name, "class": type(loaded.model).__name__, "device": str(where),
+        "dtype": dtype_name(compute), "out": str(r.out),
+        "plot": str(r.plot) if r.plot is not None else None, "inputs": len(texts), "seconds": seconds,
+        "texts_per_second": len(texts) / max(seconds, 1e-9), "offload": offloaded,
+        "captures": [{"module": key, "shape": shapes[key], "dtype": dtypes[key], "mean": s["mean"],
+                      "std": s["std"], "token_norm": s["norm"]} for key, s in stats.items()],
+    }
+    if r.plot is not None:
+        from torchsurgery.cli.plot import plot_stats
+
+        plot_stats(stats, r.plot, f"{loaded.name}: activation statistics over {len(texts)} inputs")
+    emit(table(document), document, r.as_json)
+
+
+def _trace_maybe_offloaded(
+    loaded: LoadedModel,
+    request: TraceRequest,
+    texts: list[str],
+    where: torch.device,
+    compute: torch.dtype,
+    options: OffloadOptions,
+) -> tuple[dict[str, list[int]], dict[str, dict[str, float]], dict[str, str], float, dict[str, Any] | None]:
+    """:func:`trace_with_progress`, with the model offloaded as ``options`` ask or moved to ``where``.
+
+    Returns:
+        What :func:`trace` returns, and the ``offload`` figures of the ``--json`` document (or ``None``).
+    """
+    handle = None
+    if options.enabled:
+        checkpoint = str(loaded.checkpoint) if loaded.checkpoint is not None else None
+        handle = options.apply(loaded.model, where, compute, checkpoint)
+    else:
+        loaded.model.to(device=where, dtype=compute)
+    try:
+        shapes, stats, dtypes, seconds = trace_with_progress(
+            loaded, request.hooks, texts, request.out, request.batch_size, request.max_length, where
+        )
+        offloaded = None
+        if handle is not None:
+            engine = handle.stats()
+            offloaded = {
+                **options.describe(),
+                "streamed_from": str(loaded.checkpoint) if request.storage else "memory",
+                **figures(loaded.model, where, compute, engine, engine.bytes_moved),
+                "resident_groups": engine.resident_groups, "streamed_groups": engine.streamed_groups,
+            }
+    finally:
+        if handle is not None and not request.storage:
+            # (with --storage, undoing would read every weight back into memory; the process ends instead)
+            handle.remove()
+    return shapes, stats, dtypes, seconds, offloaded
+
+
+def trace_with_progress(
+    loaded: LoadedModel, hooks: list[str], texts: list[str], out: Path, batch_size: int, max_length: int,
+    device: torch.device,
+) -> tuple[dict[str, list[int]], dict[str, dict[str, float]], dict[str, str], float]:
+    """:func:`trace` with a progress bar and throughput on stderr when it is a terminal."""
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    if not err.is_terminal:
+        return trace(loaded, hooks, texts, out, batch_size, max_length, device)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (TextColumn("tracing"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+               TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True) as progress:
+        task = progress.add_task("trace", total=len(texts), rate="")
+
+        def advance(n: int) -> None:
+            elapsed = progress.tasks[0].elapsed or 1e-9
+            done = progress.tasks[0].completed + n
+            progress.update(task, advance=n, rate=f"{done / elapsed:.1f} texts/s")
+
+        return trace(loaded, hooks, texts, out, batch_size, max_length, device, advance)
 
 
 @dataclass
@@ -124,7 +254,7 @@ def trace(
                     writer.append(key, tensor)
                     running = stats.setdefault(key, _Running())
                     running.add(tensor, inputs["attention_mask"])
-                    running.dtype = str(tensor.dtype).replace("torch.", "")
+                    running.dtype = dtype_name(tensor.dtype)
                 captures.clear()
                 writer.append("attention_mask", inputs["attention_mask"])
                 if on_batch is not None:

@@ -1,9 +1,10 @@
 """Named tensors packed into one byte buffer, and sent between ranks as one message.
 
 Captures shipped to rank 0 and activations passed between pipeline stages travel as a
-single ``uint8`` tensor: a JSON header (names, dtypes, shapes, offsets) followed by the
-raw bytes, each tensor aligned to 16 bytes so the receiver views it in place. JSON, not
-pickle: nothing a peer sends is ever executed.
+single ``uint8`` tensor: the header's length (8 bytes), a JSON header (status; names,
+dtypes, shapes, offsets) and then the tensors in the library's aligned layout
+(:mod:`torchsurgery._packing`, 16-byte alignment), so the receiver views each tensor in
+place. JSON, not pickle: nothing a peer sends is ever executed.
 """
 
 from __future__ import annotations
@@ -14,14 +15,11 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from torchsurgery._packing import Slot, TensorLayout, align, fill, views
 from torchsurgery._validate import dtype_from_name, dtype_name
 
 _ALIGN = 16
-
-
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.dtype != torch.bool else flat.to(torch.uint8)
+_LENGTH = 8  # bytes of the header's length, before the header
 
 
 def pack(items: Sequence[tuple[str, torch.Tensor]], *, device: torch.device, status: int = 0) -> torch.Tensor:
@@ -33,47 +31,38 @@ def pack(items: Sequence[tuple[str, torch.Tensor]], *, device: torch.device, sta
         >>> status, items[0][0], items[0][1].tolist()
         (0, 'a', [0.0, 1.0, 2.0])
     """
-    entries = []
-    chunks: list[torch.Tensor] = []
-    offset = 0
     for name, tensor in items:
         if dtype_from_name(dtype_name(tensor.dtype)) is None:
             raise TypeError(f"torchsurgery.distributed: cannot send a {tensor.dtype} tensor ({name!r})")
-        data = _bytes_of(tensor).to(device)
-        pad = -offset % _ALIGN
-        if pad:
-            chunks.append(torch.zeros(pad, dtype=torch.uint8, device=device))
-            offset += pad
-        entries.append([name, dtype_name(tensor.dtype), list(tensor.shape), offset])
-        chunks.append(data)
-        offset += data.numel()
+    tensors = [tensor for _, tensor in items]
+    layout = TensorLayout.of(tensors, alignment=_ALIGN)
+    entries = [
+        [name, dtype_name(slot.dtype), list(slot.shape), slot.offset]
+        for (name, _), slot in zip(items, layout.slots, strict=True)
+    ]
     header = json.dumps({"status": status, "items": entries}).encode()
-    head = torch.frombuffer(bytearray(len(header).to_bytes(8, "little") + header), dtype=torch.uint8).to(device)
-    pad = -head.numel() % _ALIGN
-    parts = [head, torch.zeros(pad, dtype=torch.uint8, device=device), *chunks]
-    return torch.cat(parts) if len(parts) > 1 else head
+    start = align(_LENGTH + len(header), _ALIGN)
+    buffer = torch.zeros(start + layout.nbytes, dtype=torch.uint8, device=device)
+    head = torch.frombuffer(bytearray(len(header).to_bytes(_LENGTH, "little") + header), dtype=torch.uint8)
+    buffer[: head.numel()] = head.to(device)
+    fill(buffer[start:], tensors, layout)
+    return buffer
 
 
 def unpack(buffer: torch.Tensor) -> tuple[int, list[tuple[str, torch.Tensor]]]:
     """The status and named tensors of a :func:`pack` buffer (views into it)."""
-    raw = buffer[:8].cpu().tolist()
-    length = int.from_bytes(bytes(raw), "little")
-    header = json.loads(bytes(buffer[8 : 8 + length].cpu().tolist()).decode())
-    start = 8 + length
-    start += -start % _ALIGN
-    items = []
+    length = int.from_bytes(bytes(buffer[:_LENGTH].cpu().tolist()), "little")
+    header = json.loads(bytes(buffer[_LENGTH : _LENGTH + length].cpu().tolist()).decode())
+    names, slots = [], []
     for name, code, shape, offset in header["items"]:
         dtype = dtype_from_name(code)
         if dtype is None:
             raise ValueError(f"torchsurgery.distributed: a received buffer names an unknown dtype {code!r}")
-        count = 1
-        for d in shape:
-            count *= d
-        size = torch.empty((), dtype=dtype).element_size()
-        data = buffer[start + offset : start + offset + count * size]
-        tensor = data.to(torch.bool) if dtype == torch.bool else data.view(dtype)
-        items.append((name, tensor.reshape(shape)))
-    return int(header["status"]), items
+        names.append(name)
+        slots.append(Slot(offset, tuple(shape), dtype))
+    layout = TensorLayout(tuple(slots), max((slot.end for slot in slots), default=0))
+    tensors = views(buffer[align(_LENGTH + length, _ALIGN) :], layout)
+    return int(header["status"]), list(zip(names, tensors, strict=True))
 
 
 def send(buffer: torch.Tensor, *, dst: int, group: dist.ProcessGroup) -> None:

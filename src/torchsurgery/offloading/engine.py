@@ -38,6 +38,7 @@ from torch import nn
 from torchsurgery import _undo
 from torchsurgery._checkpoint import SafetensorsSource, open_source
 from torchsurgery._validate import check_bytes, check_dtype
+from torchsurgery.errors import BudgetError
 from torchsurgery.offloading.device import OffloadDevice, resolve_device
 from torchsurgery.offloading.grouping import find_groups
 from torchsurgery.offloading.narrow import _is_matmul_layer, _NarrowMatmul, _Scratch, _Shadows
@@ -423,10 +424,7 @@ def offload(
     if budget is not None:
         if budget < largest:
             big = max(plan, key=lambda g: g.nbytes)
-            raise ValueError(
-                f"{what}: budget={budget} bytes cannot hold the largest group {big.name or '<root>'!r} "
-                f"({big.nbytes} bytes); give at least that, or smaller groups (groups='leaves')"
-            )
+            raise BudgetError(what, budget, big.nbytes, big.name, finer=groups != "leaves")
         total = sum(g.nbytes for g in plan)
         if total <= budget:
             for g in plan:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from torchsurgery._names import no_match
+from torchsurgery.errors import ArgumentTypeError, ArgumentValueError
 from torchsurgery.patching import original_class
 
 
@@ -128,7 +129,7 @@ def find_groups(model: nn.Module, groups: str | Sequence[str], what: str = "torc
     """
     named = dict(model.named_modules())
     if not isinstance(groups, (str, list, tuple)):
-        raise TypeError(f"{what}: groups must be 'blocks', 'leaves' or a list of module names, got {groups!r}")
+        raise ArgumentTypeError(what, "groups", groups, f"must be 'blocks', 'leaves' or a list of module names, got {groups!r}")
     if isinstance(groups, str):
         if groups == "leaves":
             found = [n for n, m in named.items() if _holds_weights(m, False)]
@@ -141,24 +142,26 @@ def find_groups(model: nn.Module, groups: str | Sequence[str], what: str = "torc
             if _holds_weights(model, False):
                 found.append("")
         else:
-            raise ValueError(f"{what}: groups must be 'blocks', 'leaves' or a list of module names, got {groups!r}")
+            raise ArgumentValueError(
+                what, "groups", groups, f"must be 'blocks', 'leaves' or a list of module names, got {groups!r}"
+            )
         found = _split_uncalled(named, found)
     else:
         found = list(groups)
         for name in found:
             if not isinstance(name, str) or name not in named:
-                raise no_match(f"{what} (groups)", str(name), [n for n in named if n])
+                raise no_match(what, str(name), [n for n in named if n], arg="groups")
         for a in found:
             for b in found:
                 if a != b and (a == "" or b.startswith(f"{a}.")):
-                    raise ValueError(f"{what}: groups {a!r} and {b!r} overlap; give disjoint subtrees")
+                    raise ArgumentValueError(what, "groups", groups, f"{a!r} and {b!r} overlap", "give disjoint subtrees")
         for name in found:
             module = named[name]
             if name and _never_called(module) and _holds_weights(module, True):
-                raise ValueError(
-                    f"{what}: group {name!r} is a {type(module).__name__}, whose forward is never called "
-                    f"(its weights would never come in); name its children instead: "
-                    f"{_children_with_weights(module, name)}"
+                raise ArgumentValueError(
+                    what, "groups", groups,
+                    f"{name!r} is a {type(module).__name__}, whose forward is never called (its weights would never come in)",
+                    f"name its children instead: {_children_with_weights(module, name)}",
                 )
     order = {n: i for i, n in enumerate(named)}
     return sorted(dict.fromkeys(found), key=lambda n: order[n])
