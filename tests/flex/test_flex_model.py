@@ -368,7 +368,7 @@ def test_any_output_structure_is_captured_and_repacked(kind: str, idx: int) -> N
     flex.register_forward_hook(HookFunction("", editing_function=double, unpack_idx=idx))
     edited = flex(x)
     assert type(edited) is type(plain)
-    from torchsurgery.flex._pytree import flatten
+    from torchsurgery.flex.pytree import flatten
 
     before, _ = flatten(plain)
     after, _ = flatten(edited)

@@ -1,18 +1,29 @@
 """``HookFunction``: what to capture and how to edit it, for one module (or a glob of them).
 
 A HookFunction is a description; it holds no per-model state, so the same object can
-be registered in several :class:`~torchsurgery.FlexModel` wrappers. The wrapper binds it
-to modules, routes activations and writes captures.
+be registered in several :class:`~torchsurgery.FlexModel` wrappers. Registering it makes
+one :class:`Binding` per module (or parameter) it names: the wrapper's record of where
+the hook sits, under which ``output_ptr`` key, and the torch hook that runs it.
 """
 
 from __future__ import annotations
 
+import weakref
 from argparse import Namespace
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+HookType = Literal["forward", "forward_pre", "full_backward", "full_backward_pre", "tensor"]
+"""Which PyTorch hook runs a HookFunction (``tensor``: a parameter's gradient hook)."""
+
+HOOK_TYPES: tuple[HookType, ...] = ("forward", "forward_pre", "full_backward", "full_backward_pre", "tensor")
+GRADIENT_HOOK_TYPES: tuple[HookType, ...] = ("full_backward", "full_backward_pre", "tensor")
+"""The hook types that run during the backward."""
 
 EditingFunction = Callable[[nn.Module, torch.Tensor, Namespace, nn.ModuleDict], torch.Tensor]
 """``f(current_module, inputs, save_ctx, modules) -> Tensor``, as in flex_model."""
@@ -145,9 +156,14 @@ class HookFunction:
             2
             >>> handle.remove(); _ = flex.restore()
         """
-        from torchsurgery.flex.model import call_directly
-
-        return call_directly(self, args)
+        binding = _LAST_BINDING.get(self)
+        if binding is None or binding.handle is None or binding.torch_hook is None:
+            state = "was restored" if binding is not None else "is not registered with a FlexModel"
+            raise RuntimeError(
+                f"torchsurgery.HookFunction.__call__: {self!r} {state}; register it first "
+                "(flex.register_forward_hook(hook) and the like): that tells it its hook type and output_ptr"
+            )
+        return binding.torch_hook(*args)
 
     @property
     def edits(self) -> bool:
@@ -157,3 +173,54 @@ class HookFunction:
     def __repr__(self) -> str:
         extra = f", expected_shape={self.expected_shape}" if self.expected_shape else ""
         return f"HookFunction({self.module_name!r}{extra}, edits={self.edits})"
+
+
+@dataclass(eq=False)
+class Binding:
+    """One HookFunction bound to one module (or parameter) of one wrapper.
+
+    Attributes:
+        hook: the HookFunction.
+        hook_type: which PyTorch hook runs it.
+        name: the qualified name of the module (or parameter) it is bound to.
+        key: where its captures go in ``output_ptr`` (``name``, or ``name#2``... when
+            several hooks share the module).
+        handle: removes the torch hook; ``None`` once removed.
+        torch_hook: the callable PyTorch runs.
+
+    Example:
+        >>> binding = Binding(HookFunction("fc"), "forward", "fc", "fc")
+        >>> binding.key, binding.handle is None
+        ('fc', True)
+    """
+
+    hook: HookFunction
+    hook_type: HookType
+    name: str
+    key: str
+    handle: RemovableHandle | None = None
+    torch_hook: Callable[..., Any] | None = None
+
+    def remove(self) -> None:
+        """Take the torch hook off (again: nothing)."""
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+# A HookFunction called directly as a torch hook acts as its last registration made it.
+_LAST_BINDING: weakref.WeakKeyDictionary[HookFunction, Binding] = weakref.WeakKeyDictionary()
+
+
+def remember_binding(binding: Binding) -> None:
+    """Make ``binding`` the one ``binding.hook(...)`` runs when called as a torch hook.
+
+    Example:
+        >>> hook = HookFunction("fc")
+        >>> remember_binding(Binding(hook, "forward", "fc", "fc"))
+        >>> hook(None, (), None)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: torchsurgery.HookFunction.__call__: ... was restored; register it first ...
+    """
+    _LAST_BINDING[binding.hook] = binding
