@@ -89,22 +89,29 @@ RoutingFactory = Callable[[ParallelRequest], Routing]
 _PARALLEL: list[RoutingFactory] = []
 
 
-def register_parallel_routing(factory: RoutingFactory) -> None:
+def register_parallel_routing(factory: RoutingFactory) -> RoutingFactory | None:
     """Make ``factory`` build the routing of every wrapper given parallel arguments.
 
     ``torchsurgery`` registers its ``torch.distributed`` routing when imported; a later
     registration replaces it.
 
+    Returns:
+        The factory registered before (``None`` if there was none), to put back later.
+
     Example:
-        >>> previous = list(_PARALLEL)
-        >>> register_parallel_routing(lambda request: LocalRouting())
+        >>> previous = register_parallel_routing(lambda request: LocalRouting())
         >>> routing_for(ParallelRequest.of(tensor_parallel_size=2)).sizes
         ParallelSizes(tensor=1, pipeline=1, data=1)
-        >>> _PARALLEL[:] = previous
+        >>> _ = register_parallel_routing(previous)
     """
     if not callable(factory):
-        raise TypeError(f"torchsurgery.flex.register_parallel_routing: expected a callable, got {factory!r}")
+        raise TypeError(
+            f"torchsurgery.flex.register_parallel_routing: expected a callable taking a ParallelRequest "
+            f"and returning a Routing, got {factory!r}"
+        )
+    previous = _PARALLEL[0] if _PARALLEL else None
     _PARALLEL[:] = [factory]
+    return previous
 
 
 def routing_for(request: ParallelRequest, what: str = "torchsurgery.FlexModel") -> Routing:
