@@ -25,6 +25,7 @@ from torchsurgery.flex import (
     register_parallel_routing,
 )
 from torchsurgery.flex.captures import Captures
+from torchsurgery.flex.hook_function import Shape
 from torchsurgery.flex.routing import Edit, check_expected_shape
 
 FLEX = Path(torchsurgery.__file__).parent / "flex"
@@ -59,7 +60,7 @@ class CountingRouting:
     def matched_anywhere(self, found: bool, hook_type: HookType, name: str) -> bool:
         return found
 
-    def gather_parameter(self, local: torch.Tensor, name: str, expected_shape: tuple[int | None, ...] | None) -> torch.Tensor:
+    def gather_parameter(self, local: torch.Tensor, name: str, expected_shape: Shape | None) -> torch.Tensor:
         self.calls.append(f"gather_parameter {name}")
         return local
 

@@ -31,7 +31,7 @@ from torchsurgery.distributed.layout import Layout, make_layout
 from torchsurgery.distributed.pipeline import Pipeline
 from torchsurgery.distributed.tensor_parallel import TensorParallel
 from torchsurgery.flex.captures import Captures
-from torchsurgery.flex.hook_function import GRADIENT_HOOK_TYPES, Binding, HookType
+from torchsurgery.flex.hook_function import GRADIENT_HOOK_TYPES, Binding, HookType, Shape
 from torchsurgery.flex.parallel import ParallelRequest, ParallelSizes
 from torchsurgery.flex.routing import Edit
 
@@ -124,7 +124,7 @@ class DistributedRouting:
         """Whether a hook's module exists on some stage (every rank calls this)."""
         return self._pipeline.on_any_stage(found)
 
-    def gather_parameter(self, local: torch.Tensor, name: str, expected_shape: tuple[int | None, ...] | None) -> torch.Tensor:
+    def gather_parameter(self, local: torch.Tensor, name: str, expected_shape: Shape | None) -> torch.Tensor:
         """A parameter unsharded: a DTensor's ``full_tensor()``, or gathered by ``expected_shape``."""
         return self._tensor_parallel.gather_parameter(local, name, expected_shape)
 

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torchsurgery.distributed.collectives import gather_along, gather_to_root
 from torchsurgery.distributed.layout import Layout
 from torchsurgery.distributed.sharding import dim_from_expected_shape, dim_from_plan
-from torchsurgery.flex.hook_function import Binding
+from torchsurgery.flex.hook_function import Binding, Shape
 from torchsurgery.flex.routing import check_expected_shape
 
 __all__ = ["Unsharded", "TensorParallel"]
@@ -100,7 +100,7 @@ class TensorParallel:
             return edited.chunk(self.layout.tp_size, whole.dim)[self.layout.tp_rank]
         return edited
 
-    def gather_parameter(self, local: torch.Tensor, name: str, expected_shape: tuple[int | None, ...] | None) -> torch.Tensor:
+    def gather_parameter(self, local: torch.Tensor, name: str, expected_shape: Shape | None) -> torch.Tensor:
         """A parameter unsharded: a DTensor's ``full_tensor()``, or gathered by ``expected_shape``."""
         if isinstance(local, DTensor):
             return local.full_tensor()

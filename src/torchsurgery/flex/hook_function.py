@@ -25,6 +25,32 @@ HOOK_TYPES: tuple[HookType, ...] = ("forward", "forward_pre", "full_backward", "
 GRADIENT_HOOK_TYPES: tuple[HookType, ...] = ("full_backward", "full_backward_pre", "tensor")
 """The hook types that run during the backward."""
 
+Shape = tuple[int | None, ...]
+"""A shape whose ``None`` entries match any size."""
+
+
+def shape_hint(value: Sequence[int | None] | None, what: str) -> Shape | None:
+    """``value`` checked as an ``expected_shape``: sizes or ``None`` entries, as a tuple.
+
+    Raises:
+        ValueError: not a sequence, or an entry that is neither a size nor ``None``.
+
+    Example:
+        >>> shape_hint([None, 16], "torchsurgery.HookFunction")
+        (None, 16)
+    """
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple, torch.Size)):
+        raise ValueError(
+            f"{what}: expected_shape must be a sequence of sizes or None, e.g. (None, 16), got {value!r}"
+        )
+    shape = tuple(value)
+    if not all(d is None or (isinstance(d, int) and d >= 0) for d in shape):
+        raise ValueError(f"{what}: expected_shape must hold sizes or None, got {shape!r}")
+    return shape
+
+
 EditingFunction = Callable[[nn.Module, torch.Tensor, Namespace, nn.ModuleDict], torch.Tensor]
 """``f(current_module, inputs, save_ctx, modules) -> Tensor``, as in flex_model."""
 
@@ -98,17 +124,6 @@ class HookFunction:
     ) -> None:
         if not isinstance(module_name, str):
             raise TypeError(f"torchsurgery.HookFunction: module_name must be a str, got {module_name!r}")
-        if expected_shape is not None:
-            if not isinstance(expected_shape, (list, tuple, torch.Size)):
-                raise ValueError(
-                    f"torchsurgery.HookFunction: expected_shape must be a sequence of sizes or None, "
-                    f"e.g. (None, 16), got {expected_shape!r}"
-                )
-            expected_shape = tuple(expected_shape)
-            if not all(d is None or (isinstance(d, int) and d >= 0) for d in expected_shape):
-                raise ValueError(
-                    f"torchsurgery.HookFunction: expected_shape must hold sizes or None, got {expected_shape!r}"
-                )
         if editing_function is not None and not callable(editing_function):
             raise TypeError(
                 f"torchsurgery.HookFunction: editing_function must be callable, got {editing_function!r}"
@@ -122,7 +137,7 @@ class HookFunction:
                 f"torchsurgery.HookFunction: edit_batch must be 'global' or 'local', got {edit_batch!r}"
             )
         self.module_name = module_name
-        self.expected_shape: tuple[int | None, ...] | None = expected_shape
+        self.expected_shape = shape_hint(expected_shape, "torchsurgery.HookFunction")
         self.editing_function: EditingFunction = editing_function or default_editing_function
         self.unpack_idx = unpack_idx
         self.allow_shape_change = allow_shape_change
@@ -216,11 +231,13 @@ def remember_binding(binding: Binding) -> None:
     """Make ``binding`` the one ``binding.hook(...)`` runs when called as a torch hook.
 
     Example:
+        >>> fc = nn.Linear(1, 1)
         >>> hook = HookFunction("fc")
-        >>> remember_binding(Binding(hook, "forward", "fc", "fc"))
-        >>> hook(None, (), None)
-        Traceback (most recent call last):
-        ...
-        RuntimeError: torchsurgery.HookFunction.__call__: ... was restored; register it first ...
+        >>> binding = Binding(hook, "forward", "fc", "fc", torch_hook=lambda module, args, out: out * 0)
+        >>> binding.handle = fc.register_forward_hook(binding.torch_hook)
+        >>> remember_binding(binding)
+        >>> hook(fc, (), torch.ones(1))  # called directly, it runs as that binding
+        tensor([0.])
+        >>> binding.remove()
     """
     _LAST_BINDING[binding.hook] = binding

@@ -48,6 +48,7 @@ from torchsurgery.flex.hook_function import (
     HookFunction,
     HookType,
     remember_binding,
+    shape_hint,
 )
 from torchsurgery.flex.parallel import ParallelRequest
 from torchsurgery.flex.record import FlexRecord, finalize, remove_bindings
@@ -525,8 +526,7 @@ class FlexModel(nn.Module):
             advice = "with pipeline parallelism, ask on the ranks of the stage that holds it" if self.pp_size > 1 else ""
             raise no_match(what, parameter_name, list(params), kind="parameter", advice=advice)
         local = params[parameter_name].detach()
-        # checked as a HookFunction checks it
-        shape = HookFunction(parameter_name, expected_shape).expected_shape
+        shape = shape_hint(expected_shape, what)
         return self._runtime.routing.gather_parameter(local, parameter_name, shape).to("cpu", copy=True)
 
     # --------------------------------------------------------------- restore

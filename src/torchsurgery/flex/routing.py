@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from torchsurgery.flex.captures import Captures
-from torchsurgery.flex.hook_function import Binding, HookType
+from torchsurgery.flex.hook_function import Binding, HookType, Shape
 from torchsurgery.flex.parallel import ParallelRequest, ParallelSizes
 
 __all__ = [
@@ -35,9 +35,6 @@ __all__ = [
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
 """Runs a hook's editing function on the full tensor (and checks what it returns)."""
-
-Shape = tuple[int | None, ...]
-
 
 class Routing(Protocol):
     """How a :class:`~torchsurgery.FlexModel` moves activations for its hooks."""
