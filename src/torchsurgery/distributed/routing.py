@@ -4,7 +4,7 @@ For each hook call on each rank:
 
 1. **tensor parallel** (:mod:`~torchsurgery.distributed.tensor_parallel`): the local
    shard becomes the full tensor;
-2. **capture** (:mod:`~torchsurgery.distributed.captures`): the first tensor-parallel
+2. **capture** (:mod:`~torchsurgery.distributed.shipping`): the first tensor-parallel
    rank keeps a copy, shipped to rank 0 at the end of the pass;
 3. **edit** (:mod:`~torchsurgery.distributed.edits`): the ranks of the stage run the
    editing function and agree on whether it failed;
@@ -24,11 +24,11 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from torchsurgery.distributed.captures import CaptureShipping
 from torchsurgery.distributed.edits import StageEdits
 from torchsurgery.distributed.gradients import TrainableGradients
 from torchsurgery.distributed.layout import Layout, make_layout
 from torchsurgery.distributed.pipeline import Pipeline
+from torchsurgery.distributed.shipping import CaptureShipping
 from torchsurgery.distributed.tensor_parallel import TensorParallel
 from torchsurgery.flex.captures import Captures
 from torchsurgery.flex.hook_function import GRADIENT_HOOK_TYPES, Binding, HookType, Shape

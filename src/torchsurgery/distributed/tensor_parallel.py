@@ -88,7 +88,11 @@ class TensorParallel:
             return Unsharded(local)
         if not everywhere:
             return Unsharded(gather_to_root(local, dim, layout.tp_group), dim)
-        return Unsharded(gather_along(local, dim, layout.tp_group, [local.shape[dim]] * layout.tp_size), dim)
+        return Unsharded(self._gather_everywhere(local, dim), dim)
+
+    def _gather_everywhere(self, local: torch.Tensor, dim: int) -> torch.Tensor:
+        # tensor-parallel shards are equal: no sizes to exchange
+        return gather_along(local, dim, self.layout.tp_group, [local.shape[dim]] * self.layout.tp_size)
 
     def scatter(self, edited: torch.Tensor, whole: Unsharded) -> torch.Tensor:
         """This rank's part of ``edited``, placed as the activation ``whole`` came from."""
@@ -104,8 +108,7 @@ class TensorParallel:
         """A parameter unsharded: a DTensor's ``full_tensor()``, or gathered by ``expected_shape``."""
         if isinstance(local, DTensor):
             return local.full_tensor()
-        layout = self.layout
-        dim = dim_from_expected_shape(local, expected_shape, name, layout.tp_size)
-        if dim is None or layout.tp_size == 1:
+        dim = dim_from_expected_shape(local, expected_shape, name, self.layout.tp_size)
+        if dim is None or self.layout.tp_size == 1:
             return local
-        return gather_along(local, dim, layout.tp_group, [local.shape[dim]] * layout.tp_size)
+        return self._gather_everywhere(local, dim)

@@ -11,7 +11,7 @@ from _faults import outcome
 from _spawn import spawn
 
 from torchsurgery.distributed import make_layout
-from torchsurgery.distributed.captures import CaptureShipping
+from torchsurgery.distributed.shipping import CaptureShipping
 from torchsurgery.flex import Binding, HookFunction, HookType
 from torchsurgery.flex.captures import Captures
 
