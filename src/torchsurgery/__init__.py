@@ -18,6 +18,8 @@ from torchsurgery.errors import (
     Setting,
 )
 from torchsurgery.flex import DummyModule, FlexModel, HookFunction
+from torchsurgery.flex.parallel import ParallelRequest
+from torchsurgery.flex.routing import Routing, register_parallel_routing
 from torchsurgery.offloading import (
     DEFAULT_SKIP,
     DevicePool,
@@ -47,6 +49,16 @@ from torchsurgery.tensors import (
 )
 
 __version__ = "0.1.0"
+
+
+def _distributed_routing(request: ParallelRequest) -> Routing:
+    # imported by the first distributed wrapper: torch.distributed.tensor is slow to import
+    from torchsurgery.distributed import distributed_routing
+
+    return distributed_routing(request)
+
+
+register_parallel_routing(_distributed_routing)
 
 __all__ = [
     # undo: one log for every kind of surgery

@@ -1,8 +1,11 @@
-"""Data parallel hooks on gloo: DDP with unequal batches and FSDP2 with equal ones, against
-one process on the whole batch."""
+"""DistributedRouting end to end: data parallel hooks on gloo (DDP with unequal batches and
+FSDP2 with equal ones) against one process on the whole batch; copies refused; the
+routing plugs into flex through public names alone."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +15,7 @@ from _models import MLP
 from _spawn import spawn
 from torch import nn
 
+import torchsurgery
 from torchsurgery import FlexModel, HookFunction
 
 pytestmark = pytest.mark.distributed
@@ -221,3 +225,19 @@ def test_a_distributed_wrapper_refuses_copies_with_a_reason() -> None:
             attempt()
     flex.restore()
     assert copy.deepcopy(model).fc1._forward_hooks == {}
+
+
+def test_distributed_imports_only_public_names_of_other_packages() -> None:
+    root = Path(torchsurgery.__file__).parent
+    private = []
+    for path in sorted((root / "distributed").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.module or not node.module.startswith("torchsurgery."):
+                continue
+            parts = node.module.split(".")
+            if parts[1] == "distributed":
+                continue  # its own modules
+            names = [a.name for a in node.names]
+            if any(p.startswith("_") for p in parts[2:]) or any(n.startswith("_") for n in names):
+                private.append(f"{path.name}: from {node.module} import {', '.join(names)}")
+    assert private == []

@@ -1,12 +1,13 @@
 """Distributed hook surgery: FlexModel over tensor, data and pipeline parallel ranks.
 
 Built on ``torch.distributed`` (gloo on CPUs, NCCL on GPUs), ``DeviceMesh`` and
-``DTensor``. :class:`~torchsurgery.FlexModel` builds a :class:`Layout` with
-:func:`make_layout` and routes its hooks through a :class:`DistributedRouting` when it is
-given parallel sizes, a process group or a device mesh.
+``DTensor``. ``torchsurgery`` registers :func:`distributed_routing` with
+:func:`torchsurgery.flex.register_parallel_routing`, so a
+:class:`~torchsurgery.FlexModel` given parallel sizes, a process group or a device mesh
+builds a :class:`Layout` and routes its hooks through a :class:`DistributedRouting`.
 """
 
 from torchsurgery.distributed.layout import Layout, make_layout
-from torchsurgery.distributed.routing import DistributedRouting
+from torchsurgery.distributed.routing import DistributedRouting, distributed_routing
 
-__all__ = ["Layout", "make_layout", "DistributedRouting"]
+__all__ = ["Layout", "make_layout", "DistributedRouting", "distributed_routing"]

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchsurgery.distributed import _wire
+
 __all__ = ["gather_along", "gather_to_root", "agree_on_failure", "broadcast_from_root", "piece_sizes"]
 
 
@@ -96,8 +98,6 @@ def broadcast_from_root(
 
     Shape and dtype travel first, so the result may differ from the input's.
     """
-    from torchsurgery.distributed import _wire
-
     root = dist.get_rank(group) == 0
     head = torch.zeros(1, dtype=torch.int64, device=device)
     if root:

@@ -15,11 +15,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from torchsurgery.distributed import _wire
 from torchsurgery.distributed.layout import Layout
-from torchsurgery.flex._pytree import flatten
+from torchsurgery.flex.pytree import flatten
 
 __all__ = ["Pipeline"]
 
@@ -92,6 +93,15 @@ class Pipeline:
                 self._send(1, [], status=1)
             raise
         return None
+
+    def on_any_stage(self, found: bool) -> bool:
+        """Whether ``found`` holds on some stage (every rank of the layout calls this)."""
+        layout = self.layout
+        if layout.pp_size == 1:
+            return found
+        flag = torch.tensor([int(found)], device=layout.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=layout.pp_group)
+        return bool(flag.item())
 
     def backward(self, loss: torch.Tensor | None) -> None:
         """Backward through this stage: from ``loss`` on the last stage, else from the next stage."""

@@ -1,8 +1,38 @@
-"""Hook surgery: capture and edit what flows through a model (flex_model compatible)."""
+"""Hook surgery: capture and edit what flows through a model (flex_model compatible).
+
+flex owns the hook runtime. A routing over ``torch.distributed`` ranks plugs in through
+:func:`register_parallel_routing`; flex itself imports nothing of it.
+"""
 
 from torchsurgery.flex.dummy import DummyModule
-from torchsurgery.flex.hook_function import HookFunction, default_editing_function
+from torchsurgery.flex.hook_function import (
+    Binding,
+    HookFunction,
+    HookType,
+    default_editing_function,
+)
 from torchsurgery.flex.model import FlexModel
-from torchsurgery.flex.routing import LocalRouting, Routing
+from torchsurgery.flex.parallel import ParallelRequest, ParallelSizes
+from torchsurgery.flex.routing import (
+    LocalRouting,
+    Routing,
+    RoutingFactory,
+    register_parallel_routing,
+)
 
-__all__ = ["FlexModel", "HookFunction", "DummyModule", "default_editing_function", "Routing", "LocalRouting"]
+__all__ = [
+    # the wrapper and what it runs
+    "FlexModel",
+    "HookFunction",
+    "DummyModule",
+    "default_editing_function",
+    # the routing extension point
+    "Routing",
+    "LocalRouting",
+    "RoutingFactory",
+    "register_parallel_routing",
+    "ParallelRequest",
+    "ParallelSizes",
+    "Binding",
+    "HookType",
+]

@@ -1,18 +1,55 @@
 """``HookFunction``: what to capture and how to edit it, for one module (or a glob of them).
 
 A HookFunction is a description; it holds no per-model state, so the same object can
-be registered in several :class:`~torchsurgery.FlexModel` wrappers. The wrapper binds it
-to modules, routes activations and writes captures.
+be registered in several :class:`~torchsurgery.FlexModel` wrappers. Registering it makes
+one :class:`Binding` per module (or parameter) it names: the wrapper's record of where
+the hook sits, under which ``output_ptr`` key, and the torch hook that runs it.
 """
 
 from __future__ import annotations
 
+import weakref
 from argparse import Namespace
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+HookType = Literal["forward", "forward_pre", "full_backward", "full_backward_pre", "tensor"]
+"""Which PyTorch hook runs a HookFunction (``tensor``: a parameter's gradient hook)."""
+
+HOOK_TYPES: tuple[HookType, ...] = ("forward", "forward_pre", "full_backward", "full_backward_pre", "tensor")
+GRADIENT_HOOK_TYPES: tuple[HookType, ...] = ("full_backward", "full_backward_pre", "tensor")
+"""The hook types that run during the backward."""
+
+Shape = tuple[int | None, ...]
+"""A shape whose ``None`` entries match any size."""
+
+
+def shape_hint(value: Sequence[int | None] | None, what: str) -> Shape | None:
+    """``value`` checked as an ``expected_shape``: sizes or ``None`` entries, as a tuple.
+
+    Raises:
+        ValueError: not a sequence, or an entry that is neither a size nor ``None``.
+
+    Example:
+        >>> shape_hint([None, 16], "torchsurgery.HookFunction")
+        (None, 16)
+    """
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple, torch.Size)):
+        raise ValueError(
+            f"{what}: expected_shape must be a sequence of sizes or None, e.g. (None, 16), got {value!r}"
+        )
+    shape = tuple(value)
+    if not all(d is None or (isinstance(d, int) and d >= 0) for d in shape):
+        raise ValueError(f"{what}: expected_shape must hold sizes or None, got {shape!r}")
+    return shape
+
 
 EditingFunction = Callable[[nn.Module, torch.Tensor, Namespace, nn.ModuleDict], torch.Tensor]
 """``f(current_module, inputs, save_ctx, modules) -> Tensor``, as in flex_model."""
@@ -87,17 +124,6 @@ class HookFunction:
     ) -> None:
         if not isinstance(module_name, str):
             raise TypeError(f"torchsurgery.HookFunction: module_name must be a str, got {module_name!r}")
-        if expected_shape is not None:
-            if not isinstance(expected_shape, (list, tuple, torch.Size)):
-                raise ValueError(
-                    f"torchsurgery.HookFunction: expected_shape must be a sequence of sizes or None, "
-                    f"e.g. (None, 16), got {expected_shape!r}"
-                )
-            expected_shape = tuple(expected_shape)
-            if not all(d is None or (isinstance(d, int) and d >= 0) for d in expected_shape):
-                raise ValueError(
-                    f"torchsurgery.HookFunction: expected_shape must hold sizes or None, got {expected_shape!r}"
-                )
         if editing_function is not None and not callable(editing_function):
             raise TypeError(
                 f"torchsurgery.HookFunction: editing_function must be callable, got {editing_function!r}"
@@ -111,7 +137,7 @@ class HookFunction:
                 f"torchsurgery.HookFunction: edit_batch must be 'global' or 'local', got {edit_batch!r}"
             )
         self.module_name = module_name
-        self.expected_shape: tuple[int | None, ...] | None = expected_shape
+        self.expected_shape = shape_hint(expected_shape, "torchsurgery.HookFunction")
         self.editing_function: EditingFunction = editing_function or default_editing_function
         self.unpack_idx = unpack_idx
         self.allow_shape_change = allow_shape_change
@@ -145,9 +171,14 @@ class HookFunction:
             2
             >>> handle.remove(); _ = flex.restore()
         """
-        from torchsurgery.flex.model import call_directly
-
-        return call_directly(self, args)
+        binding = _LAST_BINDING.get(self)
+        if binding is None or binding.handle is None or binding.torch_hook is None:
+            state = "was restored" if binding is not None else "is not registered with a FlexModel"
+            raise RuntimeError(
+                f"torchsurgery.HookFunction.__call__: {self!r} {state}; register it first "
+                "(flex.register_forward_hook(hook) and the like): that tells it its hook type and output_ptr"
+            )
+        return binding.torch_hook(*args)
 
     @property
     def edits(self) -> bool:
@@ -157,3 +188,56 @@ class HookFunction:
     def __repr__(self) -> str:
         extra = f", expected_shape={self.expected_shape}" if self.expected_shape else ""
         return f"HookFunction({self.module_name!r}{extra}, edits={self.edits})"
+
+
+@dataclass(eq=False)
+class Binding:
+    """One HookFunction bound to one module (or parameter) of one wrapper.
+
+    Attributes:
+        hook: the HookFunction.
+        hook_type: which PyTorch hook runs it.
+        name: the qualified name of the module (or parameter) it is bound to.
+        key: where its captures go in ``output_ptr`` (``name``, or ``name#2``... when
+            several hooks share the module).
+        handle: removes the torch hook; ``None`` once removed.
+        torch_hook: the callable PyTorch runs.
+
+    Example:
+        >>> binding = Binding(HookFunction("fc"), "forward", "fc", "fc")
+        >>> binding.key, binding.handle is None
+        ('fc', True)
+    """
+
+    hook: HookFunction
+    hook_type: HookType
+    name: str
+    key: str
+    handle: RemovableHandle | None = None
+    torch_hook: Callable[..., Any] | None = None
+
+    def remove(self) -> None:
+        """Take the torch hook off (again: nothing)."""
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+# A HookFunction called directly as a torch hook acts as its last registration made it.
+_LAST_BINDING: weakref.WeakKeyDictionary[HookFunction, Binding] = weakref.WeakKeyDictionary()
+
+
+def remember_binding(binding: Binding) -> None:
+    """Make ``binding`` the one ``binding.hook(...)`` runs when called as a torch hook.
+
+    Example:
+        >>> fc = nn.Linear(1, 1)
+        >>> hook = HookFunction("fc")
+        >>> binding = Binding(hook, "forward", "fc", "fc", torch_hook=lambda module, args, out: out * 0)
+        >>> binding.handle = fc.register_forward_hook(binding.torch_hook)
+        >>> remember_binding(binding)
+        >>> hook(fc, (), torch.ones(1))  # called directly, it runs as that binding
+        tensor([0.])
+        >>> binding.remove()
+    """
+    _LAST_BINDING[binding.hook] = binding

@@ -13,7 +13,8 @@ Hooks stay registered for the wrapper's lifetime; a forward's ``groups`` only sw
 them on and off, so hook order never changes and nothing is re-registered per call.
 
 In distributed runs (parallel sizes above 1, a process group or a device mesh) the
-routing is :class:`torchsurgery.distributed.DistributedRouting`: editing functions see
+routing is the one registered with :func:`~torchsurgery.flex.routing.register_parallel_routing`
+(``torchsurgery`` registers :class:`torchsurgery.distributed.DistributedRouting`): editing functions see
 whole tensors (tensor-parallel shards gathered, data-parallel batches assembled), the
 model gets its local part back, captures reach rank 0 alone, and with pipeline
 parallelism the wrapper runs this rank's stage and passes activations on.
@@ -26,370 +27,40 @@ or dropping the wrapper) removes every hook and leaves the model exactly as it w
 
 from __future__ import annotations
 
-import contextvars
 import copy
-import functools
-import sys
-import threading
 import weakref
 from argparse import Namespace
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from torchsurgery import _undo
-from torchsurgery._names import glob_match, is_glob, no_match
-from torchsurgery.flex._pytree import flatten
+from torchsurgery._names import no_match
+from torchsurgery.flex.captures import Captures, OutputPtr
+from torchsurgery.flex.compiled import invalidate_compiled
 from torchsurgery.flex.groups import HookGroups, name_matches
-from torchsurgery.flex.hook_function import EditingFunction, HookFunction
-from torchsurgery.flex.routing import LocalRouting, Routing
+from torchsurgery.flex.hook_function import (
+    HOOK_TYPES,
+    Binding,
+    EditingFunction,
+    HookFunction,
+    HookType,
+    remember_binding,
+    shape_hint,
+)
+from torchsurgery.flex.parallel import ParallelRequest
+from torchsurgery.flex.record import FlexRecord, finalize, remove_bindings
+from torchsurgery.flex.routing import routing_for
+from torchsurgery.flex.runtime import HookRuntime, make_torch_hook
+from torchsurgery.flex.targets import find_targets, split_prefix, unwrap, unwrap_with_prefixes
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["FlexModel"]
-
-HOOK_TYPES = ("forward", "forward_pre", "full_backward", "full_backward_pre", "tensor")
-OutputPtr = dict[str, list[torch.Tensor]]
-
-
-@dataclass(eq=False)
-class _Binding:
-    """One hook function bound to one module (or parameter) of one wrapper."""
-
-    hook: HookFunction
-    hook_type: str
-    name: str
-    key: str
-    handle: RemovableHandle | None = None
-
-
-class _Call:
-    """What belongs to one forward through the wrapper: its group choice and its captures.
-
-    Kept in a context variable, so concurrent forwards (threads, async tasks) on one
-    wrapper each see their own hooks and captures.
-    """
-
-    __slots__ = ("active", "captures", "pending_copies")
-
-    def __init__(self, active: set[HookFunction] | None) -> None:
-        self.active = active  # None: every hook
-        self.captures: OutputPtr = {}
-        self.pending_copies = False
-
-
-class _Runtime:
-    """State the hooks share. Holds no reference to the FlexModel, so it can be collected."""
-
-    def __init__(self, output_ptr: OutputPtr, routing: Routing) -> None:
-        self.output_ptr = output_ptr
-        self.routing = routing
-        self.save_ctx = Namespace()
-        self.trainable_modules = nn.ModuleDict()
-        self._fresh()
-
-    def _fresh(self) -> None:
-        self.call: contextvars.ContextVar[_Call] = contextvars.ContextVar("torchsurgery_flex_call")
-        self.lock = threading.Lock()  # output_ptr is appended to from several threads
-
-    def __getstate__(self) -> dict[str, Any]:
-        # a copy (deepcopy, pickle) gets its own call variable and lock
-        return {k: v for k, v in self.__dict__.items() if k not in ("call", "lock")}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._fresh()
-
-    def capture(self, key: str, tensor: torch.Tensor, into: OutputPtr | None = None) -> None:
-        """Keep a CPU copy of ``tensor`` under ``key``: in ``into``, in this forward's
-        captures (they reach ``output_ptr`` when it returns), or straight in ``output_ptr``."""
-        call = self.call.get(None)
-        value = tensor.detach()
-        if value.device.type == "cpu":
-            value = value.clone()  # an alias would change with later in-place edits
-        elif call is not None and torch.cuda.is_available():
-            # pinned and non-blocking; forward() synchronises once before returning
-            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            host.copy_(value, non_blocking=True)
-            value = host
-            call.pending_copies = True
-        else:
-            value = value.to("cpu")
-        if into is not None:
-            into.setdefault(key, []).append(value)
-        elif call is not None:
-            call.captures.setdefault(key, []).append(value)
-        else:
-            with self.lock:
-                self.output_ptr.setdefault(key, []).append(value)
-
-    def publish(self, call: _Call) -> None:
-        """Append the captures of a finished forward to ``output_ptr``."""
-        if call.captures:
-            with self.lock:
-                for key, values in call.captures.items():
-                    self.output_ptr.setdefault(key, []).extend(values)
-
-    def runs(self, hook: HookFunction) -> bool:
-        """Whether ``hook`` is on in the current forward (outside one, every hook is)."""
-        call = self.call.get(None)
-        return call is None or call.active is None or hook in call.active
-
-    def run(self, binding: _Binding, module: nn.Module | None, obj: Any) -> Any:
-        """Capture and edit the chosen tensor of ``obj``; ``None`` when nothing changed."""
-        if torch.compiler.is_compiling():
-            # Traced, the group choice would be frozen into the graph: run outside it, so the
-            # choice is made on every call (and captures happen as in eager mode).
-            return _eager_run()(self, binding, module, obj)
-        return self._run(binding, module, obj)
-
-    def _run(self, binding: _Binding, module: nn.Module | None, obj: Any) -> Any:
-        hook = binding.hook
-        if not self.runs(hook):
-            return None
-        leaves, rebuild = flatten(obj)
-        if not leaves:
-            return None  # e.g. no input gradient: nothing to capture or edit
-        if hook.unpack_idx >= len(leaves):
-            raise IndexError(
-                f"torchsurgery.FlexModel: hook on {binding.name!r} has unpack_idx={hook.unpack_idx}, "
-                f"but the {binding.hook_type} value holds only {len(leaves)} tensor(s)"
-            )
-        local = leaves[hook.unpack_idx]
-        edit = functools.partial(self.edit, binding, module) if hook.edits else None
-        new_local = self.routing.route(self, binding, module, local, edit)
-        if new_local is None:
-            return None
-        new_leaves = list(leaves)
-        new_leaves[hook.unpack_idx] = new_local
-        return rebuild(new_leaves)
-
-    def edit(self, binding: _Binding, module: nn.Module | None, full: torch.Tensor) -> torch.Tensor:
-        """Run the editing function of ``binding`` on the full tensor and check its result."""
-        edited = binding.hook.editing_function(module, full, self.save_ctx, self.trainable_modules)  # type: ignore[arg-type]
-        if not isinstance(edited, torch.Tensor):
-            raise TypeError(
-                f"torchsurgery.FlexModel: the editing function of the hook on {binding.name!r} returned "
-                f"{type(edited).__name__}; it must return a Tensor"
-            )
-        if edited.shape != full.shape and not binding.hook.allow_shape_change:
-            raise ValueError(
-                f"torchsurgery.FlexModel: the editing function of the hook on {binding.name!r} changed the "
-                f"shape from {list(full.shape)} to {list(edited.shape)}; return the same shape, or create "
-                "the HookFunction with allow_shape_change=True"
-            )
-        return edited
-
-
-_EAGER_RUN: list[Callable[..., Any]] = []
-
-
-def _eager_run() -> Callable[..., Any]:
-    # made on first use: torch._dynamo is slow to import and only needed under compilation
-    if not _EAGER_RUN:
-        _EAGER_RUN.append(torch.compiler.disable(_Runtime._run, recursive=True))
-    return _EAGER_RUN[0]
-
-
-# The torch hooks are objects, not closures: a deep copy or a pickle of the model then
-# carries hooks bound to the copy's own bindings and runtime (its own output_ptr).
-
-
-class _TorchHook:
-    __slots__ = ("binding", "runtime")
-
-    def __init__(self, binding: _Binding, runtime: _Runtime) -> None:
-        self.binding = binding
-        self.runtime = runtime
-
-
-class _ForwardHook(_TorchHook):
-    __slots__ = ()
-
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        return self.runtime.run(self.binding, module, output)
-
-
-class _ForwardPreHook(_TorchHook):
-    __slots__ = ()
-
-    def __call__(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
-        # args and kwargs together, so keyword inputs (hidden_states=...) are reachable
-        return self.runtime.run(self.binding, module, (args, kwargs))
-
-
-class _BackwardHook(_TorchHook):
-    __slots__ = ()
-
-    def __call__(self, module: nn.Module, grads: Any, *_: Any) -> Any:
-        return self.runtime.run(self.binding, module, grads)
-
-
-class _TensorHook(_TorchHook):
-    __slots__ = ("owner",)
-
-    def __init__(self, binding: _Binding, runtime: _Runtime, owner: nn.Module | None) -> None:
-        super().__init__(binding, runtime)
-        self.owner = owner
-
-    def __call__(self, grad: torch.Tensor) -> Any:
-        return self.runtime.run(self.binding, self.owner, grad)
-
-
-def _make_torch_hook(binding: _Binding, runtime: _Runtime, owner: nn.Module | None) -> _TorchHook:
-    if binding.hook_type == "forward":
-        return _ForwardHook(binding, runtime)
-    if binding.hook_type == "forward_pre":
-        return _ForwardPreHook(binding, runtime)
-    if binding.hook_type in ("full_backward", "full_backward_pre"):
-        return _BackwardHook(binding, runtime)
-    return _TensorHook(binding, runtime, owner)
-
-
-# A HookFunction called directly as a torch hook acts for the wrapper that registered it last.
-_DIRECT: weakref.WeakKeyDictionary[HookFunction, Any] = weakref.WeakKeyDictionary()
-
-
-def call_directly(hook: HookFunction, args: tuple[Any, ...]) -> Any:
-    """Run ``hook`` as the torch hook its last registration made (see ``HookFunction.__call__``)."""
-    torch_hook = _DIRECT.get(hook)
-    if torch_hook is None or torch_hook.binding.handle is None:
-        state = "was restored" if torch_hook is not None else "is not registered with a FlexModel"
-        raise RuntimeError(
-            f"torchsurgery.HookFunction.__call__: {hook!r} {state}; register it first "
-            "(flex.register_forward_hook(hook) and the like): that tells it its hook type and output_ptr"
-        )
-    return torch_hook(*args)
-
-
-def _distributed_available() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available()
-
-
-def _is_fully_sharded(model: nn.Module) -> bool:
-    if not _distributed_available():
-        return False
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-def _fsdp1_class() -> type | None:
-    # an FSDP1 model exists only once its module has been imported
-    if "torch.distributed.fsdp" not in sys.modules:
-        return None
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return FullyShardedDataParallel
-
-
-def unwrap_with_prefixes(module: nn.Module) -> tuple[nn.Module, list[str]]:
-    """The model inside DDP, DataParallel, FSDP1 and ``torch.compile`` wrappers, and the
-    prefixes their names put before the model's own (longest first).
-
-    FSDP2 (``fully_shard``) swaps classes in place and adds no prefix, so it needs nothing here.
-
-    Example:
-        >>> m = nn.Linear(1, 1)
-        >>> root, prefixes = unwrap_with_prefixes(nn.DataParallel(m))
-        >>> root is m, prefixes
-        (True, ['module.'])
-    """
-    fsdp1 = _fsdp1_class()
-    prefixes = [""]
-    steps: tuple[str, ...]
-    while True:
-        if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            module, steps = module.module, ("module.",)
-        elif fsdp1 is not None and isinstance(module, fsdp1):
-            # named_modules() says _fsdp_wrapped_module; flex_model's users write module.
-            module, steps = module._fsdp_wrapped_module, ("_fsdp_wrapped_module.", "module.")  # type: ignore[assignment]
-        elif isinstance(getattr(module, "_orig_mod", None), nn.Module):
-            module, steps = module._orig_mod, ("_orig_mod.",)  # type: ignore[assignment]
-        else:
-            return module, sorted((p for p in prefixes if p), key=len, reverse=True)
-        prefixes = [p + step for p in prefixes for step in steps]
-
-
-def unwrap(module: nn.Module) -> nn.Module:
-    """The model inside DDP, DataParallel, FSDP1 and ``torch.compile`` wrappers.
-
-    Example:
-        >>> m = nn.Linear(1, 1)
-        >>> unwrap(nn.DataParallel(m)) is m
-        True
-    """
-    return unwrap_with_prefixes(module)[0]
-
-
-def _split_prefix(pattern: str, prefixes: list[str]) -> tuple[str, str]:
-    """``(prefix, bare name)``: both name forms (``module.fc1`` and ``fc1``) are accepted."""
-    for prefix in prefixes:
-        if pattern.startswith(prefix):
-            return prefix, pattern[len(prefix) :]
-    return "", pattern
-
-
-def invalidate_compiled(model: nn.Module) -> None:
-    """Drop the code ``torch.compile`` made for ``model``, so hook changes take effect.
-
-    Dynamo does not guard on module hooks, so code compiled before a hook was added
-    (or removed) would keep running without it (or with it). The compiled frames are
-    the ``forward`` of the model's module classes, or the wrapper Dynamo puts around a
-    ``torch.nn`` container; each recompiles on its next call.
-    """
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is None:
-        return  # nothing was ever compiled in this process
-    import types
-
-    from torch._dynamo import eval_frame, external_utils
-
-    codes = {f.__code__ for m in model.modules() if hasattr(f := type(m).forward, "__code__")}
-    codes.update(c for c in external_utils.wrap_inline.__code__.co_consts if isinstance(c, types.CodeType))
-    for code in codes:
-        eval_frame.reset_code(code)
-
-
-def _remove_bindings(bindings: list[_Binding]) -> None:
-    for binding in bindings:
-        if binding.handle is not None:
-            binding.handle.remove()
-            binding.handle = None
-    bindings.clear()
-
-
-class FlexRecord(_undo.Record):
-    """The undo-log entry of a FlexModel wrapper on the model it wraps."""
-
-    kind = "flex"
-
-    def __init__(self, bindings: list[_Binding], routing: Routing) -> None:
-        super().__init__()
-        self.bindings = bindings
-        self.routing = routing
-
-    def describe(self) -> str:
-        return f"FlexModel wrapper ({len(self.bindings)} hooks)"
-
-    def undo(self, module: nn.Module) -> None:
-        _remove_bindings(self.bindings)
-        self.routing.close()
-        _undo.remove(module, self)
-        invalidate_compiled(module)
-
-
-def _finalize(module_ref: weakref.ReferenceType[nn.Module], record: FlexRecord) -> None:
-    module = module_ref()
-    if module is not None:
-        record.undo(module)
-    else:
-        _remove_bindings(record.bindings)
-        record.routing.close()
 
 
 class FlexModel(nn.Module):
@@ -458,9 +129,9 @@ class FlexModel(nn.Module):
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         data_parallel_size: int = 1,
-        process_group: Any = None,
+        process_group: ProcessGroup | None = None,
         *,
-        device_mesh: Any = None,
+        device_mesh: DeviceMesh | None = None,
     ) -> None:
         what = "torchsurgery.FlexModel"
         if not isinstance(module, nn.Module):
@@ -469,28 +140,14 @@ class FlexModel(nn.Module):
             raise TypeError(f"{what}: the model is already a FlexModel; wrap the model it holds (flex.module)")
         if not isinstance(output_ptr, dict):
             raise TypeError(f"{what}: output_ptr must be a dict, got {type(output_ptr).__name__}")
-        sizes = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
-                 "data_parallel_size": data_parallel_size}
-        for key, value in sizes.items():
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{what}: {key} must be a positive int, got {value!r}")
+        request = ParallelRequest.of(
+            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size, process_group=process_group, device_mesh=device_mesh, what=what,
+        )
         super().__init__()
-        if process_group is not None or device_mesh is not None or any(v > 1 for v in sizes.values()):
-            if not _distributed_available():
-                raise RuntimeError(
-                    f"{what}: {sizes} with process_group={process_group!r} need torch.distributed, "
-                    "which this build of torch does not include; run in one process (all sizes 1)"
-                )
-            from torchsurgery.distributed import DistributedRouting, make_layout
-
-            layout = make_layout(process_group=process_group, device_mesh=device_mesh, **sizes)
-            routing: Routing = DistributedRouting(layout)
-            # a device mesh gives the sizes
-            tensor_parallel_size, pipeline_parallel_size, data_parallel_size = layout.tp_size, layout.pp_size, layout.dp_size
-        else:
-            routing = LocalRouting()
-        runtime = _Runtime(output_ptr, routing)
-        bindings: list[_Binding] = []
+        routing = routing_for(request, what)
+        runtime = HookRuntime(Captures(output_ptr), routing)
+        bindings: list[Binding] = []
         record = FlexRecord(bindings, routing)
         d = self.__dict__
         # Not a child: the wrapper's module surface *is* the wrapped model's (no "module." prefix).
@@ -503,24 +160,25 @@ class FlexModel(nn.Module):
         d["_bindings"] = bindings
         d["_groups"] = HookGroups()
         d["_record"] = record
-        d["tp_size"], d["pp_size"], d["dp_size"] = tensor_parallel_size, pipeline_parallel_size, data_parallel_size
+        # a device mesh gives the sizes
+        d["tp_size"], d["pp_size"], d["dp_size"] = routing.sizes.tensor, routing.sizes.pipeline, routing.sizes.data
         d["process_group"] = process_group
         self.training = module.training
         _undo.push(module, record)
-        d["_finalizer"] = weakref.finalize(self, _finalize, weakref.ref(module), record)
+        d["_finalizer"] = weakref.finalize(self, finalize, weakref.ref(module), record)
 
     # ------------------------------------------------------------------ state
 
     @property
     def output_ptr(self) -> OutputPtr:
         """The dict captured activations are appended to."""
-        return self._runtime.output_ptr
+        return self._runtime.captures.output_ptr
 
     @output_ptr.setter
     def output_ptr(self, value: OutputPtr) -> None:
         if not isinstance(value, dict):
             raise TypeError(f"torchsurgery.FlexModel: output_ptr must be a dict, got {type(value).__name__}")
-        self._runtime.output_ptr = value
+        self._runtime.captures.output_ptr = value
 
     @property
     def save_ctx(self) -> Namespace:
@@ -607,7 +265,7 @@ class FlexModel(nn.Module):
         for key, value in self.__dict__.items():
             if key != "_finalizer":
                 d[key] = copy.deepcopy(value, memo)  # the memo keeps shared objects shared
-        d["_finalizer"] = weakref.finalize(new, _finalize, weakref.ref(d["module"]), d["_record"])
+        d["_finalizer"] = weakref.finalize(new, finalize, weakref.ref(d["module"]), d["_record"])
         return new
 
     def __getstate__(self) -> dict[str, Any]:
@@ -616,7 +274,7 @@ class FlexModel(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.__dict__["_finalizer"] = weakref.finalize(self, _finalize, weakref.ref(self.module), self._record)
+        self.__dict__["_finalizer"] = weakref.finalize(self, finalize, weakref.ref(self.module), self._record)
 
     def _check_alive(self, what: str) -> None:
         if self._record not in _undo.records(self.module):
@@ -669,20 +327,18 @@ class FlexModel(nn.Module):
         runtime = self._runtime
         everything = not complement and (groups == "all" or groups == ["all"] or groups == ("all",))
         active = None if everything else self._groups.active(groups, complement, "torchsurgery.FlexModel.forward")
-        call = _Call(active)
-        token = runtime.call.set(call)
+        captures, routing = runtime.captures, runtime.routing
+        call, token = captures.begin(active)
         try:
-            outputs = runtime.routing.forward(self.module, args, kwargs)
+            outputs = routing.forward(self.module, args, kwargs)
         except BaseException:
             # this forward's captures are dropped; other threads' are untouched
-            runtime.routing.end_forward(runtime.output_ptr, failed=True)
+            routing.end_forward(captures, failed=True)
             raise
         finally:
-            runtime.call.reset(token)
-            if call.pending_copies:
-                torch.cuda.current_stream().synchronize()
-        runtime.publish(call)
-        runtime.routing.end_forward(runtime.output_ptr)
+            captures.end(call, token)
+        captures.publish(call)
+        routing.end_forward(captures)
         return outputs
 
     def backward(self, loss: torch.Tensor | None = None) -> None:
@@ -699,71 +355,34 @@ class FlexModel(nn.Module):
             RuntimeError: another rank's backward failed (pipeline stages).
         """
         self._check_alive("backward")
-        self._runtime.routing.backward(self._runtime, loss)
+        self._runtime.routing.backward(self._runtime.captures, loss)
 
     # --------------------------------------------------------- registration
 
-    def _targets(
-        self, hook: HookFunction, hook_type: str, *, local: bool = False
-    ) -> list[tuple[str, nn.Module | torch.Tensor, nn.Module | None]]:
-        """What ``hook`` binds to here, named as the hook names it (with or without the
-        prefix of a DDP/FSDP1/compile wrapper); ``local``: a name this process already matched."""
-        what = f"torchsurgery.FlexModel ({hook_type} hook)"
-        root, prefixes = unwrap_with_prefixes(self.module)
-        prefix, pattern = _split_prefix(hook.module_name, prefixes)
-        routing = self._runtime.routing
-        if hook_type == "tensor":
-            if _is_fully_sharded(root):
-                raise ValueError(
-                    f"{what}: {pattern!r}: FSDP2 hands each parameter its reduced gradient directly, "
-                    "so a gradient hook on it never runs; read param.grad.full_tensor() after backward"
-                )
-            params = dict(root.named_parameters())
-            names = [n for n in params if glob_match(pattern, n)] if is_glob(pattern) else [n for n in params if n == pattern]
-            if not local and not routing.matched_anywhere(bool(names), hook_type, pattern):
-                raise no_match(what, pattern, list(params), kind="parameter")
-            return [(prefix + n, params[n], root.get_submodule(n.rpartition(".")[0])) for n in names]
-        modules = dict(root.named_modules())
-        names = [n for n in modules if glob_match(pattern, n)]
-        if not local and not routing.matched_anywhere(bool(names), hook_type, pattern):
-            raise no_match(what, pattern, [n for n in modules if n])
-        return [(prefix + n, modules[n], None) for n in names]  # none here: another pipeline stage holds it
-
-    def _register(self, hook: HookFunction, hook_type: str, *, local: bool = False) -> None:
+    def _register(self, hook: HookFunction, hook_type: HookType, *, local: bool = False) -> None:
         self._check_alive(f"register ({hook_type})")
         if not isinstance(hook, HookFunction):
             raise TypeError(f"torchsurgery.FlexModel: expected a HookFunction, got {type(hook).__name__}")
         if any(b.hook is hook and b.hook_type == hook_type for b in self._bindings):
             raise ValueError(f"torchsurgery.FlexModel: {hook!r} is already registered as a {hook_type} hook")
-        targets = self._targets(hook, hook_type, local=local)
-        added: list[_Binding] = []
-        fns: list[_TorchHook] = []
+        targets = find_targets(self.module, hook.module_name, hook_type, self._runtime.routing, local=local)
+        added: list[Binding] = []
         try:
             for name, target, owner in targets:
                 taken = sum(1 for b in self._bindings if b.name == name)
-                binding = _Binding(hook, hook_type, name, name if taken == 0 else f"{name}#{taken + 1}")
-                fn: Any = _make_torch_hook(binding, self._runtime, owner)  # typed per hook kind by torch
-                if isinstance(target, torch.Tensor):
-                    binding.handle = target.register_hook(fn)
-                elif hook_type == "forward":
-                    binding.handle = target.register_forward_hook(fn)
-                elif hook_type == "forward_pre":
-                    binding.handle = target.register_forward_pre_hook(fn, with_kwargs=True)
-                elif hook_type == "full_backward":
-                    binding.handle = target.register_full_backward_hook(fn)
-                else:
-                    binding.handle = target.register_full_backward_pre_hook(fn)
+                binding = Binding(hook, hook_type, name, name if taken == 0 else f"{name}#{taken + 1}")
+                binding.torch_hook = make_torch_hook(binding, self._runtime, owner)
+                binding.handle = _attach(target, binding)
                 self._bindings.append(binding)
                 added.append(binding)
-                fns.append(fn)
         except BaseException:
             for binding in added:
                 self._bindings.remove(binding)
-            _remove_bindings(added)
+            remove_bindings(added)
             raise
         self._groups.register(hook)
-        if fns:
-            _DIRECT[hook] = fns[0]
+        if added:
+            remember_binding(added[0])
         invalidate_compiled(self.module)
 
     def register_forward_hook(self, hook_function: HookFunction) -> None:  # type: ignore[override]
@@ -902,13 +521,13 @@ class FlexModel(nn.Module):
             raise TypeError(f"{what}: expected a parameter name such as 'fc1.weight', got {parameter_name!r}")
         root, prefixes = unwrap_with_prefixes(self.module)
         params = dict(root.named_parameters())
-        parameter_name = _split_prefix(parameter_name, prefixes)[1]
+        parameter_name = split_prefix(parameter_name, prefixes)[1]
         if parameter_name not in params:
             advice = "with pipeline parallelism, ask on the ranks of the stage that holds it" if self.pp_size > 1 else ""
             raise no_match(what, parameter_name, list(params), kind="parameter", advice=advice)
         local = params[parameter_name].detach()
-        probe = HookFunction(parameter_name, expected_shape)
-        return self._runtime.routing.gather_parameter(local, probe).to("cpu", copy=True)
+        shape = shape_hint(expected_shape, what)
+        return self._runtime.routing.gather_parameter(local, parameter_name, shape).to("cpu", copy=True)
 
     # --------------------------------------------------------------- restore
 
@@ -922,3 +541,17 @@ class FlexModel(nn.Module):
             self._record.undo(self.module)
         self._finalizer.detach()
         return self.module
+
+
+def _attach(target: nn.Module | torch.Tensor, binding: Binding) -> torch.utils.hooks.RemovableHandle:
+    """Register ``binding``'s torch hook on ``target`` as its hook type says."""
+    fn: Any = binding.torch_hook  # typed per hook kind by torch
+    if isinstance(target, torch.Tensor):
+        return target.register_hook(fn)
+    if binding.hook_type == "forward":
+        return target.register_forward_hook(fn)
+    if binding.hook_type == "forward_pre":
+        return target.register_forward_pre_hook(fn, with_kwargs=True)
+    if binding.hook_type == "full_backward":
+        return target.register_full_backward_hook(fn)
+    return target.register_full_backward_pre_hook(fn)

@@ -4,8 +4,11 @@ A hook sees one rank's *local* activation. Its editing function must see the *fu
 tensor (a tensor-parallel shard gathered, a data-parallel batch assembled), and the
 model must get back a local tensor again; captures must reach the process that holds
 ``output_ptr``. A :class:`Routing` does all of it, and runs the model (pipeline stages
-pass activations on). In one process nothing moves: :class:`LocalRouting`. The
-``torch.distributed`` routing lives in :mod:`torchsurgery.distributed`.
+pass activations on). In one process nothing moves: :class:`LocalRouting`.
+
+flex knows no routing over ``torch.distributed`` ranks: one is plugged in with
+:func:`register_parallel_routing`, and :func:`routing_for` asks it for every wrapper
+given parallel sizes, a process group or a device mesh.
 """
 
 from __future__ import annotations
@@ -16,38 +19,56 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from torchsurgery.flex.captures import Captures
+from torchsurgery.flex.hook_function import Binding, HookType, Shape
+from torchsurgery.flex.parallel import ParallelRequest, ParallelSizes
+
+__all__ = [
+    "Edit",
+    "Routing",
+    "RoutingFactory",
+    "LocalRouting",
+    "register_parallel_routing",
+    "routing_for",
+    "check_expected_shape",
+]
+
 Edit = Callable[[torch.Tensor], torch.Tensor]
 """Runs a hook's editing function on the full tensor (and checks what it returns)."""
-
 
 class Routing(Protocol):
     """How a :class:`~torchsurgery.FlexModel` moves activations for its hooks."""
 
+    @property
+    def sizes(self) -> ParallelSizes:
+        """The parallel sizes this routing spans (a device mesh gives its own)."""
+        ...
+
     def route(
-        self, runtime: Any, binding: Any, module: nn.Module | None, local: torch.Tensor, edit: Edit | None
+        self, binding: Binding, module: nn.Module | None, local: torch.Tensor, edit: Edit | None, captures: Captures
     ) -> torch.Tensor | None:
-        """Capture ``local`` (as the full tensor) through ``runtime.capture`` and, when
-        ``edit`` is given, return the local part of the edited full tensor."""
+        """Capture ``local`` (as the full tensor) into ``captures`` and, when ``edit`` is
+        given, return the local part of the edited full tensor."""
         ...
 
     def forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run this process's part of the model."""
         ...
 
-    def end_forward(self, output_ptr: dict[str, list[torch.Tensor]], *, failed: bool = False) -> None:
+    def end_forward(self, captures: Captures, *, failed: bool = False) -> None:
         """Called once after every forward, also a failed one (``failed=True``)."""
         ...
 
-    def backward(self, runtime: Any, loss: torch.Tensor | None) -> None:
+    def backward(self, captures: Captures, loss: torch.Tensor | None) -> None:
         """Run the backward of ``loss`` (``None`` on processes that hold no loss)."""
         ...
 
-    def matched_anywhere(self, found: bool, hook_type: str, name: str) -> bool:
+    def matched_anywhere(self, found: bool, hook_type: HookType, name: str) -> bool:
         """Whether a hook's target exists in some process (pipeline stages hold parts)."""
         ...
 
-    def gather_parameter(self, local: torch.Tensor, hook: Any) -> torch.Tensor:
-        """The full parameter from this process's ``local`` part."""
+    def gather_parameter(self, local: torch.Tensor, name: str, expected_shape: Shape | None) -> torch.Tensor:
+        """The full parameter ``name`` from this process's ``local`` part."""
         ...
 
     def prepare_trainable(self, module: nn.Module) -> None:
@@ -59,15 +80,82 @@ class Routing(Protocol):
         ...
 
 
-def check_expected_shape(tensor: torch.Tensor, hook: Any) -> None:
-    """Compare ``tensor`` with ``hook.expected_shape`` (``None`` entries match anything)."""
-    expected = hook.expected_shape
+RoutingFactory = Callable[[ParallelRequest], Routing]
+"""Builds the routing for a wrapper that asked for parallel ranks."""
+
+_PARALLEL: list[RoutingFactory] = []
+
+
+def register_parallel_routing(factory: RoutingFactory) -> RoutingFactory | None:
+    """Make ``factory`` build the routing of every wrapper given parallel arguments.
+
+    ``torchsurgery`` registers its ``torch.distributed`` routing when imported; a later
+    registration replaces it.
+
+    Returns:
+        The factory registered before (``None`` if there was none), to put back later.
+
+    Example:
+        >>> previous = register_parallel_routing(lambda request: LocalRouting())
+        >>> routing_for(ParallelRequest.of(tensor_parallel_size=2)).sizes
+        ParallelSizes(tensor=1, pipeline=1, data=1)
+        >>> _ = register_parallel_routing(previous)
+    """
+    if not callable(factory):
+        raise TypeError(
+            f"torchsurgery.flex.register_parallel_routing: expected a callable taking a ParallelRequest "
+            f"and returning a Routing, got {factory!r}"
+        )
+    previous = _PARALLEL[0] if _PARALLEL else None
+    _PARALLEL[:] = [factory]
+    return previous
+
+
+def routing_for(request: ParallelRequest, what: str = "torchsurgery.FlexModel") -> Routing:
+    """:class:`LocalRouting` for a request in one process, else the registered parallel routing.
+
+    Raises:
+        RuntimeError: parallel arguments, but torch was built without distributed
+            support or no parallel routing is registered.
+
+    Example:
+        >>> type(routing_for(ParallelRequest.of())).__name__
+        'LocalRouting'
+    """
+    if request.is_local:
+        return LocalRouting()
+    if not torch.distributed.is_available():
+        raise RuntimeError(
+            f"{what}: {request.sizes} with process_group={request.process_group!r} need torch.distributed, "
+            "which this build of torch does not include; run in one process (all sizes 1)"
+        )
+    if not _PARALLEL:
+        raise RuntimeError(
+            f"{what}: no parallel routing is registered for {request.sizes}; import torchsurgery "
+            "(it registers its torch.distributed routing) or call register_parallel_routing first"
+        )
+    return _PARALLEL[0](request)
+
+
+def check_expected_shape(tensor: torch.Tensor, expected: Shape | None, name: str) -> None:
+    """Compare ``tensor`` with a hook's ``expected_shape`` (``None`` entries match anything).
+
+    Raises:
+        ValueError: the shapes differ (both are named).
+
+    Example:
+        >>> check_expected_shape(torch.zeros(2, 3), (None, 3), "fc")
+        >>> check_expected_shape(torch.zeros(2, 3), (None, 4), "fc")
+        Traceback (most recent call last):
+        ...
+        ValueError: torchsurgery.HookFunction: the activation of 'fc' has shape [2, 3], but expected_shape ...
+    """
     if expected is None:
         return
     actual = tuple(tensor.shape)
     if len(expected) != len(actual) or any(e is not None and e != a for e, a in zip(expected, actual, strict=False)):
         raise ValueError(
-            f"torchsurgery.HookFunction: the activation of {hook.module_name!r} has shape "
+            f"torchsurgery.HookFunction: the activation of {name!r} has shape "
             f"{list(actual)}, but expected_shape is {list(expected)}; fix expected_shape "
             "(None entries match any size)"
         )
@@ -77,38 +165,40 @@ class LocalRouting:
     """Everything in one process: the local tensor is the full tensor.
 
     Example:
-        >>> from types import SimpleNamespace
-        >>> routing = LocalRouting()
-        >>> seen = []
-        >>> runtime = SimpleNamespace(capture=lambda key, t: seen.append(key))
-        >>> binding = SimpleNamespace(key="fc", hook=SimpleNamespace(expected_shape=None))
-        >>> routing.route(runtime, binding, None, torch.ones(2), lambda t: t * 2).tolist(), seen
-        ([2.0, 2.0], ['fc'])
+        >>> from torchsurgery.flex.hook_function import HookFunction
+        >>> out = {}
+        >>> binding = Binding(HookFunction("fc"), "forward", "fc", "fc")
+        >>> LocalRouting().route(binding, None, torch.ones(2), lambda t: t * 2, Captures(out)).tolist()
+        [2.0, 2.0]
+        >>> out["fc"][0].tolist()
+        [1.0, 1.0]
     """
 
+    sizes = ParallelSizes()
+
     def route(
-        self, runtime: Any, binding: Any, module: nn.Module | None, local: torch.Tensor, edit: Edit | None
+        self, binding: Binding, module: nn.Module | None, local: torch.Tensor, edit: Edit | None, captures: Captures
     ) -> torch.Tensor | None:
-        check_expected_shape(local, binding.hook)
-        runtime.capture(binding.key, local)
+        check_expected_shape(local, binding.hook.expected_shape, binding.hook.module_name)
+        captures.capture(binding.key, local)
         return edit(local) if edit is not None else None
 
     def forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return module(*args, **kwargs)
 
-    def end_forward(self, output_ptr: dict[str, list[torch.Tensor]], *, failed: bool = False) -> None:
+    def end_forward(self, captures: Captures, *, failed: bool = False) -> None:
         return None
 
-    def backward(self, runtime: Any, loss: torch.Tensor | None) -> None:
+    def backward(self, captures: Captures, loss: torch.Tensor | None) -> None:
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"torchsurgery.FlexModel.backward: expected the loss tensor, got {type(loss).__name__}")
         loss.backward()
 
-    def matched_anywhere(self, found: bool, hook_type: str, name: str) -> bool:
+    def matched_anywhere(self, found: bool, hook_type: HookType, name: str) -> bool:
         return found
 
-    def gather_parameter(self, local: torch.Tensor, hook: Any) -> torch.Tensor:
-        check_expected_shape(local, hook)
+    def gather_parameter(self, local: torch.Tensor, name: str, expected_shape: Shape | None) -> torch.Tensor:
+        check_expected_shape(local, expected_shape, name)
         return local
 
     def prepare_trainable(self, module: nn.Module) -> None:

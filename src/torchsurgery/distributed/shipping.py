@@ -1,0 +1,179 @@
+"""Captures shipped to the layout's root rank, in one message per rank and pass.
+
+The first tensor-parallel rank of each data-parallel replica and pipeline stage keeps a
+CPU copy of every capture; at the end of the forward (or of the backward, for gradient
+hooks) each of those ranks sends rank 0 one frame: a fixed head (failed?, size) and as
+many capture bytes as rank 0's buffer for it holds. Both sides grow that capacity alike
+from the sizes seen (:func:`~torchsurgery.distributed._wire.next_capacity`), so after
+the first pass a frame arrives in one message; a bigger one follows in a second. Point
+to point only: a collective here would cost every rank a round trip per forward.
+
+On rank 0 the data-parallel pieces of a key are concatenated along the batch dimension
+(sizes may differ) and each stage's keys are added in stage order. A parameter's
+gradient (``register_hook``) has no batch dimension: the replicas' gradients are
+averaged, as DDP averages them. Activation gradients are divided by the data-parallel
+size (see :func:`~torchsurgery.distributed.edits.replica_scale`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchsurgery.distributed import _wire
+from torchsurgery.distributed.edits import replica_scale
+from torchsurgery.distributed.layout import Layout
+from torchsurgery.flex.captures import Captures, OutputPtr
+from torchsurgery.flex.hook_function import Binding
+
+__all__ = ["CaptureShipping"]
+
+_WHAT = "torchsurgery.FlexModel"
+
+
+def _receive_all(into: list[tuple[torch.Tensor, int]], group: dist.ProcessGroup) -> None:
+    """Receive into each tensor from its global rank, all at once."""
+    works = [dist.irecv(tensor, src=rank, group=group) for tensor, rank in into]
+    for work in works:
+        if work is not None:  # None only for ranks outside the group, which none are
+            work.wait()
+
+
+class CaptureShipping:
+    """This rank's captures of a pass, and their way to rank 0.
+
+    Args:
+        layout: this rank's place in the layout and its groups.
+
+    Example:
+        On every rank, for each hook call and once per pass::
+
+            shipping = CaptureShipping(layout)
+            shipping.keep(captures, binding, full)   # on the first tensor-parallel rank
+            shipping.ship(captures.output_ptr, failed=False)
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        # captures go straight to output_ptr when no other rank has any to send
+        self.direct = layout.dp_size == 1 and layout.pp_size == 1
+        self._pending: OutputPtr = {}
+        self._averaged: set[str] = set()  # parameter-gradient keys: the replicas' pieces are averaged
+        self._sends: list[tuple[Any, torch.Tensor]] = []
+        # frame capacity per sender position (rank 0 keeps every sender's; a sender its own at 0)
+        self._capacity: dict[int, int] = dict.fromkeys(range(len(layout.ranks)), 0)
+        self._after_backward = False  # a ship is queued for the end of the running backward
+
+    def keep(self, captures: Captures, binding: Binding, full: torch.Tensor) -> None:
+        """Keep ``full`` as this rank's capture for ``binding`` (shipped at the end of the pass)."""
+        if binding.hook_type == "tensor":
+            self._averaged.add(binding.key)
+        scale = replica_scale(self.layout, binding.hook_type)
+        if scale != 1:
+            full = full / scale
+        captures.capture(binding.key, full, None if self.direct else self._pending)
+
+    def ship_after_backward(self, captures: Captures) -> None:
+        """Ship when the running autograd backward ends, on every rank alike (once per backward)."""
+        if self.direct or self._after_backward:
+            return
+        self._after_backward = True
+        callback = functools.partial(self._ship_queued, captures)
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+    def _ship_queued(self, captures: Captures) -> None:
+        self._after_backward = False
+        self.ship(captures.output_ptr, failed=False)
+
+    def new_pass(self) -> None:
+        """A forward starts: a backward callback queued but never run is forgotten."""
+        self._after_backward = False
+
+    def ship(self, output_ptr: OutputPtr, *, failed: bool) -> None:
+        """Send this pass's captures to rank 0; on rank 0, add everyone's to ``output_ptr``.
+
+        Every rank of the layout calls this once per pass.
+
+        Raises:
+            RuntimeError: on rank 0, when another rank failed in this pass (it is named).
+        """
+        if self.direct:
+            return
+        pending, self._pending = self._pending, {}
+        if not self.layout.is_root:
+            if self.layout.tp_rank == 0:
+                self._send(pending, failed)
+            return
+        received = self._receive()
+        if failed:
+            return  # this rank's own exception is already on its way
+        bad = [self.layout.ranks[p] for p, (status, _) in received.items() if status]
+        if bad:
+            raise RuntimeError(
+                f"{_WHAT}: rank(s) {bad} failed in this pass, so their captures are missing; "
+                "see the traceback of those ranks"
+            )
+        parts = {p: part for p, (_, part) in received.items()}
+        self._merge(output_ptr, {0: pending, **parts})
+
+    def _send(self, pending: OutputPtr, failed: bool) -> None:
+        layout, device = self.layout, self.layout.device
+        items = [(key, t) for key, values in pending.items() for t in values]
+        data = _wire.pack(items, device=device) if items and not failed else None
+        first, rest = _wire.frame(data, status=int(failed), capacity=self._capacity[0], device=device)
+        self._capacity[0] = _wire.next_capacity(self._capacity[0], 0 if data is None else data.numel())
+        self.settle()
+        # not waited for here: this rank goes on while rank 0 receives
+        self._sends = [(dist.isend(t, dst=layout.ranks[0], group=layout.group), t) for t in (first, rest) if t is not None]
+
+    def _receive(self) -> dict[int, tuple[int, OutputPtr]]:
+        """Every sender's (status, captures), by its position in the layout."""
+        layout, device = self.layout, self.layout.device
+        senders = [(p, layout.ranks[p]) for p in range(layout.tp_size, len(layout.ranks), layout.tp_size)]
+        firsts = {p: torch.empty(_wire.FRAME_HEAD + self._capacity[p], dtype=torch.uint8, device=device) for p, _ in senders}
+        _receive_all([(firsts[p], rank) for p, rank in senders], layout.group)
+        heads = {p: _wire.read_head(firsts[p]) for p, _ in senders}
+        overflow = {p: torch.empty(size, dtype=torch.uint8, device=device) for p, (_, size) in heads.items() if size > self._capacity[p]}
+        # always drained, so the next pass starts with nothing in flight
+        _receive_all([(overflow[p], rank) for p, rank in senders if p in overflow], layout.group)
+        received: dict[int, tuple[int, OutputPtr]] = {}
+        for p, (status, size) in heads.items():
+            part: OutputPtr = {}
+            if size:
+                buffer = overflow.get(p, firsts[p][_wire.FRAME_HEAD : _wire.FRAME_HEAD + size])
+                for key, tensor in _wire.unpack(buffer)[1]:
+                    # views of a buffer received for this pass alone: no copy needed on a CPU
+                    part.setdefault(key, []).append(tensor.cpu())
+            self._capacity[p] = _wire.next_capacity(self._capacity[p], size)
+            received[p] = (status, part)
+        return received
+
+    def _merge(self, output_ptr: OutputPtr, received: dict[int, OutputPtr]) -> None:
+        """Stage by stage, each key's replica pieces joined into one capture per call."""
+        layout = self.layout
+        for stage in range(layout.pp_size):
+            replicas = [received.get((stage * layout.dp_size + d) * layout.tp_size, {}) for d in range(layout.dp_size)]
+            keys: dict[str, None] = {}
+            for part in replicas:
+                keys.update(dict.fromkeys(part))
+            for key in keys:
+                count = max(len(part.get(key, ())) for part in replicas)
+                for i in range(count):
+                    pieces = [part[key][i] for part in replicas if i < len(part.get(key, ()))]
+                    if len(pieces) == 1:
+                        value = pieces[0]
+                    elif key in self._averaged:
+                        value = torch.stack(pieces).sum(0) / layout.dp_size
+                    else:
+                        value = torch.cat(pieces)
+                    output_ptr.setdefault(key, []).append(value)
+
+    def settle(self) -> None:
+        """Wait for the previous pass's sends (their tensors stay alive until then)."""
+        for work, _ in self._sends:
+            if work is not None:
+                work.wait()
+        self._sends = []
