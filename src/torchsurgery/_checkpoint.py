@@ -310,26 +310,31 @@ class Stash:
                 t.detach().copy_(old)
 
     def keep(self) -> list[torch.Tensor]:
-        """The kept values as CPU tensors, one per tensor given, and close the stash.
+        """The kept values as CPU tensors, one per tensor given.
 
-        Values from the in-memory file are views of a mapping of it (nothing is copied);
-        the file's memory is freed when the last of them is.
+        Values from the in-memory file are views of a mapping of it (nothing is copied,
+        unless the file cannot be mapped); its memory is freed when the last of them is.
         """
         size = sum(v.nbytes for v in self._in_file)
-        base = torch.frombuffer(mmap.mmap(self._fd, size), dtype=torch.uint8) if size else None
+        base = torch.empty(0, dtype=torch.uint8)
+        if size:
+            try:
+                base = torch.frombuffer(mmap.mmap(self._fd, size), dtype=torch.uint8)
+            except OSError:  # no room for a mapping: read the bytes into memory of their own
+                base = torch.empty(size, dtype=torch.uint8)
+                if _transfer(os.preadv, self._fd, [_bytes_of(base)], 0) is not None:
+                    raise OSError("the tensors kept aside could not be read back") from None
         values: list[torch.Tensor] = []
         offset = 0
         for t in self._tensors:
             if id(t) in self._clones:
                 values.append(self._clones[id(t)][1])
                 continue
-            assert base is not None  # a tensor not copied lies in the file
             nbytes = t.numel() * t.element_size()
             piece = base[offset : offset + nbytes]
             # a view as another dtype must start at a multiple of its size
             values.append((piece.clone() if offset % t.element_size() else piece).view(t.dtype).reshape(t.shape))
             offset += nbytes
-        self.close()
         return values
 
     def close(self) -> None:

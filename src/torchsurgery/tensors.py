@@ -304,10 +304,11 @@ class ConvertRecord(_undo.Record):
         with _own_weakrefs_released(module):
             _swap_all(plan, False, "torchsurgery.restore")
         optimizer = None if self.optimizer is None else self.optimizer()
-        for param, key, device, dtype in self.moved if optimizer is not None else ():
-            value = optimizer.state.get(param, {}).get(key)
+        state = {} if optimizer is None else optimizer.state
+        for param, key, device, dtype in self.moved:
+            value = state.get(param, {}).get(key)
             if isinstance(value, torch.Tensor):
-                optimizer.state[param][key] = value.to(device=device, dtype=dtype)
+                state[param][key] = value.to(device=device, dtype=dtype)
         _undo.remove(module, self)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -332,13 +333,10 @@ def convert_(
     follow, so training goes on. Only floating point and complex tensors change dtype, as
     with ``module.to(dtype)``. ``meta`` tensors moved to a real device are allocated
     uninitialised, as ``module.to_empty(device=...)`` does (fill them with :func:`load_`).
-    All or nothing: every swap is checked before the first one (weak references, extra
-    holders such as a pending backward, slot mismatches), and a failure half-way swaps
-    back what was converted.
-
-    The conversion is recorded in the undo log: ``torchsurgery.restore`` converts back,
-    exactly (see the module's documentation): where the conversion loses information the
-    original values are kept in host memory until then.
+    All or nothing: every swap is checked first (weak references, extra holders such as a
+    pending backward, slot mismatches), and a failure half-way swaps back what was done.
+    ``torchsurgery.restore`` converts back exactly (see the module's documentation: where
+    the conversion loses information, the original values are kept in host memory).
 
     Args:
         module: the module to convert.
@@ -498,12 +496,10 @@ def load_(
     documentation: file-backed tensors). Tied weights stay tied whether the checkpoint
     names one or both of their names. Tensor subclasses are honoured through
     ``Tensor.module_load``: with ``assign=False`` the module's subclass decides, with
-    ``assign=True`` the checkpoint's tensor (and class) is taken. Everything is checked
-    before the first write, and a load that fails half-way leaves every tensor as it was.
-
-    The load is recorded in the undo log: ``torchsurgery.restore`` gives every tensor back
-    what it held before. The values overwritten in place are kept for that in host memory
-    (an in-memory file, outside the process's resident size) until then, and the tensors
+    ``assign=True`` the checkpoint's tensor (and class) is taken. A load that fails
+    half-way leaves every tensor as it was. ``torchsurgery.restore`` gives every tensor
+    back what it held before: the values overwritten in place are kept in host memory (an
+    in-memory file, outside the process's resident size) until then, and the tensors
     replaced keep their old memory; ``undoable=False`` keeps and records nothing.
 
     Args:
@@ -565,15 +561,17 @@ class LoadRecord(_undo.Record):
 
     Attributes:
         overwritten: ``(tensor, values)``: a tensor filled in place and, on the host, what it held.
-        replaced: ``(name, tensor, old)``: a tensor that got new content, and the object
-            holding its old content (swapped back on undo).
+        replaced: ``(name, tensor, old, (device, dtype))``: a tensor that got new content,
+            the object holding its old content (swapped back on undo), and where the load put it.
         source: where the load came from, for listings.
     """
 
     kind = "load"
 
     def __init__(
-        self, overwritten: list[tuple[torch.Tensor, torch.Tensor]], replaced: list[tuple[str, torch.Tensor, torch.Tensor]]
+        self,
+        overwritten: list[tuple[torch.Tensor, torch.Tensor]],
+        replaced: list[tuple[str, torch.Tensor, torch.Tensor, tuple[torch.device, torch.dtype]]],
     ) -> None:
         super().__init__()
         self.overwritten = overwritten
@@ -588,8 +586,15 @@ class LoadRecord(_undo.Record):
         for t, values in self.overwritten:
             if t.shape != values.shape:
                 raise RuntimeError(f"{what}: a loaded tensor now has shape {list(t.shape)}, not {list(values.shape)}")
+        plan = []
+        for name, t, old, loaded in self.replaced:
+            if loaded != (t.device, t.dtype) and not old.is_meta:
+                # converted since by surgery undone out of order: the old values as it is now
+                old = _wrap_like(t, old.detach().to(device=t.device, dtype=t.dtype))
+            old.requires_grad_(t.requires_grad)  # a flag set since stays, as with every undo
+            plan.append(_Swap(name, t, old, old.device, old.dtype))
         with _own_weakrefs_released(module):
-            _swap_all([_Swap(name, t, old, old.device, old.dtype) for name, t, old in self.replaced], False, what)
+            _swap_all(plan, False, what)
         with torch.no_grad():
             for t, values in self.overwritten:
                 t.detach().copy_(values)
@@ -694,6 +699,7 @@ def _load(
     values = _new_values(reader, fresh, stored, assign, copy)
     stash = Stash([t for t, _ in in_place])
     try:
+        previous = stash.keep() if undoable else []
         for run in _in_chunks(in_place, [stored[key].dtype.itemsize * t.numel() for t, key in in_place]):
             reader.read_many([(key, t.detach()) for t, key in run])
         swaps = [
@@ -703,15 +709,15 @@ def _load(
         _swap_all(swaps, False, what)
     except BaseException:
         stash.restore()
-        stash.close()
         raise
+    finally:
+        stash.close()
     result = LoadResult(missing, unexpected)
     if not undoable or not plan:
-        stash.close()
         return result, None
     # after the swap, each swap's .new holds what its tensor held before
-    overwritten = list(zip([t for t, _ in in_place], stash.keep(), strict=True))
-    return result, LoadRecord(overwritten, [(s.name, s.tensor, s.new) for s in swaps])
+    overwritten = list(zip([t for t, _ in in_place], previous, strict=True))
+    return result, LoadRecord(overwritten, [(s.name, s.tensor, s.new, (s.tensor.device, s.tensor.dtype)) for s in swaps])
 
 
 def _new_values(reader: Source, fresh: list[_Fresh], stored: dict[str, Entry], assign: bool, copy: bool) -> list[torch.Tensor]:
