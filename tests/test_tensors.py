@@ -1039,10 +1039,37 @@ def test_a_conversion_under_an_offload_is_undone_with_it() -> None:
     _assert_as_before(model, reference, objects)
 
 
-@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
-def test_a_converted_copy_is_restored_on_its_own(how: str) -> None:
+def _duplicate(model: nn.Module, how: str) -> nn.Module:
+    import io
     import pickle
 
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(model))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_loaded_copy_is_restored_on_its_own(how: str) -> None:
+    model = _model()
+    reference = copy.deepcopy(model)
+    load_(model, _model().state_dict())  # in place
+    load_(model, _model().state_dict(), assign=True, dtype=torch.float64)  # new memory
+    duplicate = _duplicate(model, how)
+    objects = _objects(duplicate)
+    torchsurgery.restore(duplicate)
+    _assert_as_before(duplicate, reference, objects)
+    assert len(torchsurgery.surgery_log(model)) == 2
+    torchsurgery.restore(model)
+    assert all(_same_bytes(model.state_dict()[k], v) for k, v in reference.state_dict().items())
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_converted_copy_is_restored_on_its_own(how: str) -> None:
     model = _model()
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -1050,7 +1077,7 @@ def test_a_converted_copy_is_restored_on_its_own(how: str) -> None:
     opt.step()
     reference_after_step = copy.deepcopy(model)
     convert_(model, dtype=torch.bfloat16, optimizer=opt)
-    duplicate = copy.deepcopy(model) if how == "deepcopy" else pickle.loads(pickle.dumps(model))
+    duplicate = _duplicate(model, how)
     objects = _objects(duplicate)
     torchsurgery.restore(duplicate)
     _assert_as_before(duplicate, reference_after_step, objects)

@@ -600,6 +600,10 @@ class LoadRecord(_undo.Record):
                 t.detach().copy_(values)
         _undo.remove(module, self)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the kept values share one mapping as several dtypes, which torch.save refuses
+        return {**self.__dict__, "overwritten": [(t, values.clone()) for t, values in self.overwritten]}
+
 
 def _match(
     module: nn.Module, stored: dict[str, Entry], strict: bool
