@@ -1180,3 +1180,32 @@ def test_loads_and_conversions_unwind_in_reverse_order() -> None:
     assert [e.kind for e in torchsurgery.surgery_log(model)] == ["load", "convert"] * 4
     torchsurgery.restore(model)
     _assert_as_before(model, reference, objects)
+
+
+def test_loads_one_after_another_keep_one_copy_of_the_first_values() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    reference, objects = copy.deepcopy(model), _objects(model)
+    for _ in range(3):  # checkpoints evaluated in a loop
+        load_(model, nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).state_dict())
+    load_(model, {"0.weight": torch.ones(4, 4)}, strict=False)  # nothing new to keep
+    (entry,) = torchsurgery.surgery_log(model)
+    assert entry.description == "load 4 tensors from a state dict, then 3 more loads"
+    assert len(model.__dict__["_torchsurgery_log"][0].overwritten) == 4
+    torchsurgery.restore(model)
+    _assert_as_before(model, reference, objects)
+
+
+def test_loads_with_other_surgery_between_stay_apart() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    reference, objects = copy.deepcopy(model), _objects(model)
+    load_(model, {"0.weight": torch.ones(4, 4)}, strict=False)
+    torchsurgery.patch(model[1], _Doubled)
+    load_(model, {"0.weight": torch.zeros(4, 4), "1.weight": torch.zeros(4, 4)}, strict=False)
+    load_(model, {"1.bias": torch.zeros(4)}, strict=False)  # right after: taken in
+    assert [e.description for e in torchsurgery.surgery_log(model)] == [
+        "load 1 tensors from a state dict",
+        "patch _Doubled",
+        "load 3 tensors from a state dict, then 1 more loads",
+    ]
+    torchsurgery.restore(model)
+    _assert_as_before(model, reference, objects)

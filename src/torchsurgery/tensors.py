@@ -552,7 +552,9 @@ def load_(
         reader.close()
     if record is not None:
         record.source = str(source) if isinstance(source, (str, os.PathLike)) else "a state dict"
-        _undo.push(module, record)
+        log = _undo.records(module)
+        if not (log and isinstance(log[-1], LoadRecord) and log[-1].absorb(record)):
+            _undo.push(module, record)
     return result
 
 
@@ -564,6 +566,7 @@ class LoadRecord(_undo.Record):
         replaced: ``(name, tensor, old, (device, dtype))``: a tensor that got new content,
             the object holding its old content (swapped back on undo), and where the load put it.
         source: where the load came from, for listings.
+        last, loads: the ``seq`` of the last load taken in (see :meth:`absorb`), and how many.
     """
 
     kind = "load"
@@ -577,9 +580,12 @@ class LoadRecord(_undo.Record):
         self.overwritten = overwritten
         self.replaced = replaced
         self.source = "a state dict"
+        self.last = self.seq  # the seq of the last load this record took in
+        self.loads = 1
 
     def describe(self) -> str:
-        return f"load {len(self.overwritten) + len(self.replaced)} tensors from {self.source}"
+        more = f", then {self.loads - 1} more loads" if self.loads > 1 else ""
+        return f"load {len(self.overwritten) + len(self.replaced)} tensors from {self.source}{more}"
 
     def undo(self, module: nn.Module) -> None:
         what = "torchsurgery.restore"
@@ -599,6 +605,21 @@ class LoadRecord(_undo.Record):
             for t, values in self.overwritten:
                 t.detach().copy_(values)
         _undo.remove(module, self)
+
+    def absorb(self, later: LoadRecord) -> bool:
+        """Take in the undo of a load made right after this one into the same module, if it can.
+
+        Loading checkpoints one after another keeps one copy of the first one's values, not
+        one per load: undoing both gives back what this load kept, plus the tensors only the
+        later one wrote. A later load that gave tensors new memory stays a record of its own.
+        """
+        if later.replaced or later.seq != self.last + 1:  # a record made between them: keep both
+            return False
+        covered = {id(t) for t, _ in self.overwritten} | {id(t) for _, t, _, _ in self.replaced}
+        self.overwritten += [(t, values) for t, values in later.overwritten if id(t) not in covered]
+        self.last = later.seq
+        self.loads += 1
+        return True
 
     def __getstate__(self) -> dict[str, Any]:
         # the kept values share one mapping as several dtypes, which torch.save refuses
