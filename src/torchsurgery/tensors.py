@@ -551,11 +551,16 @@ def load_(
     finally:
         reader.close()
     if record is not None:
-        record.source = str(source) if isinstance(source, (str, os.PathLike)) else "a state dict"
-        log = _undo.records(module)
-        if not (log and isinstance(log[-1], LoadRecord) and log[-1].absorb(record)):
-            _undo.push(module, record)
+        _record_load(module, record, source)
     return result
+
+
+def _record_load(module: nn.Module, record: LoadRecord, source: Any) -> None:
+    """Put ``record`` in ``module``'s log, or into the load recorded right before it."""
+    record.source = str(source) if isinstance(source, (str, os.PathLike)) else "a state dict"
+    log = _undo.records(module)
+    if not (log and isinstance(log[-1], LoadRecord) and log[-1].absorb(record)):
+        _undo.push(module, record)
 
 
 class LoadRecord(_undo.Record):
