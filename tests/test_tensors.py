@@ -1209,3 +1209,16 @@ def test_loads_with_other_surgery_between_stay_apart() -> None:
     ]
     torchsurgery.restore(model)
     _assert_as_before(model, reference, objects)
+
+
+def test_restore_refuses_a_pending_backward_and_keeps_the_conversion() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    convert_(model, dtype=torch.float64)
+    loss = model(torch.randn(2, 3, dtype=torch.float64)).sum()
+    with pytest.raises(RuntimeError, match=r"could not undo convert to torch.float64 .* on <root>: .*held elsewhere"):
+        torchsurgery.restore(model)
+    assert model[0].weight.dtype == torch.float64 and len(torchsurgery.surgery_log(model)) == 1
+    loss.backward()
+    del loss
+    torchsurgery.restore(model)
+    assert model[0].weight.dtype == torch.float32 and model[0].weight.grad.dtype == torch.float32
