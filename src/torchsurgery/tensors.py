@@ -14,12 +14,13 @@ changed if something still fails half-way, so a module is never left half conver
 ``torchsurgery.restore(model)`` undoes them (newest first, with the other pillars'
 surgery) into the same objects:
 
-* a conversion is converted back: each tensor returns to its device and dtype (gradients
-  and the optimizer's state too). A lossless conversion (a move, a widening cast) comes
-  back exactly by itself; for one that loses information (``float32 -> bfloat16``, a move
-  to ``meta``) the original values are kept in host memory, and every value not changed
-  since the conversion gets its original back exactly, while values changed since (by
-  training) keep the change, cast back.
+* a conversion is converted back: each parameter and buffer returns to its device and
+  dtype. A lossless conversion (a move, a widening cast) comes back exactly by itself; for
+  one that loses information (``float32 -> bfloat16``, a move to ``meta``) the original
+  values are kept in host memory, and every value not changed since the conversion gets
+  its original back exactly, while values changed since (by training) keep the change,
+  cast back. Gradients and the optimizer's state go back to their device and dtype too,
+  by a cast (after a narrowing conversion, their rounding stays).
 * a load is taken back: tensors filled in place get back the values they had (kept in
   host memory as the load overwrote them), tensors that got new memory (``meta`` ones
   materialised, moved, cast or assigned) get back what they held before, ``meta`` included.
