@@ -1222,3 +1222,35 @@ def test_restore_refuses_a_pending_backward_and_keeps_the_conversion() -> None:
     del loss
     torchsurgery.restore(model)
     assert model[0].weight.dtype == torch.float32 and model[0].weight.grad.dtype == torch.float32
+
+
+_FLOATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32, torch.float64]
+
+
+def _every_value(dtype: torch.dtype) -> torch.Tensor:
+    """Every value of an 8- or 16-bit float dtype; for wider ones, the extremes and a sample."""
+    if dtype.itemsize <= 2:
+        bits = torch.arange(2 ** (8 * dtype.itemsize), dtype=torch.int32)
+        return bits.to(torch.uint8 if dtype.itemsize == 1 else torch.int16).view(dtype)
+    info = torch.finfo(dtype)
+    edges = [info.max, -info.max, info.smallest_normal, info.smallest_normal * info.eps, 1 + info.eps, 0.0]
+    return torch.cat([torch.tensor(edges, dtype=dtype), torch.randn(10_000, dtype=dtype) * 1e3])
+
+
+@pytest.mark.parametrize("there", _FLOATS, ids=str)
+@pytest.mark.parametrize("here", _FLOATS, ids=str)
+def test_originals_are_kept_exactly_when_the_conversion_loses_values(here: torch.dtype, there: torch.dtype) -> None:
+    if here == there:
+        return
+    values = _every_value(here)
+    module = nn.Module()
+    module.register_buffer("values", values.clone())
+    convert_(module, dtype=there)
+    back = values.to(there).to(here)
+    exact = bool(((back == values) | (back.isnan() & values.isnan())).all())
+    (entry,) = torchsurgery.surgery_log(module)
+    assert ("originals kept" in entry.description) == (not exact)
+    torchsurgery.restore(module)
+    numbers = ~values.isnan()  # every number bitwise (signed zeros too); NaN stays NaN, payload aside
+    assert module.values.dtype == here and bool(module.values.isnan().eq(~numbers).all())
+    assert _same_bytes(module.values[numbers], values[numbers])

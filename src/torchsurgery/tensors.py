@@ -15,7 +15,8 @@ changed if something still fails half-way, so a module is never left half conver
 surgery) into the same objects:
 
 * a conversion is converted back: each parameter and buffer returns to its device and
-  dtype. A lossless conversion (a move, a widening cast) comes back exactly by itself; for
+  dtype. A lossless conversion (a move, a widening cast) comes back bitwise by itself (a
+  NaN stays a NaN, though a cast may change its payload bits); for
   one that loses information (``float32 -> bfloat16``, a move to ``meta``) the original
   values are kept in host memory, and every value not changed since the conversion gets
   its original back exactly, while values changed since (by training) keep the change,
