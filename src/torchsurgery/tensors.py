@@ -16,15 +16,17 @@ surgery) into the same objects:
 
 * a conversion is converted back: each parameter and buffer returns to its device and
   dtype. A lossless conversion (a move, a widening cast) comes back bitwise by itself (a
-  NaN stays a NaN, though a cast may change its payload bits); for
-  one that loses information (``float32 -> bfloat16``, a move to ``meta``) the original
-  values are kept in host memory, and every value not changed since the conversion gets
-  its original back exactly, while values changed since (by training) keep the change,
-  cast back. Gradients and the optimizer's state go back to their device and dtype too,
-  by a cast (after a narrowing conversion, their rounding stays).
+  NaN stays a NaN, though a cast may change its payload bits); for one that loses
+  information (``float32 -> bfloat16``, a move to ``meta``) the original values are kept
+  in host memory, and every value not changed since the conversion gets its original
+  back exactly, while values changed since (by training) keep the change, cast back.
+  Gradients and the optimizer's state go back to their device and dtype too, by a cast
+  (after a narrowing conversion, their rounding stays).
 * a load is taken back: tensors filled in place get back the values they had (kept in
   host memory as the load overwrote them), tensors that got new memory (``meta`` ones
-  materialised, moved, cast or assigned) get back what they held before, ``meta`` included.
+  materialised, moved, cast or assigned) get back what they held before, ``meta``
+  included. Loads into the same module one after another, with no other surgery between
+  them, share one entry that keeps the first one's values only.
 
 Keeping values costs host memory as large as what is kept; ``undoable=False`` records
 nothing and keeps nothing, as ``module.to()`` and ``load_state_dict`` do.
