@@ -190,3 +190,31 @@ def test_stash_failing_to_keep_leaves_nothing_open(monkeypatch: pytest.MonkeyPat
         Stash([torch.randn(10)])
     with pytest.raises(OSError):
         os.fstat(opened[0])  # closed
+
+
+@pytest.mark.parametrize("can_map", [True, False])
+def test_stash_keeps_values_that_outlive_it(monkeypatch: pytest.MonkeyPatch, can_map: bool) -> None:
+    if not can_map:
+
+        def no_map(*args: Any) -> Any:
+            raise OSError(12, "Cannot allocate memory")
+
+        monkeypatch.setattr(_checkpoint.mmap, "mmap", no_map)
+    # a 3-byte tensor first: the next one lies at an offset its dtype cannot be viewed at
+    tensors = [
+        torch.tensor([True, False, True]),
+        torch.randn(7),
+        torch.arange(5, dtype=torch.int8),
+        torch.randn(2, 3).bfloat16(),
+        torch.randn(4, 4).t(),  # not contiguous: copied
+    ]
+    before = [t.clone() for t in tensors]
+    stash = Stash(tensors)
+    kept = stash.keep()
+    stash.close()
+    for t in tensors:
+        t.zero_()
+    for k, b in zip(kept, before, strict=True):
+        assert k.device.type == "cpu" and k.dtype == b.dtype and torch.equal(k, b)
+    if can_map:  # the in-memory file mapped, not copied: one memory for the aligned ones
+        assert len({kept[i].untyped_storage().data_ptr() for i in (0, 2, 3)}) == 1

@@ -854,3 +854,403 @@ def test_wrong_dtype_kind_and_missing_shard_are_refused(tmp_path: Path) -> None:
     # a float checkpoint into a float module of another width is a cast, as in PyTorch
     load_(model, {k: v.double() for k, v in before.items()})
     assert model.weight.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------
+# Undo: convert_ and load_ in the undo log, against a plain copy taken before the surgery
+
+
+class _Tagged(nn.Parameter):
+    """A Parameter subclass: undo must give back the same object, class kept."""
+
+
+def _model() -> nn.Module:
+    """Tied weights, a Parameter subclass, float and integer buffers."""
+    emb, norm, head = nn.Embedding(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 6)
+    head.weight = emb.weight
+    norm.weight = _Tagged(norm.weight.detach().clone())
+    model = nn.Sequential(emb, norm, head)
+    with torch.no_grad():
+        norm.running_mean.normal_()
+        emb.weight.mul_(1 + 1e-3)  # values a narrow dtype cannot hold
+    return model
+
+
+def _objects(model: nn.Module) -> dict[str, tuple[torch.Tensor, type]]:
+    return {name: (t, type(t)) for name, t in model.state_dict(keep_vars=True).items()}
+
+
+def _assert_as_before(model: nn.Module, reference: nn.Module, objects: dict[str, tuple[torch.Tensor, type]]) -> None:
+    """Bitwise the reference's state_dict, in the same objects of the same classes, with an empty log."""
+    assert torchsurgery.surgery_log(model) == []
+    assert _objects(model) == objects
+    now = model.state_dict()
+    assert now.keys() == reference.state_dict().keys()
+    for name, value in reference.state_dict().items():
+        assert _same_bytes(now[name], value), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_restore_after_convert_gives_back_the_model_bitwise(dtype: torch.dtype) -> None:
+    model = _model()
+    reference, objects = copy.deepcopy(model), _objects(model)
+    convert_(model, dtype=dtype)
+    assert model[1].running_mean.dtype == dtype and model[1].num_batches_tracked.dtype == torch.int64
+    (entry,) = torchsurgery.surgery_log(model)
+    assert entry.kind == "convert"
+    # a widening conversion is undone by converting back; a narrowing one keeps the originals
+    assert ("originals kept" in entry.description) == (dtype != torch.float64)
+    torchsurgery.restore(model)
+    _assert_as_before(model, reference, objects)
+
+
+def test_restore_after_a_move_to_meta_and_from_meta() -> None:
+    model = _model()
+    reference, objects = copy.deepcopy(model), _objects(model)
+    convert_(model, device="meta")
+    assert model[0].weight.is_meta
+    torchsurgery.restore(model)
+    _assert_as_before(model, reference, objects)
+
+    with skeleton(include_buffers=True):
+        empty = nn.Linear(3, 3)
+    weight = empty.weight
+    convert_(empty, device="cpu")
+    torchsurgery.restore(empty)
+    assert empty.weight is weight and weight.is_meta and empty.bias.is_meta
+
+
+def test_values_changed_after_a_lossy_convert_keep_the_change() -> None:
+    layer = nn.Linear(4, 4)
+    original = layer.weight.detach().clone()
+    convert_(layer, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight[0] += 1.0  # training since the conversion
+    trained_row = layer.weight[0].detach().float()
+    torchsurgery.restore(layer)
+    assert layer.weight.dtype == torch.float32
+    assert torch.equal(layer.weight[1:], original[1:])  # untouched: the originals, exactly
+    assert torch.equal(layer.weight[0], trained_row)  # changed: the change, cast back
+
+
+def test_restore_moves_grads_and_optimizer_state_back_and_training_goes_on() -> None:
+    torch.manual_seed(1)
+    model, other = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)), nn.Linear(4, 1)
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def step(m: nn.Module, opt: torch.optim.Optimizer, dtype: torch.dtype = torch.float32) -> None:
+        opt.zero_grad()
+        F.mse_loss(m(x.to(dtype)), y.to(dtype)).backward()
+        opt.step()
+
+    opt = torch.optim.Adam([*model.parameters(), *other.parameters()], lr=0.05)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.05)
+    step(other, opt)
+    step(model, opt)  # its gradients stay
+    step(reference, ref_opt)
+    other_state = {k: v for k, v in opt.state[other.weight].items()}
+    convert_(model, dtype=torch.float64, optimizer=opt)
+    assert all(v.dtype == torch.float64 for p in model.parameters() for k, v in opt.state[p].items() if k != "step")
+    assert all(opt.state[other.weight][k] is v for k, v in other_state.items())  # not the module's: left alone
+    torchsurgery.restore(model)
+    for p in model.parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32
+        assert all(v.dtype == torch.float32 for k, v in opt.state[p].items() if k != "step")
+    step(model, opt)
+    step(reference, ref_opt)
+    for name, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name  # fp32 -> fp64 -> fp32 is exact
+
+
+def test_undoable_false_records_and_keeps_nothing() -> None:
+    model = _model()
+    convert_(model, dtype=torch.bfloat16, undoable=False)
+    load_(model, copy.deepcopy(model).state_dict(), undoable=False)
+    assert torchsurgery.surgery_log(model) == []
+    torchsurgery.restore(model)
+    assert model[0].weight.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="convert_: undoable must be True or False, got 'yes'"):
+        convert_(model, dtype=torch.float32, undoable="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="load_: undoable must be True or False, got 1"):
+        load_(model, model.state_dict(), undoable=1)  # type: ignore[arg-type]
+
+
+def test_nothing_to_convert_or_load_records_nothing() -> None:
+    layer = nn.Linear(2, 2)
+    convert_(layer, dtype=torch.float32, device="cpu")
+    load_(layer, {}, strict=False)
+    assert torchsurgery.surgery_log(layer) == []
+
+
+class _Doubled(torchsurgery.Patch, nn.Linear):
+    """Writes its weight in place and adds a parameter: both must come back."""
+
+    def __patch_init__(self) -> None:
+        with torch.no_grad():
+            self.weight.mul_(2.0)
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+def test_patch_convert_offload_flex_load_then_restore_unwinds_all() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4))
+    reference, objects = copy.deepcopy(model), _objects(model)
+    x = torch.randn(2, 4)
+    torchsurgery.patch(model[0], _Doubled)
+    convert_(model, dtype=torch.bfloat16)
+    convert_(model, dtype=torch.float32)  # lossless back: the model runs in fp32 again
+    expected = model(x).detach()
+    handle = torchsurgery.offload(model, storage_dtype=torch.float64, dtype=torch.float32, groups="leaves")
+    flex = torchsurgery.FlexModel(model, {})
+    load_(model, {k: v.clone() for k, v in model.state_dict().items()})
+    torch.testing.assert_close(model(x), expected)  # offloaded: fp64 storage, fp32 compute
+    kinds = [e.kind for e in torchsurgery.surgery_log(model)]
+    assert kinds == ["patch", "convert", "convert", "offload", "flex", "load"]
+    torchsurgery.restore(model)
+    assert not handle.active and not torchsurgery.is_patched(model[0]) and not hasattr(model[0], "scale")
+    del flex
+    _assert_as_before(model, reference, objects)
+
+
+def test_restore_of_a_module_converted_then_patched() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    reference, objects = copy.deepcopy(model), _objects(model)
+    convert_(model, dtype=torch.float16)
+    torchsurgery.patch(model[1], _Doubled)  # its new parameter is fp32: not the conversion's
+    assert model[1].weight.dtype == torch.float16 and model[1].scale.dtype == torch.float32
+    torchsurgery.restore(model)
+    assert not hasattr(model[1], "scale")
+    _assert_as_before(model, reference, objects)
+
+
+def test_a_conversion_under_an_offload_is_undone_with_it() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    reference, objects = copy.deepcopy(model), _objects(model)
+    convert_(model, dtype=torch.float64)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    expected = model(x).detach()
+    with torchsurgery.offload(model, storage_dtype=torch.float64, groups="leaves"):
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    assert model[0].weight.dtype == torch.float64
+    torchsurgery.restore(model)
+    _assert_as_before(model, reference, objects)
+
+
+def _duplicate(model: nn.Module, how: str) -> nn.Module:
+    import io
+    import pickle
+
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(model))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_loaded_copy_is_restored_on_its_own(how: str) -> None:
+    model = _model()
+    reference = copy.deepcopy(model)
+    load_(model, _model().state_dict())  # in place
+    load_(model, _model().state_dict(), assign=True, dtype=torch.float64)  # new memory
+    duplicate = _duplicate(model, how)
+    objects = _objects(duplicate)
+    torchsurgery.restore(duplicate)
+    _assert_as_before(duplicate, reference, objects)
+    assert len(torchsurgery.surgery_log(model)) == 2
+    torchsurgery.restore(model)
+    assert all(_same_bytes(model.state_dict()[k], v) for k, v in reference.state_dict().items())
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_converted_copy_is_restored_on_its_own(how: str) -> None:
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    reference_after_step = copy.deepcopy(model)
+    convert_(model, dtype=torch.bfloat16, optimizer=opt)
+    duplicate = _duplicate(model, how)
+    objects = _objects(duplicate)
+    torchsurgery.restore(duplicate)
+    _assert_as_before(duplicate, reference_after_step, objects)
+    assert model[0].weight.dtype == torch.bfloat16 and len(torchsurgery.surgery_log(model)) == 1
+    assert all(v.dtype == torch.bfloat16 for s in opt.state.values() for v in s.values())  # the copy's undo left it
+    torchsurgery.restore(model)
+    assert all(v.dtype == torch.float32 for s in opt.state.values() for v in s.values())
+    assert not _same_bytes(model[0].weight.detach(), reference[0].weight.detach())  # it was trained a step
+
+
+def test_bad_input_leaves_model_and_log_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    torchsurgery.patch(model[0], _Doubled)
+    log, values = torchsurgery.surgery_log(model), copy.deepcopy(model.state_dict())
+
+    def unchanged() -> None:
+        assert torchsurgery.surgery_log(model) == log
+        for name, value in values.items():
+            assert _same_bytes(model.state_dict()[name], value), name
+
+    for bad in ({"device": "nowhere"}, {"dtype": torch.int8}, {"optimizer": "adam"}):
+        with pytest.raises((TypeError, ValueError)):
+            convert_(model, **bad)  # type: ignore[arg-type]
+        unchanged()
+    with pytest.raises(RuntimeError, match="shape of '1.weight'"):
+        load_(model, {**model.state_dict(), "1.weight": torch.ones(2, 2)})
+    unchanged()
+    real_swap, calls = torch.utils.swap_tensors, [0]
+
+    def flaky(a: torch.Tensor, b: torch.Tensor) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("injected")
+        real_swap(a, b)
+
+    monkeypatch.setattr(torch.utils, "swap_tensors", flaky)
+    with pytest.raises(RuntimeError, match="injected"):
+        convert_(model, dtype=torch.float64)
+    unchanged()
+
+
+def test_surgery_refused_while_compiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = nn.Linear(2, 2)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for call in (lambda: convert_(layer, dtype=torch.float64), lambda: load_(layer, layer.state_dict())):
+        with pytest.raises(RuntimeError, match="inside a torch.compile'd region"):
+            call()
+    assert torchsurgery.surgery_log(layer) == [] and layer.weight.dtype == torch.float32
+
+
+def test_restore_after_load_in_place_gives_back_values_in_the_same_memory() -> None:
+    model = _model()
+    reference, objects = copy.deepcopy(model), _objects(model)
+    pointers = {k: t.data_ptr() for k, (t, _) in objects.items()}
+    load_(model, _model().state_dict())
+    assert not torch.equal(model[0].weight, reference[0].weight)
+    (entry,) = torchsurgery.surgery_log(model)
+    assert (entry.kind, entry.description) == ("load", "load 7 tensors from a state dict")
+    torchsurgery.restore(model)
+    _assert_as_before(model, reference, objects)
+    assert {k: t.data_ptr() for k, (t, _) in _objects(model).items()} == pointers
+
+
+@pytest.mark.parametrize("copy_", [False, True])
+def test_restore_after_load_into_a_skeleton_gives_back_meta(tmp_path: Path, copy_: bool) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file(_Mixed().state_dict(), path)
+    with skeleton():
+        model = _Mixed()
+    objects = _objects(model)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    load_(model, path, copy=copy_)
+    (entry,) = torchsurgery.surgery_log(model)
+    assert entry.description == f"load 7 tensors from {path}"
+    torchsurgery.restore(model)
+    assert _objects(model) == objects
+    assert all(p.is_meta for p in model.parameters())
+    for name, value in buffers.items():
+        assert _same_bytes(getattr(model, name), value), name  # real buffers: values back in place
+
+
+def test_restore_after_load_with_dtype_device_or_assign() -> None:
+    for options in ({"dtype": torch.float64}, {"assign": True}, {"assign": True, "dtype": torch.bfloat16}):
+        model = _model()
+        reference, objects = copy.deepcopy(model), _objects(model)
+        source = {k: v.to(torch.float16) if v.is_floating_point() else v for k, v in _model().state_dict().items()}
+        load_(model, source, **options)  # type: ignore[arg-type]
+        torchsurgery.restore(model)
+        _assert_as_before(model, reference, objects)
+
+
+def test_loads_and_conversions_unwind_in_reverse_order() -> None:
+    model = _model()
+    reference, objects = copy.deepcopy(model), _objects(model)
+    for _ in range(2):
+        load_(model, _model().state_dict())
+        convert_(model, dtype=torch.bfloat16)
+        load_(model, _model().to(torch.bfloat16).state_dict())
+        convert_(model, dtype=torch.float32)
+    assert [e.kind for e in torchsurgery.surgery_log(model)] == ["load", "convert"] * 4
+    torchsurgery.restore(model)
+    _assert_as_before(model, reference, objects)
+
+
+def test_loads_one_after_another_keep_one_copy_of_the_first_values() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    reference, objects = copy.deepcopy(model), _objects(model)
+    for _ in range(3):  # checkpoints evaluated in a loop
+        load_(model, nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).state_dict())
+    load_(model, {"0.weight": torch.ones(4, 4)}, strict=False)  # nothing new to keep
+    (entry,) = torchsurgery.surgery_log(model)
+    assert entry.description == "load 4 tensors from a state dict, then 3 more loads"
+    assert len(model.__dict__["_torchsurgery_log"][0].overwritten) == 4
+    torchsurgery.restore(model)
+    _assert_as_before(model, reference, objects)
+
+
+def test_loads_with_other_surgery_between_stay_apart() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    reference, objects = copy.deepcopy(model), _objects(model)
+    load_(model, {"0.weight": torch.ones(4, 4)}, strict=False)
+    torchsurgery.patch(model[1], _Doubled)
+    load_(model, {"0.weight": torch.zeros(4, 4), "1.weight": torch.zeros(4, 4)}, strict=False)
+    load_(model, {"1.bias": torch.zeros(4)}, strict=False)  # right after: taken in
+    assert [e.description for e in torchsurgery.surgery_log(model)] == [
+        "load 1 tensors from a state dict",
+        "patch _Doubled",
+        "load 3 tensors from a state dict, then 1 more loads",
+    ]
+    torchsurgery.restore(model)
+    _assert_as_before(model, reference, objects)
+
+
+def test_restore_refuses_a_pending_backward_and_keeps_the_conversion() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    convert_(model, dtype=torch.float64)
+    loss = model(torch.randn(2, 3, dtype=torch.float64)).sum()
+    with pytest.raises(RuntimeError, match=r"could not undo convert to torch.float64 .* on <root>: .*held elsewhere"):
+        torchsurgery.restore(model)
+    assert model[0].weight.dtype == torch.float64 and len(torchsurgery.surgery_log(model)) == 1
+    loss.backward()
+    del loss
+    torchsurgery.restore(model)
+    assert model[0].weight.dtype == torch.float32 and model[0].weight.grad.dtype == torch.float32
+
+
+_FLOATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32, torch.float64]
+
+
+def _every_value(dtype: torch.dtype) -> torch.Tensor:
+    """Every value of an 8- or 16-bit float dtype; for wider ones, the extremes and a sample."""
+    if dtype.itemsize <= 2:
+        bits = torch.arange(2 ** (8 * dtype.itemsize), dtype=torch.int32)
+        return bits.to(torch.uint8 if dtype.itemsize == 1 else torch.int16).view(dtype)
+    info = torch.finfo(dtype)
+    edges = [info.max, -info.max, info.smallest_normal, info.smallest_normal * info.eps, 1 + info.eps, 0.0]
+    return torch.cat([torch.tensor(edges, dtype=dtype), torch.randn(10_000, dtype=dtype) * 1e3])
+
+
+@pytest.mark.parametrize("there", _FLOATS, ids=str)
+@pytest.mark.parametrize("here", _FLOATS, ids=str)
+def test_originals_are_kept_exactly_when_the_conversion_loses_values(here: torch.dtype, there: torch.dtype) -> None:
+    if here == there:
+        return
+    values = _every_value(here)
+    module = nn.Module()
+    module.register_buffer("values", values.clone())
+    convert_(module, dtype=there)
+    back = values.to(there).to(here)
+    exact = bool(((back == values) | (back.isnan() & values.isnan())).all())
+    (entry,) = torchsurgery.surgery_log(module)
+    assert ("originals kept" in entry.description) == (not exact)
+    torchsurgery.restore(module)
+    numbers = ~values.isnan()  # every number bitwise (signed zeros too); NaN stays NaN, payload aside
+    assert module.values.dtype == here and bool(module.values.isnan().eq(~numbers).all())
+    assert _same_bytes(module.values[numbers], values[numbers])

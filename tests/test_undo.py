@@ -2,9 +2,10 @@
 
 The state machine builds a random module tree (nested Sequential / ModuleList / ModuleDict,
 tied weights, buffers, a Parameter subclass, modules returning tuples and dicts), applies
-random surgery to it, checks after every step that the model computes what the applied
-surgery should give (against an independent reference forward), and at the end undoes
-everything with ``torchsurgery.restore`` and compares with a snapshot taken at the start.
+random surgery to it (patches, offload, FlexModel, dynamic swap, conversions there and
+back, loads), checks after every step that the model computes what the applied surgery
+should give (against an independent reference forward), and at the end undoes everything
+with ``torchsurgery.restore`` and compares with a snapshot taken at the start.
 
 300 examples run by default (about 20-30 s); ``TORCHSURGERY_HYPOTHESIS_EXAMPLES=5000`` is the long run.
 """
@@ -321,6 +322,16 @@ class SurgeryMachine(RuleBasedStateMachine):
             torchsurgery.DynamicSwapInstaller.install_model(self.model, dtype=torch.float32)
         else:
             torchsurgery.DynamicSwapInstaller.uninstall_model(self.model)
+
+    @precondition(lambda self: self.handle is None)
+    @rule(there=st.sampled_from([torch.bfloat16, torch.float64]))
+    def convert_there_and_back(self, there: torch.dtype) -> None:
+        # bf16 rounds (the first conversion keeps the originals), fp64 does not; back in fp32,
+        # the model runs on the same inputs, and restore must undo both exactly
+        ids = {n: id(t) for n, t in self.model.state_dict(keep_vars=True).items()}
+        torchsurgery.convert_(self.model, dtype=there)
+        torchsurgery.convert_(self.model, dtype=torch.float32)
+        assert {n: id(t) for n, t in self.model.state_dict(keep_vars=True).items()} == ids
 
     @rule()
     def load_own_state(self) -> None:

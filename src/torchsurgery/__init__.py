@@ -1,11 +1,20 @@
 """torchsurgery: live, reversible surgery on PyTorch models.
 
-Four pillars, each with an exact undo:
+Four pillars, all recording what they do in one undo log per module: :func:`surgery_log`
+lists it and :func:`restore` undoes it, newest first, into the same module, parameter and
+buffer objects.
 
-* patch: change what a module instance does (:class:`Patch`, :func:`patch`, ...).
-* tensors: convert and load the tensors a module holds without breaking references.
-* offload: keep weights in host memory or a compact dtype, bring them in just before use.
-* flex: capture and edit what flows through a model, by module name, in groups.
+* patch: change what a module instance does (:class:`Patch`, :func:`patch`, ...);
+  undone exactly, also from the middle of a stack (:func:`unpatch`).
+* tensors: convert and load the tensors a module holds without breaking references
+  (:func:`convert_`, :func:`load_`); undone exactly: a conversion is converted back (one
+  that loses information keeps the original values in host memory for that), and a load
+  gives back what it overwrote. ``undoable=False`` records and keeps nothing.
+* offload: keep weights in host memory or a compact dtype, bring them in just before use
+  (:func:`offload`); undone by putting every weight back on its device in its dtype (the
+  rounding of a narrower ``storage_dtype`` stays, unless ``master_dtype`` keeps the originals).
+* flex: capture and edit what flows through a model, by module name, in groups
+  (:class:`FlexModel`); undone by taking every hook off.
 """
 
 from torchsurgery._undo import SurgeryEntry, restore, surgery_log

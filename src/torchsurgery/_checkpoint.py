@@ -265,8 +265,9 @@ class Stash:
     CPU tensors go to an anonymous in-memory file (``memfd``): one system call moves many
     tensors, and the kernel allocates its pages far faster than a process faults in the
     pages of new tensors. The file takes as much memory as those tensors (as shared
-    memory, outside the process's resident size) until :meth:`close`. Other tensors
-    (on a GPU, or not contiguous) are cloned.
+    memory, outside the process's resident size) until :meth:`close`, or for as long as
+    the tensors :meth:`keep` returns live. Other tensors (on a GPU, or not contiguous) are
+    copied to host memory.
 
     Example:
         >>> import torch
@@ -279,13 +280,14 @@ class Stash:
     """
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._tensors = list(tensors)
         in_file = [t for t in tensors if _is_raw(t) and t.numel()]
         self._in_file = [_bytes_of(t) for t in in_file]
         self._fd = _anonymous_file() if self._in_file else -1
         try:
             with torch.no_grad():
                 kept = set(map(id, in_file))
-                self._clones = [(t, t.detach().clone()) for t in tensors if id(t) not in kept]
+                self._clones = {id(t): (t, t.detach().to("cpu", copy=True)) for t in tensors if id(t) not in kept}
             for i in range(0, len(self._in_file), _IOV_MAX):
                 offset = sum(v.nbytes for v in self._in_file[:i])
                 if _transfer(os.pwritev, self._fd, self._in_file[i : i + _IOV_MAX], offset) is not None:
@@ -304,15 +306,43 @@ class Stash:
                 raise OSError("the tensors kept aside could not be read back")
             offset += sum(v.nbytes for v in views)
         with torch.no_grad():
-            for t, old in self._clones:
+            for t, old in self._clones.values():
                 t.detach().copy_(old)
+
+    def keep(self) -> list[torch.Tensor]:
+        """The kept values as CPU tensors, one per tensor given.
+
+        Values from the in-memory file are views of a mapping of it (nothing is copied,
+        unless the file cannot be mapped); its memory is freed when the last of them is.
+        """
+        size = sum(v.nbytes for v in self._in_file)
+        base = torch.empty(0, dtype=torch.uint8)
+        if size:
+            try:
+                base = torch.frombuffer(mmap.mmap(self._fd, size), dtype=torch.uint8)
+            except OSError:  # no room for a mapping: read the bytes into memory of their own
+                base = torch.empty(size, dtype=torch.uint8)
+                if _transfer(os.preadv, self._fd, [_bytes_of(base)], 0) is not None:
+                    raise OSError("the tensors kept aside could not be read back") from None
+        values: list[torch.Tensor] = []
+        offset = 0
+        for t in self._tensors:
+            if id(t) in self._clones:
+                values.append(self._clones[id(t)][1])
+                continue
+            nbytes = t.numel() * t.element_size()
+            piece = base[offset : offset + nbytes]
+            # a view as another dtype must start at a multiple of its size
+            values.append((piece.clone() if offset % t.element_size() else piece).view(t.dtype).reshape(t.shape))
+            offset += nbytes
+        return values
 
     def close(self) -> None:
         """Free the kept bytes (in the background: the kernel takes a while to free many pages)."""
         if self._fd >= 0:
             threading.Thread(target=os.close, args=(self._fd,), name="torchsurgery-stash-free", daemon=True).start()
             self._fd = -1
-        self._clones = []
+        self._clones = {}
 
 
 class SafetensorsSource(Source):

@@ -72,8 +72,10 @@ class ChangeSet:
             surgery) whose attributes, parameters, buffers, hooks or class changed.
         classes: ``(old_class, new_class)`` of the module's own class when it changed
             (only submodules' change sets carry one: a patch never changes its own).
-        values: ``(alias, copy)``: a tensor of the subtree written in place, as an alias of
-            its storage, and a copy of what it held before the first write.
+        values: ``(tensor, copy)``: a parameter or buffer of the subtree whose memory was
+            written in place, and a copy of what it held before the first write. Undo writes
+            the copy through the tensor object, so it lands even where later surgery gave
+            the tensor new memory (a conversion undone since), cast to its dtype.
         storage: ``(tensor, alias)``: a tensor of the subtree whose ``.data`` was replaced,
             and an alias of the storage it had.
         tensor_hooks: ``(tensor, attribute, key, old, new)`` for hooks registered on or
@@ -99,7 +101,7 @@ class ChangeSet:
             touched.update(("below", (id(child), key)) for key in own.keys())
             if own.classes is not None:
                 touched.add(("class", id(child)))
-        touched.update(("value", alias.untyped_storage().data_ptr()) for alias, _ in self.values)
+        touched.update(("value", id(t)) for t, _ in self.values)
         touched.update(("value", id(t)) for t, _ in self.storage)
         touched.update(("tensor_hook", (id(t), a, k)) for t, a, k, _, _ in self.tensor_hooks)
         return touched
@@ -132,11 +134,11 @@ class ChangeSet:
                 child.__class__ = own.classes[0]
         for param, old_flag, _ in self.grad_flags:
             param.requires_grad_(old_flag)
-        with torch.no_grad():
-            for alias, copy in self.values:
-                alias.copy_(copy)
         for tensor, alias in self.storage:
             tensor.data = alias
+        with torch.no_grad():
+            for tensor, copy in self.values:
+                tensor.detach().copy_(copy)
         for tensor, attr, key, old, _ in self.tensor_hooks:
             hooks = getattr(tensor, attr, None)
             if hooks is None:
@@ -179,7 +181,8 @@ class Snapshot:
     """A shallow picture of a module's subtree, diffed later into a :class:`ChangeSet`.
 
     Nothing is copied but containers: tensors are kept as aliases, and the values of one
-    are copied only when a :func:`tracking_writes` block is about to write to it.
+    are copied only when a :func:`tracking_writes` block is about to write to its memory
+    (``by_storage``: memory address -> the parameters and buffers on that memory).
     """
 
     modules: list[tuple[nn.Module, _ModuleState]]
@@ -219,7 +222,7 @@ def snapshot(module: nn.Module) -> Snapshot:
             tensors.append((t, alias, _layout(t), hooks))
             key = _storage_key(t)
             if key is not None:
-                by_storage.setdefault(key, []).append(alias)
+                by_storage.setdefault(key, []).append(t)
     return Snapshot(modules, flags, tensors, by_storage)
 
 
@@ -247,7 +250,7 @@ class _WriteTracker(TorchDispatchMode):
         key = _storage_key(tensor)
         if key is None or key in self.state.written or key not in self.state.by_storage:
             return
-        self.state.written[key] = [(alias, alias.clone()) for alias in self.state.by_storage[key]]
+        self.state.written[key] = [(t, t.detach().clone()) for t in self.state.by_storage[key]]
 
 
 @contextlib.contextmanager

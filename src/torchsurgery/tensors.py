@@ -9,13 +9,55 @@ its Python identity: new data is put into the existing object with
 
 Every operation checks all it can before changing anything, and puts back what it had
 changed if something still fails half-way, so a module is never left half converted.
+
+**Undo.** :func:`convert_` and :func:`load_` record an entry in the module's undo log, so
+``torchsurgery.restore(model)`` undoes them (newest first, with the other pillars'
+surgery) into the same objects:
+
+* a conversion is converted back: each parameter and buffer returns to its device and
+  dtype. A lossless conversion (a move, a widening cast) comes back bitwise by itself (a
+  NaN stays a NaN, though a cast may change its payload bits); for one that loses
+  information (``float32 -> bfloat16``, a move to ``meta``) the original values are kept
+  in host memory, and every value not changed since the conversion gets its original
+  back exactly, while values changed since (by training) keep the change, cast back.
+  Gradients and the optimizer's state go back to their device and dtype too, by a cast
+  (after a narrowing conversion, their rounding stays).
+* a load is taken back: tensors filled in place get back the values they had (kept in
+  host memory as the load overwrote them), tensors that got new memory (``meta`` ones
+  materialised, moved, cast or assigned) get back what they held before, ``meta``
+  included. Loads into the same module one after another, with no other surgery between
+  them, share one entry that keeps the first one's values only.
+
+Keeping values costs host memory as large as what is kept; ``undoable=False`` records
+nothing and keeps nothing, as ``module.to()`` and ``load_state_dict`` do.
+
+**File-backed tensors.** A ``meta`` tensor (or, with ``assign=True``, any tensor) that
+:func:`load_` would give the stored bytes unchanged (CPU, same dtype, aligned in the
+file) is not copied: it becomes a view of a private memory map of the safetensors file
+(of the ``torch.load(mmap=True)`` map for ``.pt`` files; of the state dict's own tensor
+for a state dict). Loading is then nearly free; pages come from the page cache when first
+used and are the system's file cache, shared and dropped under memory pressure, not the
+process's own memory; writing to such a tensor (training, ``mul_``) copies only the pages
+written into private memory; the file never changes. The file must stay where it is and
+unchanged while the model lives: deleting or replacing it (a new file renamed over it) is
+safe, but rewriting it in place changes the values of pages not yet written, and
+truncating it makes the process crash (SIGBUS) when a lost page is used. ``copy=True``
+gives every loaded tensor memory of its own instead.
+
+Real tensors are read in bulk (``os.preadv``, several tensors per system call, threads
+for large or sharded checkpoints on machines with 4 or more cores). Every key, shape and
+the file's header are checked before the first write, and the values about to be
+overwritten are kept aside, so a load that fails for any reason (an I/O error, a file cut
+short after its header was read, ``KeyboardInterrupt``) leaves every tensor exactly as it was.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copyreg
+import os
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple, TypeVar
@@ -158,6 +200,126 @@ def _converted(t: torch.Tensor, device: torch.device | None, dtype: torch.dtype 
     return t.detach().to(device=device or t.device, dtype=target_dtype, non_blocking=non_blocking)
 
 
+def _loses(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Whether ``after`` (``before`` converted) may have lost some of ``before``'s values."""
+    if before.is_meta or before.dtype == after.dtype and not after.is_meta:
+        return False
+    if after.is_meta or before.dtype.is_complex and not after.dtype.is_complex:
+        return True
+    was, now = torch.finfo(before.dtype), torch.finfo(after.dtype)
+    # fewer mantissa bits, a smaller range, or coarser subnormals
+    return now.eps > was.eps or now.max < was.max or now.smallest_normal * now.eps > was.smallest_normal * was.eps
+
+
+class _Swap(NamedTuple):
+    """One tensor to swap new content into, and where its gradient goes along."""
+
+    name: str
+    tensor: torch.Tensor
+    new: torch.Tensor  # after the swap, this object holds the tensor's old content
+    device: torch.device | None
+    dtype: torch.dtype | None
+
+
+def _swap_all(plan: list[_Swap], non_blocking: bool, what: str) -> None:
+    """Swap every new content in, converting gradients along; all or nothing."""
+    for item in plan:
+        problem = _swap_blocker(item.name, item.tensor, item.new, what)
+        if problem:
+            raise RuntimeError(problem)
+    done: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    try:
+        for name, t, new, device, dtype in plan:
+            grad = t.grad
+            if grad is not None:
+                t.grad = None  # the grad slot counts as a holder for swap_tensors
+            try:
+                torch.utils.swap_tensors(t, new)
+            except Exception as exc:
+                if grad is not None:
+                    t.grad = grad
+                raise RuntimeError(f"{what}: swapping {name!r} failed: {exc}") from exc
+            done.append((t, new, grad))
+            if grad is not None:
+                t.grad = _converted(grad, device, dtype, non_blocking)
+    except BaseException:
+        for t, old, grad in reversed(done):
+            t.grad = None
+            torch.utils.swap_tensors(t, old)
+            t.grad = grad
+        raise
+
+
+class _Converted(NamedTuple):
+    """A tensor :func:`convert_` changed, and what undoing the conversion gives back."""
+
+    name: str
+    tensor: torch.Tensor
+    device: torch.device
+    dtype: torch.dtype
+    original: torch.Tensor | None  # on the host, kept where the conversion lost values
+
+
+class _StateMoved(NamedTuple):
+    """An optimizer state tensor :func:`convert_` moved, and where it was."""
+
+    param: torch.Tensor
+    key: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+def _restored(item: _Converted) -> torch.Tensor:
+    """The content ``item.tensor`` gets back when its conversion is undone."""
+    now = item.tensor.detach()
+    if item.original is None:
+        return _converted(now, item.device, item.dtype, False)
+    if now.is_meta:
+        return item.original.to(item.device)
+    here = now.to("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a complex -> real conversion warns that it drops the imaginary part
+        made = item.original.to(now.dtype)
+    # what still equals the conversion's result was not changed since: the original, exactly
+    untouched = (here == made) | (here.isnan() & made.isnan())
+    return torch.where(untouched, item.original, here.to(item.dtype)).to(item.device)
+
+
+class ConvertRecord(_undo.Record):
+    """The undo-log entry of one :func:`convert_`."""
+
+    kind = "convert"
+
+    def __init__(
+        self, target: str, converted: list[_Converted], optimizer: torch.optim.Optimizer | None, moved: list[_StateMoved]
+    ) -> None:
+        super().__init__()
+        self.target = target
+        self.converted = converted
+        self.optimizer = None if optimizer is None else weakref.ref(optimizer)
+        self.moved = moved
+
+    def describe(self) -> str:
+        kept = sum(c.original is not None for c in self.converted)
+        return f"convert to {self.target} ({len(self.converted)} tensors" + (f", {kept} originals kept)" if kept else ")")
+
+    def undo(self, module: nn.Module) -> None:
+        plan = [_Swap(c.name, c.tensor, _wrap_like(c.tensor, _restored(c)), c.device, c.dtype) for c in self.converted]
+        with _own_weakrefs_released(module):
+            _swap_all(plan, False, "torchsurgery.restore")
+        optimizer = None if self.optimizer is None else self.optimizer()
+        state = {} if optimizer is None else optimizer.state
+        for param, key, device, dtype in self.moved:
+            value = state.get(param, {}).get(key)
+            if isinstance(value, torch.Tensor):
+                state[param][key] = value.to(device=device, dtype=dtype)
+        _undo.remove(module, self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy of the module is not trained by this optimizer: its undo leaves the optimizer alone
+        return {**self.__dict__, "optimizer": None, "moved": []}
+
+
 def convert_(
     module: M,
     device: str | torch.device | None = None,
@@ -165,19 +327,20 @@ def convert_(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     non_blocking: bool = False,
+    undoable: bool = True,
 ) -> M:
     """Move and/or cast ``module``'s parameters and buffers in place, keeping every object.
 
     Each parameter and buffer keeps its ``id`` (buffers too, unlike ``module.to()``),
     tied parameters stay one object, ``.grad`` is converted with its parameter, and with
-    ``optimizer`` its state tensors (Adam's ``exp_avg``...) follow, so training goes on.
-    Only floating point and complex tensors change dtype, as with ``module.to(dtype)``.
-    ``meta`` tensors moved to a real device are allocated uninitialised, as
-    ``module.to_empty(device=...)`` does (fill them with :func:`load_`).
-
-    All or nothing: every swap is checked before the first one (weak references,
-    extra holders such as a pending backward, slot mismatches), and if a conversion
-    still fails half-way, the tensors already converted are swapped back.
+    ``optimizer`` the state tensors of the module's parameters (Adam's ``exp_avg``...)
+    follow, so training goes on. Only floating point and complex tensors change dtype, as
+    with ``module.to(dtype)``. ``meta`` tensors moved to a real device are allocated
+    uninitialised, as ``module.to_empty(device=...)`` does (fill them with :func:`load_`).
+    All or nothing: every swap is checked first (weak references, extra holders such as a
+    pending backward, slot mismatches), and a failure half-way swaps back what was done.
+    ``torchsurgery.restore`` converts back exactly (see the module's documentation: where
+    the conversion loses information, the original values are kept in host memory).
 
     Args:
         module: the module to convert.
@@ -185,6 +348,8 @@ def convert_(
         dtype: the target floating point dtype; ``None`` keeps each dtype.
         optimizer: an optimizer over (some of) the module's parameters.
         non_blocking: passed to ``Tensor.to``.
+        undoable: record the conversion in the undo log (keeping originals a lossy one
+            needs); ``False`` keeps and records nothing, as ``module.to()``.
 
     Returns:
         ``module`` itself.
@@ -199,10 +364,13 @@ def convert_(
         >>> from torch import nn
         >>> import torchsurgery
         >>> bn = nn.BatchNorm1d(3)
-        >>> mean = bn.running_mean
-        >>> _ = torchsurgery.convert_(bn, dtype=torch.float64)
+        >>> mean, before = bn.running_mean, bn.weight.detach().clone()
+        >>> _ = torchsurgery.convert_(bn, dtype=torch.bfloat16)
         >>> bn.running_mean is mean, bn.running_mean.dtype
-        (True, torch.float64)
+        (True, torch.bfloat16)
+        >>> _ = torchsurgery.restore(bn)
+        >>> bn.running_mean is mean, bn.running_mean.dtype, torch.equal(bn.weight, before)
+        (True, torch.float32, True)
     """
     what = "torchsurgery.convert_"
     _undo.check_not_compiling("convert_")
@@ -211,66 +379,60 @@ def convert_(
     target_dtype = check_dtype(dtype, what, complex_ok=True)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{what}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(undoable, bool):
+        raise TypeError(f"{what}: undoable must be True or False, got {undoable!r}")
 
     with _own_weakrefs_released(module):
-        _convert(module, target_device, target_dtype, non_blocking, what)
+        plan = _plan_conversion(module, target_device, target_dtype, non_blocking, what)
+        before = [(item.tensor.device, item.tensor.dtype, _loses(item.tensor, item.new)) for item in plan]
+        _swap_all(plan, non_blocking, what)
+    moved: list[_StateMoved] = []
     if optimizer is not None:
-        _convert_optimizer_state(optimizer, target_device, target_dtype, non_blocking)
+        params = [t for _, t, is_param in _named_tensors(module) if is_param]
+        moved = _move_state(optimizer, params, target_dtype is not None, non_blocking)
+    if undoable and (plan or moved):
+        # after the swap, plan[i].new holds the old content: keep it where values were lost
+        converted = [
+            _Converted(item.name, item.tensor, device, dtype, item.new.detach().to("cpu") if lossy else None)
+            for item, (device, dtype, lossy) in zip(plan, before, strict=True)
+        ]
+        target = ", ".join(str(x) for x in (target_device, target_dtype) if x is not None)
+        _undo.push(module, ConvertRecord(target, converted, optimizer, moved))
     return module
 
 
-def _convert(
-    module: nn.Module, target_device: torch.device | None, target_dtype: torch.dtype | None, non_blocking: bool, what: str
-) -> None:
-    plan: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+def _plan_conversion(
+    module: nn.Module, device: torch.device | None, dtype: torch.dtype | None, non_blocking: bool, what: str
+) -> list[_Swap]:
+    """The tensors of ``module`` that change, with their converted content; checked before it is made."""
+    plan: list[_Swap] = []
     for name, t, _is_param in _named_tensors(module):
-        if (target_device is None or t.device == target_device) and (
-            target_dtype is None or t.dtype == target_dtype or not (t.is_floating_point() or t.is_complex())
+        if (device is None or t.device == device) and (
+            dtype is None or t.dtype == dtype or not (t.is_floating_point() or t.is_complex())
         ):
             continue
         problem = _swap_blocker(name, t, None, what)
         if problem:
             raise RuntimeError(problem)
-        plan.append((name, t, _wrap_like(t, _converted(t, target_device, target_dtype, non_blocking))))
-    for name, t, new in plan:
-        problem = _swap_blocker(name, t, new, what)
-        if problem:
-            raise RuntimeError(problem)
-
-    done: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
-    try:
-        for name, t, new in plan:
-            grad = t.grad
-            if grad is not None:
-                t.grad = None  # the grad slot counts as a holder for swap_tensors
-            try:
-                torch.utils.swap_tensors(t, new)
-            except Exception as exc:
-                if grad is not None:
-                    t.grad = grad
-                raise RuntimeError(f"{what}: swapping {name!r} failed: {exc}") from exc
-            done.append((t, new, grad))
-            if grad is not None:
-                t.grad = _converted(grad, target_device, target_dtype, non_blocking)
-    except BaseException:
-        for t, old, grad in reversed(done):
-            t.grad = None
-            torch.utils.swap_tensors(t, old)
-            t.grad = grad
-        raise
+        plan.append(_Swap(name, t, _wrap_like(t, _converted(t, device, dtype, non_blocking)), device, dtype))
+    return plan
 
 
-def _convert_optimizer_state(
-    optimizer: torch.optim.Optimizer, device: torch.device | None, dtype: torch.dtype | None, non_blocking: bool
-) -> None:
-    for param, state in optimizer.state.items():
-        if not isinstance(param, torch.Tensor):
-            continue
+def _move_state(
+    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], cast: bool, non_blocking: bool
+) -> list[_StateMoved]:
+    """Put the optimizer state of ``params`` on their device (in their dtype when ``cast``)."""
+    moved: list[_StateMoved] = []
+    for param in params:
+        state = optimizer.state.get(param, {})
         for key, value in state.items():
             if not isinstance(value, torch.Tensor) or key == "step":
                 continue  # the step counter keeps its dtype and device, as in Optimizer.load_state_dict
-            cast = param.dtype if (value.is_floating_point() or value.is_complex()) and dtype is not None else None
-            state[key] = value.to(device=device or param.device, dtype=cast, non_blocking=non_blocking)
+            dtype = param.dtype if cast and (value.is_floating_point() or value.is_complex()) else value.dtype
+            if value.device != param.device or value.dtype != dtype:
+                moved.append(_StateMoved(param, key, value.device, value.dtype))
+                state[key] = value.to(device=param.device, dtype=dtype, non_blocking=non_blocking)
+    return moved
 
 
 class LoadResult(NamedTuple):
@@ -327,36 +489,22 @@ def load_(
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     copy: bool = False,
+    undoable: bool = True,
 ) -> LoadResult:
     """Load a checkpoint into ``module`` in place, keeping every object.
 
     Parameters and buffers keep their ``id`` (optimizers built before loading keep
     working); real tensors receive the values in place (``data_ptr`` unchanged unless
     the device or dtype changes); ``meta`` tensors (from :func:`skeleton`) are
-    materialised on ``device``. Tied weights stay tied whether the checkpoint names one
-    or both of their names. Tensor subclasses are honoured through
+    materialised on ``device``, as views of the file where they can be (see the module's
+    documentation: file-backed tensors). Tied weights stay tied whether the checkpoint
+    names one or both of their names. Tensor subclasses are honoured through
     ``Tensor.module_load``: with ``assign=False`` the module's subclass decides, with
-    ``assign=True`` the checkpoint's tensor (and class) is taken.
-
-    **File-backed tensors.** A ``meta`` tensor (or, with ``assign=True``, any tensor)
-    that would get the stored bytes unchanged (CPU, same dtype, aligned in the file)
-    is not copied: it becomes a view of a private memory map of the safetensors file
-    (of the ``torch.load(mmap=True)`` map for ``.pt`` files; of the state dict's own
-    tensor for a state dict). Loading is then nearly free; pages come from the page
-    cache when first used and are the system's file cache, shared and dropped under
-    memory pressure, not the process's own memory; writing to such a tensor (training,
-    ``mul_``) copies only the pages written into private memory; the file never changes. The file must stay where it is and
-    unchanged while the model lives: deleting or replacing it (a new file renamed over
-    it) is safe, but rewriting it in place changes the values of pages not yet
-    written, and truncating it makes the process crash (SIGBUS) when a lost page is
-    used. ``copy=True`` gives every loaded tensor memory of its own instead.
-
-    Real tensors are read in bulk (``os.preadv``, several tensors per system call,
-    threads for large or sharded checkpoints on machines with 4 or more cores). Every key, shape and the file's
-    header are checked before the first write, and the values about to be overwritten
-    are kept aside, so a load that fails for any reason (an I/O error, a file cut
-    short after its header was read, ``KeyboardInterrupt``) leaves every tensor
-    exactly as it was.
+    ``assign=True`` the checkpoint's tensor (and class) is taken. A load that fails
+    half-way leaves every tensor as it was. ``torchsurgery.restore`` gives every tensor
+    back what it held before: the values overwritten in place are kept in host memory (an
+    in-memory file, outside the process's resident size) until then, and the tensors
+    replaced keep their old memory; ``undoable=False`` keeps and records nothing.
 
     Args:
         module: the module to load into.
@@ -368,6 +516,7 @@ def load_(
         device: where ``meta`` tensors are materialised, and where all tensors go when given.
         dtype: cast floating point tensors to this dtype.
         copy: give new tensors memory of their own rather than file-backed views.
+        undoable: record the load in the undo log (keeping what it overwrites).
 
     Returns:
         A :class:`LoadResult` with the missing and unexpected keys.
@@ -383,10 +532,12 @@ def load_(
         >>> from torch import nn
         >>> import torchsurgery
         >>> src, dst = nn.Linear(2, 2), nn.Linear(2, 2)
-        >>> weight = dst.weight
+        >>> weight, before = dst.weight, dst.weight.detach().clone()
         >>> torchsurgery.load_(dst, src.state_dict())
         LoadResult(missing_keys=[], unexpected_keys=[])
         >>> dst.weight is weight and torch.equal(dst.weight, src.weight)
+        True
+        >>> torch.equal(torchsurgery.restore(dst).weight, before)
         True
     """
     what = "torchsurgery.load_"
@@ -394,14 +545,130 @@ def load_(
     _undo.check_module(module, what)
     target_device = check_device(device, what)
     target_dtype = check_dtype(dtype, what, complex_ok=True)
-    if not isinstance(copy, bool):
-        raise TypeError(f"{what}: copy must be True or False, got {copy!r}")
+    for name, flag in (("copy", copy), ("undoable", undoable)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{what}: {name} must be True or False, got {flag!r}")
     reader = open_source(source, what)
     try:
         with _own_weakrefs_released(module):
-            return _load(module, reader, strict, assign, target_device, target_dtype, copy, what)
+            result, record = _load(module, reader, strict, assign, target_device, target_dtype, copy, undoable, what)
     finally:
         reader.close()
+    if record is not None:
+        _record_load(module, record, source)
+    return result
+
+
+def _record_load(module: nn.Module, record: LoadRecord, source: Any) -> None:
+    """Put ``record`` in ``module``'s log, or into the load recorded right before it."""
+    record.source = str(source) if isinstance(source, (str, os.PathLike)) else "a state dict"
+    log = _undo.records(module)
+    if not (log and isinstance(log[-1], LoadRecord) and log[-1].absorb(record)):
+        _undo.push(module, record)
+
+
+class LoadRecord(_undo.Record):
+    """The undo-log entry of one :func:`load_`.
+
+    Attributes:
+        overwritten: ``(tensor, values)``: a tensor filled in place and, on the host, what it held.
+        replaced: ``(name, tensor, old, (device, dtype))``: a tensor that got new content,
+            the object holding its old content (swapped back on undo), and where the load put it.
+        source: where the load came from, for listings.
+        last, loads: the ``seq`` of the last load taken in (see :meth:`absorb`), and how many.
+    """
+
+    kind = "load"
+
+    def __init__(
+        self,
+        overwritten: list[tuple[torch.Tensor, torch.Tensor]],
+        replaced: list[tuple[str, torch.Tensor, torch.Tensor, tuple[torch.device, torch.dtype]]],
+    ) -> None:
+        super().__init__()
+        self.overwritten = overwritten
+        self.replaced = replaced
+        self.source = "a state dict"
+        self.last = self.seq  # the seq of the last load this record took in
+        self.loads = 1
+
+    def describe(self) -> str:
+        more = f", then {self.loads - 1} more loads" if self.loads > 1 else ""
+        return f"load {len(self.overwritten) + len(self.replaced)} tensors from {self.source}{more}"
+
+    def undo(self, module: nn.Module) -> None:
+        what = "torchsurgery.restore"
+        for t, values in self.overwritten:
+            if t.shape != values.shape:
+                raise RuntimeError(f"{what}: a loaded tensor now has shape {list(t.shape)}, not {list(values.shape)}")
+        plan = []
+        for name, t, old, loaded in self.replaced:
+            if loaded != (t.device, t.dtype) and not old.is_meta:
+                # converted since by surgery undone out of order: the old values as it is now
+                old = _wrap_like(t, old.detach().to(device=t.device, dtype=t.dtype))
+            old.requires_grad_(t.requires_grad)  # a flag set since stays, as with every undo
+            plan.append(_Swap(name, t, old, old.device, old.dtype))
+        with _own_weakrefs_released(module):
+            _swap_all(plan, False, what)
+        with torch.no_grad():
+            for t, values in self.overwritten:
+                t.detach().copy_(values)
+        _undo.remove(module, self)
+
+    def absorb(self, later: LoadRecord) -> bool:
+        """Take in the undo of a load made right after this one into the same module, if it can.
+
+        Loading checkpoints one after another keeps one copy of the first one's values, not
+        one per load: undoing both gives back what this load kept, plus the tensors only the
+        later one wrote. A later load that gave tensors new memory stays a record of its own.
+        """
+        if later.replaced or later.seq != self.last + 1:  # a record made between them: keep both
+            return False
+        covered = {id(t) for t, _ in self.overwritten} | {id(t) for _, t, _, _ in self.replaced}
+        self.overwritten += [(t, values) for t, values in later.overwritten if id(t) not in covered]
+        self.last = later.seq
+        self.loads += 1
+        return True
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the kept values share one mapping as several dtypes, which torch.save refuses
+        return {**self.__dict__, "overwritten": [(t, values.clone()) for t, values in self.overwritten]}
+
+
+def _match(
+    module: nn.Module, stored: dict[str, Entry], strict: bool
+) -> tuple[list[tuple[str, torch.Tensor, str]], list[str], list[str]]:
+    """(qualified name, tensor, checkpoint key) for every tensor to load, the missing and unexpected keys.
+
+    Raises:
+        RuntimeError: keys (when ``strict``), shapes or kinds of dtype do not fit, all listed at once.
+    """
+    state = module.state_dict(keep_vars=True)
+    # group the module's keys by tensor, so tied weights are one entry with several names
+    groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for key, t in state.items():
+        groups.setdefault(id(t), (t, []))[1].append(key)
+    missing, mismatched = [], []
+    plan: list[tuple[str, torch.Tensor, str]] = []
+    for t, names in groups.values():
+        present = [n for n in names if n in stored]
+        if not present:
+            missing.extend(names)
+            continue
+        key = present[0]
+        if stored[key].shape != tuple(t.shape):
+            mismatched.append(f"shape of {key!r}: checkpoint {list(stored[key].shape)}, module {list(t.shape)}")
+        elif _kind(stored[key].dtype) != _kind(t.dtype):
+            # float <-> float casts are fine; integers or booleans into floats (or back) are not
+            mismatched.append(f"dtype of {key!r}: checkpoint {stored[key].dtype}, module {t.dtype}")
+        else:
+            plan.append((names[0], t, key))
+    claimed = {n for _, names in groups.values() for n in names}
+    unexpected = sorted(k for k in stored if k not in claimed)
+    message = _load_errors(missing, unexpected, mismatched, strict, sorted(stored), sorted(state))
+    if message:
+        raise RuntimeError(message)
+    return plan, sorted(missing), unexpected
 
 
 class _Fresh(NamedTuple):
@@ -439,42 +706,15 @@ def _load(
     device: torch.device | None,
     dtype: torch.dtype | None,
     copy: bool,
+    undoable: bool,
     what: str,
-) -> LoadResult:
+) -> tuple[LoadResult, LoadRecord | None]:
     stored: dict[str, Entry] = reader.entries()
-    state = module.state_dict(keep_vars=True)
-    # group the module's keys by tensor, so tied weights are one entry with several names
-    groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
-    for key, t in state.items():
-        groups.setdefault(id(t), (t, []))[1].append(key)
-    missing, mismatched = [], []
-    plan: list[tuple[str, torch.Tensor, str]] = []  # (qualified name, tensor, checkpoint key)
-    for t, names in groups.values():
-        present = [n for n in names if n in stored]
-        if not present:
-            missing.extend(names)
-            continue
-        key = present[0]
-        if stored[key].shape != tuple(t.shape):
-            mismatched.append(
-                f"shape of {key!r}: checkpoint {list(stored[key].shape)}, module {list(t.shape)}"
-            )
-            continue
-        if _kind(stored[key].dtype) != _kind(t.dtype):
-            # float <-> float casts are fine; integers or booleans into floats (or back) are not
-            mismatched.append(f"dtype of {key!r}: checkpoint {stored[key].dtype}, module {t.dtype}")
-            continue
-        plan.append((names[0], t, key))
-    claimed = {n for _, names in groups.values() for n in names}
-    unexpected = sorted(k for k in stored if k not in claimed)
-    message = _load_errors(missing, unexpected, mismatched, strict, sorted(stored), sorted(state))
-    if message:
-        raise RuntimeError(message)
+    plan, missing, unexpected = _match(module, stored, strict)
     for name, t, _ in plan:
         problem = _swap_blocker(name, t, None, what)
         if problem:
             raise RuntimeError(problem)
-
     in_place: list[tuple[torch.Tensor, str]] = []
     fresh: list[_Fresh] = []
     for name, t, key in plan:
@@ -488,33 +728,30 @@ def _load(
             # assign=True without a dtype keeps the checkpoint's dtype
             kept = stored[key].dtype if assign and dtype is None else target_dtype
             fresh.append(_Fresh(name, t, key, target_device, kept))
-
     # first everything that can fail and changes nothing in the module: the new values
     # read or mapped, and the values about to be overwritten kept aside
     values = _new_values(reader, fresh, stored, assign, copy)
-    stash: Stash | None = None
-    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+    stash = Stash([t for t, _ in in_place])
     try:
-        stash = Stash([t for t, _ in in_place])
+        previous = stash.keep() if undoable else []
         for run in _in_chunks(in_place, [stored[key].dtype.itemsize * t.numel() for t, key in in_place]):
             reader.read_many([(key, t.detach()) for t, key in run])
-        for item, value in zip(fresh, values, strict=True):
-            new = _replacement(item.tensor, value, assign)
-            problem = _swap_blocker(item.name, item.tensor, new, what)
-            if problem:
-                raise RuntimeError(problem)
-            torch.utils.swap_tensors(item.tensor, new)
-            swapped.append((item.tensor, new))
+        swaps = [
+            _Swap(item.name, item.tensor, _replacement(item.tensor, value, assign), item.device, item.dtype)
+            for item, value in zip(fresh, values, strict=True)
+        ]
+        _swap_all(swaps, False, what)
     except BaseException:
-        if stash is not None:
-            stash.restore()
-        for t, old in reversed(swapped):
-            torch.utils.swap_tensors(t, old)
+        stash.restore()
         raise
     finally:
-        if stash is not None:
-            stash.close()
-    return LoadResult(sorted(missing), unexpected)
+        stash.close()
+    result = LoadResult(missing, unexpected)
+    if not undoable or not plan:
+        return result, None
+    # after the swap, each swap's .new holds what its tensor held before
+    overwritten = list(zip([t for t, _ in in_place], previous, strict=True))
+    return result, LoadRecord(overwritten, [(s.name, s.tensor, s.new, (s.tensor.device, s.tensor.dtype)) for s in swaps])
 
 
 def _new_values(reader: Source, fresh: list[_Fresh], stored: dict[str, Entry], assign: bool, copy: bool) -> list[torch.Tensor]:
