@@ -16,7 +16,7 @@ from simulated_device import SimulatedDevice
 from torch import nn
 
 import torchsurgery
-from torchsurgery import offload
+from torchsurgery import Residency, offload
 from torchsurgery.offloading.grouping import find_groups, repeated_blocks
 
 transformers = pytest.importorskip("transformers")
@@ -486,7 +486,7 @@ def test_cuda_streaming_matches_the_resident_model(make: Any) -> None:
             torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
     s = handle.stats()
     assert s.peak_device_bytes <= budget and s.transfers > 0 and s.achieved_gbps > 0
-    assert handle._transit.ring is not None and handle._transit.ring.prefetched > 0
+    assert s.prefetch_hits > 0
     handle.remove()
     assert all(p.device.type == "cpu" for p in model.parameters())
 
@@ -592,7 +592,7 @@ def test_execution_order_and_the_stall_hint_are_measured() -> None:
     assert handle.stats().hint == "no streamed group has run yet"
     with torch.no_grad():
         model(torch.randn(2, d))
-    assert handle._transit.order.recorded == ["0", "1", "2"]  # the order groups actually ran in
+    assert handle.stats().execution_order == ["0", "1", "2"]  # the order groups actually ran in
     assert handle.stats().hint.startswith(("transfer-bound: ", "compute-bound: "))
     handle.remove()
     assert not model._forward_hooks
@@ -622,16 +622,16 @@ def test_ring_streams_packed_groups_exactly_with_prefetch_and_out_of_order_runs(
         model.reverse = False
     ids = identity_map(model)
     handle = offload(model, storage_dtype=torch.float64, dtype=torch.float32, groups="blocks")
-    shared = handle._transit
-    assert sorted(shared.packed) == [f"blocks.{i}" for i in range(4)]
-    for name, packed in shared.packed.items():  # the flat buffer is the weights' only host copy
-        start = packed.host.data_ptr()
-        for p in model.get_submodule(name).parameters():
-            assert start <= p.data_ptr() < start + packed.layout.nbytes and p.dtype == torch.float64
+    assert [g.name for g in handle.plan.groups] == [f"blocks.{i}" for i in range(4)]
+    assert {p.residency for p in handle.plan.params} == {Residency.STREAMED}
+    for group in handle.plan.groups:  # one flat buffer per group is the weights' only host copy
+        params = list(model.get_submodule(group.name).parameters())
+        assert len({p.untyped_storage().data_ptr() for p in params}) == 1
+        assert all(p.dtype == torch.float64 for p in params)
     with torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
-        assert shared.ring is not None and shared.ring.prefetched > 0  # later forwards found groups ready
+        assert handle.stats().prefetch_hits > 0  # later forwards found groups ready
         model.reverse = True  # out of the recorded order: misses, still exact
         torch.testing.assert_close(model(x), expected_reversed, rtol=0, atol=0)
         model.reverse = False

@@ -34,8 +34,9 @@ from torch import nn
 
 from torchsurgery import _undo
 from torchsurgery._validate import check_bytes
-from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle, _already_offloaded, offload
+from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle, offload
 from torchsurgery.offloading.grouping import find_groups
+from torchsurgery.offloading.plan import already_offloaded
 from torchsurgery.offloading.stats import OffloadStats
 
 __all__ = ["DevicePool", "PoolStats"]
@@ -280,7 +281,7 @@ class DevicePool:
                     f"{_WHAT}.add: the model is already in {where} as {record.name!r}; "
                     f"a model belongs to one pool: discard it there first"
                 )
-        problem = _already_offloaded(model)
+        problem = already_offloaded(model)
         if problem:
             raise RuntimeError(f"{_WHAT}.add: cannot pool the model: {problem}")
         taken = {e.name for e in self._entries.values()}
