@@ -92,6 +92,15 @@ class ParamPlan:
         file_key: its key in the checkpoint file, where it is read from there.
         tied_to: the name of the first occurrence of the same parameter, if this is not it.
         nbytes: its bytes in the compute dtype.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> layer = nn.Sequential(nn.Linear(2, 2))
+        >>> p = torchsurgery.plan_offload(layer, storage_dtype=torch.float16, dtype=torch.float32).params[0]
+        >>> p.name, p.storage_dtype, p.compute_dtype, p.lookup(layer) is layer[0].weight
+        ('0.weight', torch.float16, torch.float32, True)
     """
 
     name: str
@@ -122,6 +131,13 @@ class GroupPlan:
         nbytes: its parameters' bytes in the compute dtype (tied ones counted once, in
             the first group holding them).
         params: its parameters, in module order.
+
+    Example:
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        >>> [(g.name, g.nbytes) for g in torchsurgery.plan_offload(model, groups="leaves").groups]
+        [('0', 24), ('1', 24)]
     """
 
     name: str
@@ -150,6 +166,19 @@ class OffloadPlan:
         pin_memory: whether streamed host buffers are page-locked.
         storage: the checkpoint streamed groups are read from, if any.
         offload_device: the device seam the offload runs through.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        >>> print(torchsurgery.plan_offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32))
+        offload to cpu: 2 groups (0 resident), 112 B of weights in the compute dtype; budget none, prefetch 1, host memory not pinned
+        group  parameter  residency  storage   compute  shadow  file key
+        0      0.weight   narrow     bfloat16  float32  -       -
+        0      0.bias     narrow     bfloat16  float32  -       -
+        1      1.weight   in place   float32   float32  -       -
+        1      1.bias     in place   float32   float32  -       -
     """
 
     device: torch.device
@@ -310,6 +339,7 @@ def _route(model: nn.Module, groups: list[GroupPlan], options: _Options, from_fi
             host = options.device.host_compute
             if group.resident or (first is not None and first[0] is Residency.RESIDENT):
                 p.residency = Residency.RESIDENT
+                p.storage_dtype, p.shadow_dtype = p.compute_dtype, None  # kept as it computes
             elif from_file:
                 p.residency = Residency.FILE
             elif _reads_narrow(model, group, p, options):

@@ -1,4 +1,4 @@
-"""Tests of torchsurgery.offload: grouping, storage dtype, residency, training, undo."""
+"""Tests of torchsurgery.offload and its handle: outputs, storage dtype, residency, training, undo, files."""
 
 from __future__ import annotations
 
@@ -12,40 +12,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from simulated_device import SimulatedDevice
+from _models import IDS, identity_map, mlp, tiny_gpt2, tiny_llama, transformers
 from torch import nn
 
 import torchsurgery
 from torchsurgery import Residency, offload
-from torchsurgery.offloading.grouping import find_groups, repeated_blocks
-
-transformers = pytest.importorskip("transformers")
-
-
-def mlp(blocks: int = 4, d: int = 32) -> nn.Module:
-    layers = [nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(blocks)]
-    return nn.Sequential(nn.LayerNorm(d), nn.Sequential(*layers), nn.Linear(d, 4))
-
-
-def tiny_gpt2() -> nn.Module:
-    return transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
-    ).eval()
-
-
-def tiny_llama() -> nn.Module:
-    return transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
-    ).eval()
-
-
-def identity_map(model: nn.Module) -> dict[str, tuple[int, torch.device, torch.dtype]]:
-    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
-    return {n: (id(t), t.device, t.dtype) for n, t in named}
-
-
-IDS = torch.tensor([[3, 7, 1, 9]])
+from torchsurgery.offloading.grouping import find_groups
 
 
 def train_side_by_side(
@@ -58,122 +30,6 @@ def train_side_by_side(
             o.zero_grad()
             loss.backward()
             o.step()
-
-
-# ---------------------------------------------------------------------- grouping
-
-
-def test_blocks_are_the_longest_run_of_same_typed_children() -> None:
-    model = tiny_llama()
-    container, blocks = repeated_blocks(model)
-    assert container == "model.layers" and blocks == [f"model.layers.{i}" for i in range(3)]
-    groups = find_groups(model, "blocks")
-    assert groups[1:4] == blocks
-    assert {"model.embed_tokens", "model.norm", "lm_head"} <= set(groups)
-    # every parameter is covered exactly once by the groups
-    covered = [n for n, _ in model.named_parameters() if any(n.startswith(f"{g}.") for g in groups)]
-    assert sorted(covered) == sorted(n for n, _ in model.named_parameters())
-
-
-def test_leaves_and_explicit_groups() -> None:
-    model = mlp(2)
-    assert find_groups(model, "leaves") == ["0", "1.0.0", "1.0.2", "1.1.0", "1.1.2", "2"]
-    assert find_groups(model, ["2", "0"]) == ["0", "2"]
-    with pytest.raises(ValueError, match="did you mean"):
-        find_groups(model, ["1.0.00"])
-    with pytest.raises(ValueError, match="overlap"):
-        find_groups(model, ["1", "1.0"])
-    with pytest.raises(ValueError, match="blocks"):
-        find_groups(model, "everything")
-
-
-class _Experts(nn.Module):
-    """A container without a forward of its own: its owner calls its children and reads ``gate``."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.gate = nn.Parameter(torch.randn(d))
-        self.up = nn.Linear(d, d)
-        self.down = nn.Linear(d, d)
-
-
-class _UncalledContainers(nn.Module):
-    """Blocks, plus weights held by modules whose own forward never runs."""
-
-    def __init__(self, d: int = 8) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(3))
-        self.heads = nn.ModuleList([nn.LayerNorm(d), nn.Linear(d, d)])
-        self.extra = nn.ModuleDict({"a": nn.Linear(d, d), "b": nn.Linear(d, d)})
-        self.experts = _Experts(d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x).relu()
-        x = self.heads[1](self.heads[0](x))
-        x = self.extra["a"](x) + self.extra["b"](x)
-        return self.experts.down(self.experts.up(x) * self.experts.gate)
-
-
-@pytest.mark.parametrize("groups", ["blocks", "leaves"])
-def test_default_groups_split_modules_that_are_never_called(groups: str) -> None:
-    model = _UncalledContainers()
-    found = find_groups(model, groups)
-    named = dict(model.named_modules())
-    assert not any(type(named[g]).forward is nn.Module.forward for g in found if g)
-    assert "" in found  # experts.gate is read by the root's forward, so the root's group holds it
-    x = torch.randn(2, 8)
-    with torch.no_grad():
-        expected = model(x)
-        with offload(model, storage_dtype=torch.float64, dtype=torch.float32, groups=groups):
-            got = model(x)
-    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-
-
-class _PatchEmbed(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(d, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.proj(x))
-
-
-class _BypassedForward(nn.Module):
-    """Calls a part of a piece that has a forward of its own (``self.embed.proj(x)``)."""
-
-    def __init__(self, d: int = 8) -> None:
-        super().__init__()
-        self.embed = _PatchEmbed(d)
-        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed.proj(x)
-        for block in self.blocks:
-            x = block(x).relu()
-        return self.embed.norm(x)
-
-
-def test_default_groups_bring_in_parts_called_without_their_owner() -> None:
-    model = _BypassedForward()
-    assert {"embed.proj", "embed.norm"} <= set(find_groups(model, "blocks"))
-    x = torch.randn(2, 8)
-    largest = max(p.numel() * 4 for p in model.parameters())
-    # streamed groups are stored fp64 and brought in as fp32: a weight left out fails the matmul
-    with torch.no_grad(), SimulatedDevice(seed=1) as sim:
-        expected = model(x)
-        with offload(model, sim, storage_dtype=torch.float64, dtype=torch.float32, budget=4 * largest, prefetch=1):
-            got = model(x)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
-
-
-def test_an_explicit_group_that_is_never_called_is_refused_with_its_children() -> None:
-    model = _UncalledContainers()
-    before = identity_map(model)
-    with pytest.raises(ValueError, match=r"'extra' is a ModuleDict.*\['extra.a', 'extra.b'\]"):
-        offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups=["blocks.0", "extra"])
-    assert identity_map(model) == before and not torchsurgery.surgery_log(model)
 
 
 # ---------------------------------------------------------------------- outputs
@@ -583,19 +439,6 @@ def test_training_with_an_fp32_master_copy_matches_fp32_training() -> None:
                     p.copy_(p.bfloat16().float())
         torch.testing.assert_close(inference, bf16_reference(x), rtol=1e-4, atol=1e-4)  # the refreshed bf16 copy
     handle.remove()
-
-
-def test_execution_order_and_the_stall_hint_are_measured() -> None:
-    d = 16
-    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d)) for _ in range(3)])
-    handle = offload(model, storage_dtype=torch.float16, dtype=torch.float32, skip=None)
-    assert handle.stats().hint == "no streamed group has run yet"
-    with torch.no_grad():
-        model(torch.randn(2, d))
-    assert handle.stats().execution_order == ["0", "1", "2"]  # the order groups actually ran in
-    assert handle.stats().hint.startswith(("transfer-bound: ", "compute-bound: "))
-    handle.remove()
-    assert not model._forward_hooks
 
 
 class _Conv(nn.Module):
