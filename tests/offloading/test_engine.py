@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import IDS, identity_map, mlp, tiny_gpt2, tiny_llama, transformers
+from _offload_models import IDS, identity_map, mlp, tiny_gpt2, tiny_llama, transformers
 from torch import nn
 
 import torchsurgery
@@ -656,3 +656,21 @@ def test_a_tied_weight_stored_under_its_other_name_is_found(tmp_path: Any) -> No
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
     handle.remove()
+
+
+class _NewWeight(torchsurgery.Patch, nn.Linear):
+    """Replaces the layer's weight object (what an offload that streams it must refuse)."""
+
+    def __patch_init__(self) -> None:
+        self.weight = nn.Parameter(self.weight.detach().clone())
+
+
+def test_a_patch_replacing_an_offloaded_parameter_is_refused_until_remove() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups="leaves")
+    with pytest.raises(RuntimeError, match="an active offload depends on"):
+        torchsurgery.patch(model[0], _NewWeight)
+    assert not torchsurgery.is_patched(model[0], _NewWeight)
+    handle.remove()
+    torchsurgery.patch(model[0], _NewWeight)  # nothing depends on the weight any more
+    assert torchsurgery.is_patched(model[0], _NewWeight)

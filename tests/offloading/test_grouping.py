@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import identity_map, mlp, tiny_llama
+from _offload_models import identity_map, mlp, tiny_llama
 from simulated_device import SimulatedDevice
 from torch import nn
 

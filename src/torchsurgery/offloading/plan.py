@@ -73,7 +73,7 @@ class Residency(enum.Enum):
     """In host memory; converted for each forward without the ring (a tensor subclass, or a
     weight tied to one whose host copy lives in an earlier group's buffer)."""
     IN_PLACE = "in place"
-    """Already in host memory in its compute dtype on a CPU: nothing moves."""
+    """In host memory in its compute dtype, where a CPU computes with it directly: nothing is brought in."""
 
 
 @dataclass
@@ -436,8 +436,23 @@ def plan_offload(
 ) -> OffloadPlan:
     """What :func:`~torchsurgery.offload` with these arguments would do, without doing it.
 
-    Takes the arguments of :func:`~torchsurgery.offload` and checks them the same way;
-    the model is left untouched (the checkpoint, if any, is only indexed).
+    Checks the arguments as :func:`~torchsurgery.offload` does; the model is left
+    untouched (a checkpoint is only indexed, a device only asked for its free memory).
+
+    Args:
+        model: the model to plan for.
+        device: where the computation would run.
+        dtype: compute dtype of floating weights (default: theirs).
+        storage_dtype: the dtype weights would be stored in (``skip`` keeps theirs).
+        budget: device bytes the weights may take.
+        prefetch: groups brought in ahead.
+        pin_memory: pin host storage (default: on an accelerator that can).
+        groups: ``"blocks"``, ``"leaves"`` or a list of qualified module names.
+        skip: ``(module, name) -> bool``; selected modules keep their own dtype.
+        master_dtype: the dtype parameters keep for training, next to a narrow copy.
+        storage: a safetensors checkpoint to stream weights from.
+
+    See :func:`~torchsurgery.offload` for what each argument does in full.
 
     Returns:
         An :class:`OffloadPlan`: per group and per parameter the storage, compute and
