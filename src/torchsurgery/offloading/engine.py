@@ -47,6 +47,7 @@ from torchsurgery.offloading.plan import (
     OffloadPlan,
     ParamPlan,
     Residency,
+    _param,
     plan_offload,
 )
 from torchsurgery.offloading.planner import plan_residency
@@ -154,6 +155,7 @@ class OffloadHandle:
         self._shadows = _Shadows()
         self._hold: _undo.Hold | None = None
         self._record: OffloadRecord | None = None
+        self._modules: dict[str, nn.Module] = {}  # by qualified name, while installing
 
     def stats(self) -> OffloadStats:
         """A snapshot of the statistics (waits for the timing events of the groups that ran)."""
@@ -194,6 +196,7 @@ class OffloadHandle:
 
     def _install(self) -> None:
         """Install :attr:`plan` on the model; on any failure, undo what was done and raise."""
+        self._modules = dict(self.model.named_modules())
         try:
             if self.plan.storage is not None:
                 source = open_source(self.plan.storage, _WHAT)
@@ -210,6 +213,7 @@ class OffloadHandle:
             self.remove()
             raise
         self._finish()
+        self._modules = {}
 
     def _conversions(self) -> list[tuple[ParamPlan, torch.Tensor, torch.device, torch.dtype, bool]]:
         """What moves where before streaming starts: (plan entry, tensor, device, dtype, pin)."""
@@ -219,7 +223,7 @@ class OffloadHandle:
             for p in group.params:
                 if p.tied_to is not None or p.residency is Residency.FILE:
                     continue  # converted under its first name; or the file has its values
-                tensor = p.lookup(self.model)
+                tensor = _param(self._modules, p)
                 if p.residency is Residency.RESIDENT:
                     moves.append((p, tensor, target, p.compute_dtype, False))
                 else:
@@ -262,8 +266,8 @@ class OffloadHandle:
         packable: list[_Entry] = []
         others: list[_Entry] = []
         for p in group.params:
-            owner = self.model.get_submodule(p.module)
-            entry = (owner, p.attr, p.lookup(self.model), p.compute_dtype)
+            owner = self._modules[p.module]
+            entry = (owner, p.attr, _param(self._modules, p), p.compute_dtype)
             if p.residency is Residency.NARROW:
                 self._read_narrow(owner, group, p)
             elif p.residency in (Residency.STREAMED, Residency.FILE):
@@ -274,7 +278,7 @@ class OffloadHandle:
             return
         packed = self._pack(group, packable) if packable else None
         streamer = _GroupStreamer(group.name, packable, others, packed, self._streaming)
-        module = self.model.get_submodule(group.name)
+        module = self._modules[group.name]
         patch(module, _StreamedGroup, streamer)
         _undo.records(module)[-1].internal = True
         self._patched.append(module)
@@ -285,7 +289,7 @@ class OffloadHandle:
             return
         for q in group.params:
             if q.module == p.module and q.shadow_dtype is not None:
-                self._shadows.add(q.lookup(self.model), q.shadow_dtype)
+                self._shadows.add(_param(self._modules, q), q.shadow_dtype)
         patch(owner, _NarrowMatmul, p.compute_dtype, self._stats, self._scratch, self._shadows)
         _undo.records(owner)[-1].internal = True
         self._patched.append(owner)
@@ -325,7 +329,7 @@ class OffloadHandle:
             # the order streamed groups ran in, closed at the end of every forward of the model
             after = self._plan_from_measurements if plan.measured_budget is not None else None
             self._hooks.append(model.register_forward_hook(_EndForward(self._streaming.order, after), always_call=True))
-        self._hold = _undo.hold([p.lookup(model) for p in plan.params], "an active offload")
+        self._hold = _undo.hold([_param(self._modules, p) for p in plan.params], "an active offload")
         # a model dropped while offloaded must not leave its ids held (ids are reused)
         weakref.finalize(model, _undo.release, self._hold)
         self._record = OffloadRecord(self)

@@ -121,6 +121,13 @@ class ParamPlan:
         return param
 
 
+def _param(named: dict[str, nn.Module], p: ParamPlan) -> nn.Parameter:
+    """``p``'s parameter, from the model's modules by qualified name."""
+    param = named[p.module]._parameters[p.attr]
+    assert param is not None
+    return param
+
+
 @dataclass
 class GroupPlan:
     """A group of modules whose weights move together.
@@ -283,16 +290,16 @@ def _members(named: dict[str, nn.Module], names: list[str]) -> dict[str, list[st
     """Each group's modules: a module belongs to the innermost group containing it."""
     members: dict[str, list[str]] = {g: [] for g in names}
     for qual in named:
-        inside = (g for g in names if g == "" or qual == g or qual.startswith(f"{g}."))
-        group = max(inside, key=len, default=None)
+        parts = qual.split(".") if qual else []
+        enclosing = (".".join(parts[:i]) for i in range(len(parts), -1, -1))  # itself, then outwards
+        group = next((g for g in enclosing if g in members), None)
         if group is not None:
             members[group].append(qual)
     return members
 
 
-def _collect(model: nn.Module, names: list[str], options: _Options) -> list[GroupPlan]:
+def _collect(named: dict[str, nn.Module], names: list[str], options: _Options) -> list[GroupPlan]:
     """The groups with their parameters' dtypes (residency filled in later)."""
-    named = dict(model.named_modules())
     skip = options.skip
     # a weight keeps its dtype when any module holding it is skipped (e.g. tied to an embedding)
     kept = {id(p) for q, m in named.items() if skip is not None and skip(m, q) for p in m.parameters(recurse=False)}
@@ -322,15 +329,15 @@ def _collect(model: nn.Module, names: list[str], options: _Options) -> list[Grou
     return plan
 
 
-def _reads_narrow(model: nn.Module, group: GroupPlan, p: ParamPlan, options: _Options) -> bool:
+def _reads_narrow(named: dict[str, nn.Module], group: GroupPlan, p: ParamPlan, options: _Options) -> bool:
     """Whether ``p`` is served by the narrow-weight layer path (CPU matmul layers)."""
     narrow = p.shadow_dtype or p.storage_dtype
-    if not options.device.host_compute or narrow == p.compute_dtype or not _is_matmul_layer(model.get_submodule(p.module)):
+    if not options.device.host_compute or narrow == p.compute_dtype or not _is_matmul_layer(named[p.module]):
         return False
     return all((q.shadow_dtype or q.storage_dtype) == narrow for q in group.params if q.module == p.module)
 
 
-def _route(model: nn.Module, groups: list[GroupPlan], options: _Options, from_file: bool) -> None:
+def _route(named: dict[str, nn.Module], groups: list[GroupPlan], options: _Options, from_file: bool) -> None:
     """Each parameter's residency, the group's residency and tied weights given."""
     where: dict[str, tuple[Residency, str]] = {}  # first name -> (its residency, its group)
     for group in groups:
@@ -342,13 +349,13 @@ def _route(model: nn.Module, groups: list[GroupPlan], options: _Options, from_fi
                 p.storage_dtype, p.shadow_dtype = p.compute_dtype, None  # kept as it computes
             elif from_file:
                 p.residency = Residency.FILE
-            elif _reads_narrow(model, group, p, options):
+            elif _reads_narrow(named, group, p, options):
                 p.residency = Residency.NARROW
             elif host and p.storage_dtype == p.compute_dtype:
                 p.residency = Residency.IN_PLACE
             elif first is not None and first[1] != group.name:
                 p.residency = Residency.CONVERTED  # its host copy is in the first group's buffer
-            elif type(p.lookup(model)) not in (torch.Tensor, nn.Parameter):
+            elif type(_param(named, p)) not in (torch.Tensor, nn.Parameter):
                 p.residency = Residency.CONVERTED  # a tensor subclass is not packed into bytes
             else:
                 p.residency = Residency.STREAMED
@@ -366,7 +373,7 @@ def _check_budget_holds_largest(budget: int, groups: list[GroupPlan]) -> None:
         )
 
 
-def _choose_residency(model: nn.Module, groups: list[GroupPlan], options: _Options) -> tuple[int | None, int | None]:
+def _choose_residency(named: dict[str, nn.Module], groups: list[GroupPlan], options: _Options) -> tuple[int | None, int | None]:
     """Mark the groups resident from the start; returns (budget, budget left for measured residency)."""
     seam, budget = options.device, options.budget
     if budget is None and not seam.host_compute:
@@ -382,7 +389,7 @@ def _choose_residency(model: nn.Module, groups: list[GroupPlan], options: _Optio
     # then kept resident by how much of their transfer cannot be hidden; the others (served
     # by the narrow-weight path, or needing no conversion) are filled in order, also when
     # their weights are then read from a checkpoint file
-    _route(model, groups, options, from_file=False)
+    _route(named, groups, options, from_file=False)
     room = budget - (options.prefetch + 1) * max(g.nbytes for g in groups)
     for g in groups:
         rides_ring = any(p.residency not in (Residency.NARROW, Residency.IN_PLACE) for p in g.params)
@@ -392,7 +399,7 @@ def _choose_residency(model: nn.Module, groups: list[GroupPlan], options: _Optio
     return budget, budget - sum(g.nbytes for g in groups if g.resident)
 
 
-def _file_keys(model: nn.Module, groups: list[GroupPlan], storage: str | os.PathLike[str]) -> None:
+def _file_keys(model: nn.Module, named: dict[str, nn.Module], groups: list[GroupPlan], storage: str | os.PathLike[str]) -> None:
     """Find each parameter read from the checkpoint under one of its ``state_dict`` names."""
     source = open_source(storage, _WHAT)
     try:
@@ -406,7 +413,7 @@ def _file_keys(model: nn.Module, groups: list[GroupPlan], storage: str | os.Path
         state_names.setdefault(id(tensor), []).append(key)
     problems = []
     for p in (p for g in groups for p in g.params):
-        tensor = p.lookup(model)
+        tensor = _param(named, p)
         if p.residency is Residency.RESIDENT and not tensor.is_meta:
             continue  # a resident group reads from the file only what has no values
         found = [k for k in state_names.get(id(tensor), []) if k in stored]
@@ -478,20 +485,21 @@ def plan_offload(
         torch.float32
     """
     options = _check_options(model, device, dtype, storage_dtype, master_dtype, budget, prefetch, pin_memory, skip)
-    plan = _collect(model, find_groups(model, groups, _WHAT), options)
+    named = dict(model.named_modules())
+    plan = _collect(named, find_groups(model, groups, _WHAT), options)
     if not plan:
         raise ValueError(f"{_WHAT}: the model has no parameters to offload")
     if storage is None:
-        empty = [p.name for g in plan for p in g.params if p.lookup(model).is_meta]
+        empty = [p.name for g in plan for p in g.params if _param(named, p).is_meta]
         if empty:
             raise ValueError(
                 f"{_WHAT}: {len(empty)} weights are on the meta device (no values), e.g. {empty[:3]}; "
                 "stream them from their checkpoint with storage='model.safetensors', or load them first"
             )
     from_file = storage is not None
-    budget, measured = _choose_residency(model, plan, options)
-    _route(model, plan, options, from_file)
+    budget, measured = _choose_residency(named, plan, options)
+    _route(named, plan, options, from_file)
     if storage is not None:
-        _file_keys(model, plan, storage)
+        _file_keys(model, named, plan, storage)
     seam = options.device
     return OffloadPlan(seam.device, plan, budget, measured, prefetch, options.pin, storage, seam)
