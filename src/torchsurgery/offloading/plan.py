@@ -152,12 +152,6 @@ class GroupPlan:
     nbytes: int
     params: list[ParamPlan] = field(default_factory=list)
 
-    @property
-    def streamed(self) -> list[ParamPlan]:
-        """The parameters its root module's patch brings in for each forward."""
-        moving = (Residency.STREAMED, Residency.FILE, Residency.CONVERTED)
-        return [p for p in self.params if p.residency in moving]
-
 
 @dataclass
 class OffloadPlan:
