@@ -33,11 +33,16 @@ from torchsurgery.offloading import (
     DEFAULT_SKIP,
     DevicePool,
     DynamicSwapInstaller,
+    GroupPlan,
     OffloadDevice,
     OffloadHandle,
+    OffloadPlan,
     OffloadStats,
+    ParamPlan,
     PoolStats,
+    Residency,
     offload,
+    plan_offload,
 )
 from torchsurgery.patching import (
     Patch,
@@ -92,6 +97,11 @@ __all__ = [
     # offload: where and in what dtype weights live
     "DynamicSwapInstaller",
     "offload",
+    "plan_offload",
+    "OffloadPlan",
+    "GroupPlan",
+    "ParamPlan",
+    "Residency",
     "OffloadHandle",
     "OffloadStats",
     "OffloadDevice",

@@ -348,22 +348,56 @@ class Record:
         raise TypeError(f"torchsurgery: {self.describe()} cannot be undone by torchsurgery.restore")
 
 
-# Tensors another surgery depends on by identity (an offload streams them), id -> what.
-pinned: dict[int, str] = {}
+class Hold:
+    """Tensors another surgery depends on by identity (an offload streams them).
+
+    While held, a patch may not replace or remove them (:func:`holder_of`). Made by
+    :func:`hold`, ended by :func:`release`.
+
+    Attributes:
+        what: what depends on the tensors, for messages (``"an active offload"``).
+    """
+
+    def __init__(self, what: str, keys: tuple[int, ...]) -> None:
+        self.what = what
+        self._keys = keys
 
 
-def pinned_in(changes: ChangeSet) -> str | None:
+# id(tensor) -> the hold on it. Keyed by id because a weak reference to a tensor would
+# make swap_tensors refuse it; a holder releases before its tensors can die.
+_held: dict[int, Hold] = {}
+
+
+def hold(tensors: list[torch.Tensor], what: str) -> Hold:
+    """Mark ``tensors`` as depended on by ``what`` until :func:`release`.
+
+    The caller releases the hold before the tensors can be freed (their ids are reused).
+    """
+    held = Hold(what, tuple(dict.fromkeys(id(t) for t in tensors)))
+    for key in held._keys:
+        _held[key] = held
+    return held
+
+
+def release(held: Hold) -> None:
+    """End ``held`` (a no-op the second time)."""
+    for key in held._keys:
+        if _held.get(key) is held:
+            del _held[key]
+
+
+def holder_of(changes: ChangeSet) -> str | None:
     """What depends on a parameter or buffer that ``changes`` replaced or removed, if anything."""
     for name in ("_parameters", "_buffers"):
         for old, new in changes.entries.get(name, {}).values():
             for tensor in (old, new):
-                if tensor is not MISSING and id(tensor) in pinned:
-                    return pinned[id(tensor)]
+                if tensor is not MISSING and id(tensor) in _held:
+                    return _held[id(tensor)].what
     for tensor, _ in changes.storage:
-        if id(tensor) in pinned:
-            return pinned[id(tensor)]
+        if id(tensor) in _held:
+            return _held[id(tensor)].what
     for _, below in changes.below:
-        holder = pinned_in(below)
+        holder = holder_of(below)
         if holder:
             return holder
     return None

@@ -347,7 +347,7 @@ def patch(module: M, patch_cls: type[Patch], /, *args: Any, **kwargs: Any) -> M:
         raise
     problem = _outside_the_change_set(module, new_cls, state, logs)
     changes = _undo.diff(state, module)
-    holder = _undo.pinned_in(changes)
+    holder = _undo.holder_of(changes)
     if holder:
         problem = f"replaced or removed a parameter that {holder} depends on; undo that first, then patch"
     if problem:
@@ -425,7 +425,7 @@ def unpatch(module: M, patch_cls: type[Patch] | None = None, /, *, _internal: bo
             f"torchsurgery.unpatch: {', '.join(overlap)} (applied after "
             f"{target.patch.__qualname__}) changed the same attributes; unpatch it first"
         )
-    holder = _undo.pinned_in(target.changes)
+    holder = _undo.holder_of(target.changes)
     if holder and not _internal:
         raise ValueError(
             f"torchsurgery.unpatch: {target.patch.__qualname__} added parameters that {holder} "

@@ -34,14 +34,11 @@ runs unchanged and gives the results of plain ``.to()`` moves.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
-from torchsurgery import _undo
 from torchsurgery.offloading.dynamic_swap import DynamicSwapInstaller
-from torchsurgery.offloading.pool import DevicePool, PoolRecord, _free_bytes, _NoRoom
+from torchsurgery.offloading.pool import DevicePool
 
 __all__ = [
     "cpu",
@@ -74,20 +71,20 @@ def _device(device: str | torch.device) -> torch.device:
     return target
 
 
-def _pool_holding(model: nn.Module) -> DevicePool | None:
-    for record in _undo.records(model):
-        if isinstance(record, PoolRecord):
-            return record.pool
-    return None
-
-
-def _pool_for(model: nn.Module, device: str | torch.device) -> DevicePool:
-    """The shared pool of ``device``, with ``model`` in it (moved over from another pool)."""
+def _shared_pool(device: str | torch.device) -> DevicePool:
+    """The one pool of ``device`` that models join when a function moves them there."""
     target = _device(device)
     pool = _pools.get(target)
     if pool is None:
         pool = _pools[target] = DevicePool(target)
-    holder = _pool_holding(model)
+    return pool
+
+
+def _pool_for(model: nn.Module, device: str | torch.device) -> DevicePool:
+    """The shared pool of ``device``, with ``model`` in it (moved over from another pool)."""
+    pool = _shared_pool(device)
+    target = pool.device
+    holder = DevicePool.holding(model)
     if holder is not None and holder.device == target:
         return holder
     if holder is not pool:
@@ -108,7 +105,7 @@ def get_cuda_free_memory_gb(device: str | torch.device | None = None) -> float:
         >>> get_cuda_free_memory_gb(cpu) > 0
         True
     """
-    return _free_bytes(_device(device if device is not None else gpu)) / _GIB
+    return _shared_pool(device if device is not None else gpu).free_bytes() / _GIB
 
 
 def move_model_to_device_with_memory_preservation(
@@ -129,8 +126,7 @@ def move_model_to_device_with_memory_preservation(
     """
     pool = _pool_for(model, target_device)
     keep = None if pool.device.type == "cpu" else int(preserved_memory_gb * _GIB)
-    with contextlib.suppress(_NoRoom):  # not even one group fits: the model stays on the host
-        pool.load(model, keep_free=keep)
+    pool.try_load(model, keep_free=keep)  # not even one group fits: the model stays on the host
 
 
 def offload_model_from_device_for_memory_preservation(
@@ -147,9 +143,9 @@ def offload_model_from_device_for_memory_preservation(
         >>> offload_model_from_device_for_memory_preservation(nn.Linear(2, 2), cpu, preserved_memory_gb=0)
     """
     target = _device(target_device)
-    if target.type == "cpu" or _free_bytes(target) >= preserved_memory_gb * _GIB:
+    if target.type == "cpu" or _shared_pool(target).free_bytes() >= preserved_memory_gb * _GIB:
         return
-    pool = _pool_holding(model)
+    pool = DevicePool.holding(model)
     if pool is not None:
         pool.unload(model)
     else:
@@ -194,7 +190,7 @@ def unload_complete_models(*extra_models: nn.Module) -> None:
         >>> unload_complete_models(nn.Linear(2, 2))
     """
     for model in [*_complete, *extra_models]:
-        pool = _pool_holding(model)
+        pool = DevicePool.holding(model)
         if pool is not None:
             pool.unload(model)
         else:

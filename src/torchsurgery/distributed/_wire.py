@@ -3,7 +3,7 @@
 Captures shipped to rank 0 and activations passed between pipeline stages travel as a
 single ``uint8`` tensor: the header's length (8 bytes), a JSON header (status; names,
 dtypes, shapes, offsets) and then the tensors in the library's aligned layout
-(:mod:`torchsurgery._packing`, 16-byte alignment), so the receiver views each tensor in
+(:mod:`torchsurgery._tensor_layout`, 16-byte alignment), so the receiver views each tensor in
 place. JSON, not pickle: nothing a peer sends is ever executed.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from torchsurgery._packing import Slot, TensorLayout, align, fill, views
+from torchsurgery._tensor_layout import Slot, TensorLayout, align, fill, views
 from torchsurgery._validate import dtype_from_name, dtype_name
 
 _ALIGN = 16

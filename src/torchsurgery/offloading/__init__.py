@@ -1,4 +1,4 @@
-"""The offload pillar: where and in what dtype weights live (dynamic swapping, the offload engine, pools).
+"""The offload pillar: where and in what dtype weights live (dynamic swapping, offload plans and the engine, pools).
 
 The package is named ``offloading`` so that ``torchsurgery.offload`` stays the function.
 """
@@ -6,11 +6,17 @@ The package is named ``offloading`` so that ``torchsurgery.offload`` stays the f
 from torchsurgery.offloading.device import OffloadDevice
 from torchsurgery.offloading.dynamic_swap import DynamicSwapInstaller
 from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle, OffloadStats, offload
+from torchsurgery.offloading.plan import GroupPlan, OffloadPlan, ParamPlan, Residency, plan_offload
 from torchsurgery.offloading.pool import DevicePool, PoolStats
 
 __all__ = [
     "DynamicSwapInstaller",
     "offload",
+    "plan_offload",
+    "OffloadPlan",
+    "GroupPlan",
+    "ParamPlan",
+    "Residency",
     "OffloadHandle",
     "OffloadStats",
     "OffloadDevice",

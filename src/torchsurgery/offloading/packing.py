@@ -1,7 +1,7 @@
 """A streamed group's weights in one flat host buffer, and their views back out of it.
 
 Streaming many small tensors wastes the host-to-device link; one large copy per group
-does not. The layout is the library's aligned tensor layout (:mod:`torchsurgery._packing`)
+does not. The layout is the library's aligned tensor layout (:mod:`torchsurgery._tensor_layout`)
 at 256-byte alignment: :func:`pack` fills a (possibly pinned) host buffer and
 :func:`unpack` returns tensors that are *views* into a buffer (bit-exact, any dtype
 including float8), so a buffer copied to the device in one transfer yields the device
@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
-from torchsurgery._packing import ALIGNMENT, Slot, TensorLayout, fill, views
+from torchsurgery._tensor_layout import ALIGNMENT, Slot, TensorLayout, fill, views
 
 FlatLayout = TensorLayout
-"""The slots of a group's weights and the buffer size they need (see :class:`~torchsurgery._packing.TensorLayout`)."""
+"""The slots of a group's weights and the buffer size they need (see :class:`~torchsurgery._tensor_layout.TensorLayout`)."""
 
 
 def pack(

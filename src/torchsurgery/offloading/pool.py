@@ -34,8 +34,9 @@ from torch import nn
 
 from torchsurgery import _undo
 from torchsurgery._validate import check_bytes
-from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle, _already_offloaded, offload
+from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle, offload
 from torchsurgery.offloading.grouping import find_groups
+from torchsurgery.offloading.plan import already_offloaded
 from torchsurgery.offloading.stats import OffloadStats
 
 __all__ = ["DevicePool", "PoolStats"]
@@ -280,7 +281,7 @@ class DevicePool:
                     f"{_WHAT}.add: the model is already in {where} as {record.name!r}; "
                     f"a model belongs to one pool: discard it there first"
                 )
-        problem = _already_offloaded(model)
+        problem = already_offloaded(model)
         if problem:
             raise RuntimeError(f"{_WHAT}.add: cannot pool the model: {problem}")
         taken = {e.name for e in self._entries.values()}
@@ -387,6 +388,54 @@ class DevicePool:
         self._touch(entry)
         return entry.handle
 
+    def try_load(self, model: nn.Module, *, keep_free: int | None = None) -> OffloadHandle | None:
+        """:meth:`load`, or ``None`` (nothing changed) when even streamed the model has no room.
+
+        Example:
+            >>> from torch import nn
+            >>> import torchsurgery
+            >>> pool = torchsurgery.DevicePool("cpu", budget=1 << 20)
+            >>> model = pool.add(nn.Linear(4, 4))
+            >>> pool.try_load(model, keep_free=1 << 62) is None, pool.state(model)
+            (True, 'host')
+            >>> pool.close()
+        """
+        try:
+            return self.load(model, keep_free=keep_free)
+        except _NoRoom:
+            return None
+
+    def free_bytes(self) -> int:
+        """Bytes a new allocation on the pool's device can take now.
+
+        On a GPU: what the driver reports free plus what torch's caching allocator holds
+        unused. On a CPU: the host's available memory.
+
+        Example:
+            >>> import torchsurgery
+            >>> torchsurgery.DevicePool("cpu").free_bytes() > 0
+            True
+        """
+        return _free_bytes(self.device)
+
+    @staticmethod
+    def holding(model: nn.Module) -> DevicePool | None:
+        """The pool ``model`` is in, if any.
+
+        Example:
+            >>> from torch import nn
+            >>> import torchsurgery
+            >>> pool = torchsurgery.DevicePool("cpu")
+            >>> model = pool.add(nn.Linear(2, 2))
+            >>> torchsurgery.DevicePool.holding(model) is pool, torchsurgery.DevicePool.holding(nn.Linear(2, 2))
+            (True, None)
+            >>> pool.close()
+        """
+        for record in _undo.records(model):
+            if isinstance(record, PoolRecord):
+                return record.pool
+        return None
+
     def unload(self, model: nn.Module) -> nn.Module:
         """Push ``model`` back to the host (a no-op when it is there).
 
@@ -417,8 +466,15 @@ class DevicePool:
         """Per model (by name): state, sizes, loads, push-backs, time, offload statistics."""
         return {
             e.name: PoolStats(
-                e.name, self.state(e.model), e.total, e.largest, e.granted if e.loaded else 0, e.loads,
-                e.pushed_back, e.seconds, e.handle.stats() if e.loaded and e.handle is not None else None,
+                name=e.name,
+                state=self.state(e.model),
+                total_bytes=e.total,
+                largest_group_bytes=e.largest,
+                device_bytes=e.granted if e.loaded else 0,
+                loads=e.loads,
+                pushed_back=e.pushed_back,
+                seconds_loading=e.seconds,
+                offload=e.handle.stats() if e.loaded and e.handle is not None else None,
             )
             for e in self._entries.values()
         }

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from torchsurgery.offloading.planner import GroupCost
+
 
 @dataclass
 class OffloadStats:
@@ -23,6 +25,12 @@ class OffloadStats:
         streamed_groups: groups brought in for each forward.
         hint: whether the last forward was transfer-bound, and what more residency would
             hide (from measured transfer and compute times, in execution order).
+        prefetch_hits: runs of a group whose weights had been copied in ahead.
+        prefetch_misses: runs of a group whose weights were brought in when it started.
+        execution_order: the streamed groups in the order the last complete forward ran them.
+        group_costs: per group of ``execution_order`` (once each), the last measured bytes
+            brought in and seconds of compute: what the residency planner reads.
+        link_bytes_per_s: bytes per second of those groups' transfers (0.0 before any).
         achieved_gbps: bytes moved per second of transferring.
 
     Timings come from events recorded through the offload's
@@ -50,6 +58,11 @@ class OffloadStats:
     streamed_groups: list[str] = field(default_factory=list)
     hint: str = ""
     seconds_transferring: float = 0.0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    execution_order: list[str] = field(default_factory=list)
+    group_costs: list[GroupCost] = field(default_factory=list)
+    link_bytes_per_s: float = 0.0
 
     @property
     def achieved_gbps(self) -> float:

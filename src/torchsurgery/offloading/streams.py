@@ -173,6 +173,10 @@ class Ring:
             keep.add(target)
         return slot, views, timing
 
+    def forget(self, group: PackedGroup) -> None:
+        """``group`` no longer streams: a slot holding it counts as free."""
+        self.holding = [None if g is group else g for g in self.holding]
+
     def exit(self, slot: int) -> None:
         """The group in ``slot`` finished computing; the slot may be refilled after this point."""
         if slot < 0:
@@ -193,7 +197,16 @@ class _Measure:
     end: Any = None  # compute stream, once the group finished
 
 
-class _Shared:
+@dataclass(frozen=True)
+class _Timing:
+    """The last measured run of one group."""
+
+    nbytes: int
+    transfer_s: float
+    compute_s: float
+
+
+class _Streaming:
     """What a handle's streamed groups share: the device, bytes in flight, execution order, measured costs."""
 
     _SETTLE_EVERY = 1024  # pending measurements before they are read anyway (bounds their events)
@@ -207,7 +220,7 @@ class _Shared:
         self.packed: dict[str, PackedGroup] = {}
         self.ring: Ring | None = None
         self.pending: list[_Measure] = []
-        self.costs: dict[str, list[float]] = {}  # name -> [bytes, transfer seconds, compute seconds]
+        self.timings: dict[str, _Timing] = {}
         self.lock = threading.RLock()  # one thread at a time runs streamed groups (they swap weights in)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -216,6 +229,29 @@ class _Shared:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.lock = threading.RLock()
+
+    def add(self, packed: PackedGroup) -> None:
+        """Stream ``packed`` through the ring (before :meth:`start`)."""
+        self.packed[packed.name] = packed
+
+    def start(self) -> None:
+        """Make the ring, once every packed group is known."""
+        self.ring = Ring(list(self.packed.values()), self.device, slots=self.prefetch + 1)
+
+    def stop_streaming(self, name: str) -> PackedGroup | None:
+        """Take group ``name`` out of the ring (it became resident); its packed weights."""
+        packed = self.packed.pop(name, None)
+        if packed is not None and self.ring is not None:
+            self.ring.forget(packed)
+        return packed
+
+    def close(self) -> None:
+        """Drop the ring and the packed groups, keeping the ring's counts in the statistics."""
+        if self.ring is not None:
+            self.stats.prefetch_hits += self.ring.prefetched
+            self.stats.prefetch_misses += self.ring.misses
+        self.ring = None
+        self.packed.clear()
 
     def settle(self) -> None:
         """Read the timings of the groups that finished (waits for their events on the device)."""
@@ -229,18 +265,18 @@ class _Shared:
             transfer = device.elapsed(*m.copy) if m.copy is not None else waited
             stats.seconds_waiting += waited
             stats.seconds_transferring += transfer
-            self.costs[m.name] = [m.nbytes, transfer, device.elapsed(m.ready, m.end)]
+            self.timings[m.name] = _Timing(m.nbytes, transfer, device.elapsed(m.ready, m.end))
         self.pending = still
 
     def measured(self, names: list[str]) -> tuple[list[GroupCost], float]:
         """The settled costs of ``names`` (in order, repeats kept) and the link's bytes per second."""
         self.settle()
-        known = [n for n in names if n in self.costs]
-        once = list(dict.fromkeys(known))
-        moved = sum(self.costs[n][0] for n in once)
-        seconds = sum(self.costs[n][1] for n in once)
+        known = [n for n in names if n in self.timings]
+        once = [self.timings[n] for n in dict.fromkeys(known)]
+        moved = sum(t.nbytes for t in once)
+        seconds = sum(t.transfer_s for t in once)
         bandwidth = moved / seconds if seconds > 0 else float("inf")
-        return [GroupCost(n, int(self.costs[n][0]), self.costs[n][2]) for n in known], bandwidth
+        return [GroupCost(n, self.timings[n].nbytes, self.timings[n].compute_s) for n in known], bandwidth
 
     def hint(self) -> str:
         groups, bandwidth = self.measured(self.order.recorded)
@@ -275,13 +311,13 @@ class _GroupStreamer:
         packed_entries: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]],
         other_entries: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]],
         packed: PackedGroup | None,
-        transit: _Shared,
+        streaming: _Streaming,
     ) -> None:
         self.name = name
         self.packed_entries = packed_entries
         self.other_entries = other_entries
         self.packed = packed
-        self.transit = transit
+        self.streaming = streaming
         self.nbytes = sum(p.numel() * dtype.itemsize for _, _, p, dtype in packed_entries + other_entries)
         self.depth = 0
         self.slot: int | None = None
@@ -289,14 +325,14 @@ class _GroupStreamer:
 
     @torch.compiler.disable  # transfers stay outside compiled regions; the group's compute compiles
     def bring_in(self) -> None:
-        self.transit.lock.acquire()  # held until the matching release(), by this thread
+        self.streaming.lock.acquire()  # held until the matching release(), by this thread
         self.depth += 1
         if self.depth > 1:
             return  # re-entered (a shared module): already in
-        shared = self.transit
-        device = shared.device
+        streaming = self.streaming
+        device = streaming.device
         start = device.record(device.current_stream())
-        shared.order.ran(self.name)
+        streaming.order.ran(self.name)
         copy = None
         try:
             direct = self.other_entries
@@ -305,9 +341,9 @@ class _GroupStreamer:
                     f"torchsurgery.offload: group {self.name!r} streams from a checkpoint file, which "
                     "serves inference only; run the model under torch.no_grad()"
                 )
-            if self.packed is not None and shared.ring is not None and not torch.is_grad_enabled():
-                upcoming = [shared.packed[n] for n in shared.order.ahead(self.name, shared.prefetch) if n in shared.packed]
-                self.slot, views, copy = shared.ring.enter(self.packed, upcoming)
+            if self.packed is not None and streaming.ring is not None and not torch.is_grad_enabled():
+                upcoming = [streaming.packed[n] for n in streaming.order.ahead(self.name, streaming.prefetch) if n in streaming.packed]
+                self.slot, views, copy = streaming.ring.enter(self.packed, upcoming)
                 for (owner, pname, _, dtype), view in zip(self.packed_entries, views, strict=True):
                     owner._parameters[pname] = view if view.dtype == dtype else view.to(dtype)  # type: ignore[assignment]
             else:
@@ -319,19 +355,19 @@ class _GroupStreamer:
             self.release()
             raise
         self.measure = _Measure(self.name, self.nbytes, start, device.record(device.current_stream()), copy)
-        shared.pending.append(self.measure)
-        stats = shared.stats
+        streaming.pending.append(self.measure)
+        stats = streaming.stats
         stats.bytes_moved += self.nbytes
         stats.transfers += 1
-        shared.current += self.nbytes
-        stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + shared.current)
+        streaming.current += self.nbytes
+        stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + streaming.current)
 
     @torch.compiler.disable
     def release(self) -> None:
         try:
             self._put_back()
         finally:
-            self.transit.lock.release()
+            self.streaming.lock.release()
 
     def _put_back(self) -> None:
         self.depth -= 1
@@ -339,16 +375,16 @@ class _GroupStreamer:
             return
         for owner, pname, p, _ in self.packed_entries + self.other_entries:
             owner._parameters[pname] = p
-        shared = self.transit
+        streaming = self.streaming
         if self.measure is not None:
-            self.measure.end = shared.device.record(shared.device.current_stream())
+            self.measure.end = streaming.device.record(streaming.device.current_stream())
             self.measure = None
-            if len(shared.pending) >= shared._SETTLE_EVERY:
-                shared.settle()
-        if self.slot is not None and shared.ring is not None:
-            shared.ring.exit(self.slot)
+            if len(streaming.pending) >= streaming._SETTLE_EVERY:
+                streaming.settle()
+        if self.slot is not None and streaming.ring is not None:
+            streaming.ring.exit(self.slot)
             self.slot = None
-        shared.current = max(0, shared.current - self.nbytes)
+        streaming.current = max(0, streaming.current - self.nbytes)
 
 
 class _StreamedGroup(Patch, nn.Module):

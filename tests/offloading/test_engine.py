@@ -1,4 +1,4 @@
-"""Tests of torchsurgery.offload: grouping, storage dtype, residency, training, undo."""
+"""Tests of torchsurgery.offload and its handle: outputs, storage dtype, residency, training, undo, files."""
 
 from __future__ import annotations
 
@@ -12,40 +12,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from simulated_device import SimulatedDevice
+from _offload_models import IDS, identity_map, mlp, tiny_gpt2, tiny_llama, transformers
 from torch import nn
 
 import torchsurgery
-from torchsurgery import offload
-from torchsurgery.offloading.grouping import find_groups, repeated_blocks
-
-transformers = pytest.importorskip("transformers")
-
-
-def mlp(blocks: int = 4, d: int = 32) -> nn.Module:
-    layers = [nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(blocks)]
-    return nn.Sequential(nn.LayerNorm(d), nn.Sequential(*layers), nn.Linear(d, 4))
-
-
-def tiny_gpt2() -> nn.Module:
-    return transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
-    ).eval()
-
-
-def tiny_llama() -> nn.Module:
-    return transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
-    ).eval()
-
-
-def identity_map(model: nn.Module) -> dict[str, tuple[int, torch.device, torch.dtype]]:
-    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
-    return {n: (id(t), t.device, t.dtype) for n, t in named}
-
-
-IDS = torch.tensor([[3, 7, 1, 9]])
+from torchsurgery import Residency, offload
+from torchsurgery.offloading.grouping import find_groups
 
 
 def train_side_by_side(
@@ -58,122 +30,6 @@ def train_side_by_side(
             o.zero_grad()
             loss.backward()
             o.step()
-
-
-# ---------------------------------------------------------------------- grouping
-
-
-def test_blocks_are_the_longest_run_of_same_typed_children() -> None:
-    model = tiny_llama()
-    container, blocks = repeated_blocks(model)
-    assert container == "model.layers" and blocks == [f"model.layers.{i}" for i in range(3)]
-    groups = find_groups(model, "blocks")
-    assert groups[1:4] == blocks
-    assert {"model.embed_tokens", "model.norm", "lm_head"} <= set(groups)
-    # every parameter is covered exactly once by the groups
-    covered = [n for n, _ in model.named_parameters() if any(n.startswith(f"{g}.") for g in groups)]
-    assert sorted(covered) == sorted(n for n, _ in model.named_parameters())
-
-
-def test_leaves_and_explicit_groups() -> None:
-    model = mlp(2)
-    assert find_groups(model, "leaves") == ["0", "1.0.0", "1.0.2", "1.1.0", "1.1.2", "2"]
-    assert find_groups(model, ["2", "0"]) == ["0", "2"]
-    with pytest.raises(ValueError, match="did you mean"):
-        find_groups(model, ["1.0.00"])
-    with pytest.raises(ValueError, match="overlap"):
-        find_groups(model, ["1", "1.0"])
-    with pytest.raises(ValueError, match="blocks"):
-        find_groups(model, "everything")
-
-
-class _Experts(nn.Module):
-    """A container without a forward of its own: its owner calls its children and reads ``gate``."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.gate = nn.Parameter(torch.randn(d))
-        self.up = nn.Linear(d, d)
-        self.down = nn.Linear(d, d)
-
-
-class _UncalledContainers(nn.Module):
-    """Blocks, plus weights held by modules whose own forward never runs."""
-
-    def __init__(self, d: int = 8) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(3))
-        self.heads = nn.ModuleList([nn.LayerNorm(d), nn.Linear(d, d)])
-        self.extra = nn.ModuleDict({"a": nn.Linear(d, d), "b": nn.Linear(d, d)})
-        self.experts = _Experts(d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x).relu()
-        x = self.heads[1](self.heads[0](x))
-        x = self.extra["a"](x) + self.extra["b"](x)
-        return self.experts.down(self.experts.up(x) * self.experts.gate)
-
-
-@pytest.mark.parametrize("groups", ["blocks", "leaves"])
-def test_default_groups_split_modules_that_are_never_called(groups: str) -> None:
-    model = _UncalledContainers()
-    found = find_groups(model, groups)
-    named = dict(model.named_modules())
-    assert not any(type(named[g]).forward is nn.Module.forward for g in found if g)
-    assert "" in found  # experts.gate is read by the root's forward, so the root's group holds it
-    x = torch.randn(2, 8)
-    with torch.no_grad():
-        expected = model(x)
-        with offload(model, storage_dtype=torch.float64, dtype=torch.float32, groups=groups):
-            got = model(x)
-    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-
-
-class _PatchEmbed(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(d, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.proj(x))
-
-
-class _BypassedForward(nn.Module):
-    """Calls a part of a piece that has a forward of its own (``self.embed.proj(x)``)."""
-
-    def __init__(self, d: int = 8) -> None:
-        super().__init__()
-        self.embed = _PatchEmbed(d)
-        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed.proj(x)
-        for block in self.blocks:
-            x = block(x).relu()
-        return self.embed.norm(x)
-
-
-def test_default_groups_bring_in_parts_called_without_their_owner() -> None:
-    model = _BypassedForward()
-    assert {"embed.proj", "embed.norm"} <= set(find_groups(model, "blocks"))
-    x = torch.randn(2, 8)
-    largest = max(p.numel() * 4 for p in model.parameters())
-    # streamed groups are stored fp64 and brought in as fp32: a weight left out fails the matmul
-    with torch.no_grad(), SimulatedDevice(seed=1) as sim:
-        expected = model(x)
-        with offload(model, sim, storage_dtype=torch.float64, dtype=torch.float32, budget=4 * largest, prefetch=1):
-            got = model(x)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
-
-
-def test_an_explicit_group_that_is_never_called_is_refused_with_its_children() -> None:
-    model = _UncalledContainers()
-    before = identity_map(model)
-    with pytest.raises(ValueError, match=r"'extra' is a ModuleDict.*\['extra.a', 'extra.b'\]"):
-        offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups=["blocks.0", "extra"])
-    assert identity_map(model) == before and not torchsurgery.surgery_log(model)
 
 
 # ---------------------------------------------------------------------- outputs
@@ -486,7 +342,7 @@ def test_cuda_streaming_matches_the_resident_model(make: Any) -> None:
             torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
     s = handle.stats()
     assert s.peak_device_bytes <= budget and s.transfers > 0 and s.achieved_gbps > 0
-    assert handle._transit.ring is not None and handle._transit.ring.prefetched > 0
+    assert s.prefetch_hits > 0
     handle.remove()
     assert all(p.device.type == "cpu" for p in model.parameters())
 
@@ -585,19 +441,6 @@ def test_training_with_an_fp32_master_copy_matches_fp32_training() -> None:
     handle.remove()
 
 
-def test_execution_order_and_the_stall_hint_are_measured() -> None:
-    d = 16
-    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d)) for _ in range(3)])
-    handle = offload(model, storage_dtype=torch.float16, dtype=torch.float32, skip=None)
-    assert handle.stats().hint == "no streamed group has run yet"
-    with torch.no_grad():
-        model(torch.randn(2, d))
-    assert handle._transit.order.recorded == ["0", "1", "2"]  # the order groups actually ran in
-    assert handle.stats().hint.startswith(("transfer-bound: ", "compute-bound: "))
-    handle.remove()
-    assert not model._forward_hooks
-
-
 class _Conv(nn.Module):
     """Blocks that are not matmul layers, so every weight goes through the ring."""
 
@@ -622,16 +465,16 @@ def test_ring_streams_packed_groups_exactly_with_prefetch_and_out_of_order_runs(
         model.reverse = False
     ids = identity_map(model)
     handle = offload(model, storage_dtype=torch.float64, dtype=torch.float32, groups="blocks")
-    shared = handle._transit
-    assert sorted(shared.packed) == [f"blocks.{i}" for i in range(4)]
-    for name, packed in shared.packed.items():  # the flat buffer is the weights' only host copy
-        start = packed.host.data_ptr()
-        for p in model.get_submodule(name).parameters():
-            assert start <= p.data_ptr() < start + packed.layout.nbytes and p.dtype == torch.float64
+    assert [g.name for g in handle.plan.groups] == [f"blocks.{i}" for i in range(4)]
+    assert {p.residency for p in handle.plan.params} == {Residency.STREAMED}
+    for group in handle.plan.groups:  # one flat buffer per group is the weights' only host copy
+        params = list(model.get_submodule(group.name).parameters())
+        assert len({p.untyped_storage().data_ptr() for p in params}) == 1
+        assert all(p.dtype == torch.float64 for p in params)
     with torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
-        assert shared.ring is not None and shared.ring.prefetched > 0  # later forwards found groups ready
+        assert handle.stats().prefetch_hits > 0  # later forwards found groups ready
         model.reverse = True  # out of the recorded order: misses, still exact
         torch.testing.assert_close(model(x), expected_reversed, rtol=0, atol=0)
         model.reverse = False
@@ -813,3 +656,21 @@ def test_a_tied_weight_stored_under_its_other_name_is_found(tmp_path: Any) -> No
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
     handle.remove()
+
+
+class _NewWeight(torchsurgery.Patch, nn.Linear):
+    """Replaces the layer's weight object (what an offload that streams it must refuse)."""
+
+    def __patch_init__(self) -> None:
+        self.weight = nn.Parameter(self.weight.detach().clone())
+
+
+def test_a_patch_replacing_an_offloaded_parameter_is_refused_until_remove() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups="leaves")
+    with pytest.raises(RuntimeError, match="an active offload depends on"):
+        torchsurgery.patch(model[0], _NewWeight)
+    assert not torchsurgery.is_patched(model[0], _NewWeight)
+    handle.remove()
+    torchsurgery.patch(model[0], _NewWeight)  # nothing depends on the weight any more
+    assert torchsurgery.is_patched(model[0], _NewWeight)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from torchsurgery._packing import ALIGNMENT, Slot, TensorLayout, align, fill, views
+from torchsurgery._tensor_layout import ALIGNMENT, Slot, TensorLayout, align, fill, views
 
 DTYPES = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,

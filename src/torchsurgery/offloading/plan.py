@@ -1,0 +1,504 @@
+"""Planning an offload: where each weight lives, in which dtypes, before anything changes.
+
+:func:`plan_offload` validates the arguments and decides everything :func:`~torchsurgery.offload`
+will do: the groups, each parameter's storage, compute and shadow dtypes, its residency (on
+the device, streamed through the ring, read from a checkpoint file, read narrow by a CPU
+matmul layer, ...) and its checkpoint key. It reads the model and the checkpoint's index
+but changes nothing, so a plan can be printed and checked before committing to it; the
+:class:`~torchsurgery.OffloadHandle` then installs exactly that plan.
+
+Everything is keyed by qualified names: a parameter shared by several modules (tied
+weights) is listed under each name, and every occurrence after the first names the
+first one in ``tied_to``.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from torchsurgery import _undo
+from torchsurgery._checkpoint import SafetensorsSource, open_source
+from torchsurgery._format import human_bytes
+from torchsurgery._validate import check_bytes, check_dtype, dtype_name
+from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, BudgetError, Setting
+from torchsurgery.offloading.device import OffloadDevice, resolve_device
+from torchsurgery.offloading.grouping import find_groups
+from torchsurgery.offloading.narrow import _is_matmul_layer
+
+__all__ = ["plan_offload", "OffloadPlan", "GroupPlan", "ParamPlan", "Residency", "DEFAULT_SKIP"]
+
+_WHAT = "torchsurgery.offload"
+
+
+def _is_norm_or_embedding(module: nn.Module, name: str) -> bool:
+    """Whether ``module`` is a norm or an embedding (kept in its dtype by default).
+
+    Example:
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> torchsurgery.DEFAULT_SKIP(nn.LayerNorm(4), "ln"), torchsurgery.DEFAULT_SKIP(nn.Linear(2, 2), "fc")
+        (True, False)
+    """
+    norms = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.RMSNorm, nn.Embedding, nn.EmbeddingBag)
+    return isinstance(module, norms) or "Norm" in type(module).__name__ or "Embedding" in type(module).__name__
+
+
+DEFAULT_SKIP: Callable[[nn.Module, str], bool] = _is_norm_or_embedding
+"""Modules kept in their own dtype when a ``storage_dtype`` is given: norms and embeddings."""
+
+
+class Residency(enum.Enum):
+    """Where a parameter's values live while the model is offloaded.
+
+    Example:
+        >>> from torchsurgery.offloading import Residency
+        >>> Residency.STREAMED.value
+        'streamed'
+    """
+
+    RESIDENT = "resident"
+    """On the device in the compute dtype for as long as the offload lasts."""
+    STREAMED = "streamed"
+    """In its group's flat host buffer (storage dtype), copied in through the ring of device buffers."""
+    FILE = "file"
+    """In the checkpoint file (the parameter is ``meta``), read in through the ring."""
+    NARROW = "narrow"
+    """In host memory in the storage dtype; its CPU matmul layer reads it narrow."""
+    CONVERTED = "converted"
+    """In host memory; converted for each forward without the ring (a tensor subclass, or a
+    weight tied to one whose host copy lives in an earlier group's buffer)."""
+    IN_PLACE = "in place"
+    """In host memory in its compute dtype, where a CPU computes with it directly: nothing is brought in."""
+
+
+@dataclass
+class ParamPlan:
+    """One parameter under one qualified name.
+
+    Attributes:
+        name: qualified name (``"blocks.0.fc.weight"``).
+        module: qualified name of the module holding it.
+        attr: its name in that module.
+        storage_dtype: the dtype it is kept in while offloaded (in the file: the file's).
+        compute_dtype: the dtype its group computes with.
+        shadow_dtype: with a ``master_dtype``: the dtype of the narrow copy that serves
+            forwards without gradients (``None``: no copy).
+        residency: where its values live while offloaded.
+        file_key: its key in the checkpoint file, where it is read from there.
+        tied_to: the name of the first occurrence of the same parameter, if this is not it.
+        nbytes: its bytes in the compute dtype.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> layer = nn.Sequential(nn.Linear(2, 2))
+        >>> p = torchsurgery.plan_offload(layer, storage_dtype=torch.float16, dtype=torch.float32).params[0]
+        >>> p.name, p.storage_dtype, p.compute_dtype, p.lookup(layer) is layer[0].weight
+        ('0.weight', torch.float16, torch.float32, True)
+    """
+
+    name: str
+    module: str
+    attr: str
+    storage_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    shadow_dtype: torch.dtype | None
+    residency: Residency
+    file_key: str | None
+    tied_to: str | None
+    nbytes: int
+
+    def lookup(self, model: nn.Module) -> nn.Parameter:
+        """The parameter in ``model`` (the object itself, not what attribute access returns)."""
+        param = model.get_submodule(self.module)._parameters[self.attr]
+        assert param is not None
+        return param
+
+
+def _param(named: dict[str, nn.Module], p: ParamPlan) -> nn.Parameter:
+    """``p``'s parameter, from the model's modules by qualified name."""
+    param = named[p.module]._parameters[p.attr]
+    assert param is not None
+    return param
+
+
+@dataclass
+class GroupPlan:
+    """A group of modules whose weights move together.
+
+    Attributes:
+        name: qualified name of the group's root module (``""``: the model).
+        resident: kept on the device from the start (more may follow from measurements).
+        nbytes: its parameters' bytes in the compute dtype (tied ones counted once, in
+            the first group holding them).
+        params: its parameters, in module order.
+
+    Example:
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        >>> [(g.name, g.nbytes) for g in torchsurgery.plan_offload(model, groups="leaves").groups]
+        [('0', 24), ('1', 24)]
+    """
+
+    name: str
+    resident: bool
+    nbytes: int
+    params: list[ParamPlan] = field(default_factory=list)
+
+
+@dataclass
+class OffloadPlan:
+    """What :func:`~torchsurgery.offload` will do to a model; ``str()`` gives a table.
+
+    Attributes:
+        device: where the computation runs.
+        groups: the groups, in model order.
+        budget: device bytes the weights may take (``None``: no limit).
+        measured_budget: the part of the budget left for groups the first forward's
+            measurements make resident (``None``: no planning after the first forward).
+        prefetch: groups brought in ahead.
+        pin_memory: whether streamed host buffers are page-locked.
+        storage: the checkpoint streamed groups are read from, if any.
+        offload_device: the device seam the offload runs through.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        >>> print(torchsurgery.plan_offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32))
+        offload to cpu: 2 groups (0 resident), 112 B of weights in the compute dtype; budget none, prefetch 1, host memory not pinned
+        group  parameter  residency  storage   compute  shadow  file key
+        0      0.weight   narrow     bfloat16  float32  -       -
+        0      0.bias     narrow     bfloat16  float32  -       -
+        1      1.weight   in place   float32   float32  -       -
+        1      1.bias     in place   float32   float32  -       -
+    """
+
+    device: torch.device
+    groups: list[GroupPlan]
+    budget: int | None
+    measured_budget: int | None
+    prefetch: int
+    pin_memory: bool
+    storage: str | os.PathLike[str] | None
+    offload_device: OffloadDevice = field(repr=False, compare=False)
+
+    @property
+    def params(self) -> list[ParamPlan]:
+        """Every parameter entry of every group."""
+        return [p for g in self.groups for p in g.params]
+
+    def __str__(self) -> str:
+        resident = sum(g.resident for g in self.groups)
+        total = sum(g.nbytes for g in self.groups)
+        budget = "none" if self.budget is None else human_bytes(self.budget, binary=True)
+        head = (
+            f"offload to {self.device}: {len(self.groups)} groups ({resident} resident), "
+            f"{human_bytes(total, binary=True)} of weights in the compute dtype; budget {budget}, "
+            f"prefetch {self.prefetch}, host memory {'pinned' if self.pin_memory else 'not pinned'}"
+        )
+        rows = [("group", "parameter", "residency", "storage", "compute", "shadow", "file key")]
+        for g in self.groups:
+            for p in g.params:
+                shadow = dtype_name(p.shadow_dtype) if p.shadow_dtype is not None else "-"
+                residency = p.residency.value + (f" (= {p.tied_to})" if p.tied_to else "")
+                rows.append((g.name or "<root>", p.name, residency, dtype_name(p.storage_dtype),
+                             dtype_name(p.compute_dtype), shadow, p.file_key or "-"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        return "\n".join([head, *lines])
+
+
+@dataclass(frozen=True)
+class _Options:
+    """The checked arguments of one plan."""
+
+    device: OffloadDevice
+    dtype: torch.dtype | None
+    storage_dtype: torch.dtype | None
+    master_dtype: torch.dtype | None
+    budget: int | None
+    prefetch: int
+    pin: bool
+    skip: Callable[[nn.Module, str], bool] | None
+    finer_groups: bool  # whether groups finer than the chosen ones exist (not 'leaves' already)
+
+
+def already_offloaded(model: nn.Module) -> str | None:
+    """Why ``model`` cannot be offloaded again (an offload of ours or a peer's hooks), if so."""
+    for name, module in model.named_modules():
+        if any(r.kind == "offload" for r in _undo.records(module)):
+            return f"it is already offloaded by torchsurgery ({name or '<root>'}); remove() that first"
+        if hasattr(module, "_hf_hook"):
+            return f"{name or '<root>'} carries an accelerate hook (cpu_offload/dispatch_model); remove it first"
+        if getattr(module, "_diffusers_hook", None) is not None:
+            return f"{name or '<root>'} carries a diffusers hook (group offloading/layerwise casting); remove it first"
+    return None
+
+
+def _check_options(
+    model: nn.Module,
+    device: str | torch.device | OffloadDevice,
+    dtype: torch.dtype | None,
+    storage_dtype: torch.dtype | None,
+    master_dtype: torch.dtype | None,
+    budget: int | None,
+    prefetch: int,
+    pin_memory: bool | None,
+    skip: Callable[[nn.Module, str], bool] | None,
+    groups: object,
+) -> _Options:
+    """Every argument checked, in the order a user would fix them."""
+    _undo.check_not_compiling("offload")
+    _undo.check_module(model, _WHAT)
+    seam = resolve_device(device, _WHAT)
+    compute = check_dtype(dtype, _WHAT, "dtype")
+    stored = check_dtype(storage_dtype, _WHAT, "storage_dtype")
+    master = check_dtype(master_dtype, _WHAT, "master_dtype")
+    check_bytes(budget, _WHAT, "budget")
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        raise ArgumentValueError(_WHAT, "prefetch", prefetch, f"must be an int >= 0, got {prefetch!r}")
+    if skip is not None and not callable(skip):
+        raise ArgumentTypeError(_WHAT, "skip", skip, f"must be a filter (module, name) -> bool or None, got {skip!r}")
+    if pin_memory is not None and not isinstance(pin_memory, bool):
+        raise ArgumentTypeError(
+            _WHAT, "pin_memory", pin_memory, f"must be True, False or None (automatic), got {pin_memory!r}"
+        )
+    problem = already_offloaded(model)
+    if problem:
+        raise RuntimeError(f"{_WHAT}: cannot offload the model: {problem}")
+    if pin_memory and not seam.can_pin:
+        raise ArgumentValueError(
+            _WHAT, "pin_memory", pin_memory,
+            f"is True, but host memory cannot be pinned for {str(seam.device)!r} (page-locked memory needs an accelerator)",
+            "pass {}", Setting("pin_memory", False),
+        )
+    pin = (not seam.host_compute and seam.can_pin) if pin_memory is None else pin_memory
+    return _Options(seam, compute, stored, master, budget, prefetch, pin, skip, groups != "leaves")
+
+
+def _members(named: dict[str, nn.Module], names: list[str]) -> dict[str, list[str]]:
+    """Each group's modules: a module belongs to the innermost group containing it."""
+    members: dict[str, list[str]] = {g: [] for g in names}
+    for qual in named:
+        parts = qual.split(".") if qual else []
+        enclosing = (".".join(parts[:i]) for i in range(len(parts), -1, -1))  # itself, then outwards
+        group = next((g for g in enclosing if g in members), None)
+        if group is not None:
+            members[group].append(qual)
+    return members
+
+
+def _collect(named: dict[str, nn.Module], names: list[str], options: _Options) -> list[GroupPlan]:
+    """The groups with their parameters' dtypes (residency filled in later)."""
+    skip = options.skip
+    # a weight keeps its dtype when any module holding it is skipped (e.g. tied to an embedding)
+    kept = {id(p) for q, m in named.items() if skip is not None and skip(m, q) for p in m.parameters(recurse=False)}
+    first: dict[int, str] = {}  # parameter -> its first qualified name, while planning only
+    plan: list[GroupPlan] = []
+    for gname, quals in _members(named, names).items():
+        group = GroupPlan(gname, resident=False, nbytes=0)
+        for qual in quals:
+            for attr, p in named[qual]._parameters.items():
+                if p is None:
+                    continue
+                floating = p.is_floating_point()
+                compute = options.dtype if (options.dtype is not None and floating) else p.dtype
+                stored = options.storage_dtype if (options.storage_dtype is not None and floating and id(p) not in kept) else compute
+                shadow = None
+                if stored != compute and options.master_dtype is not None:
+                    shadow, stored = stored, options.master_dtype  # the parameter keeps the master dtype
+                name = f"{qual}.{attr}" if qual else attr
+                tied = first.setdefault(id(p), name)
+                nbytes = p.numel() * compute.itemsize
+                group.params.append(ParamPlan(name, qual, attr, stored, compute, shadow, Residency.STREAMED, None,
+                                              tied if tied != name else None, nbytes))
+                if tied == name:
+                    group.nbytes += nbytes
+        if group.params:
+            plan.append(group)
+    return plan
+
+
+def _reads_narrow(named: dict[str, nn.Module], group: GroupPlan, p: ParamPlan, options: _Options) -> bool:
+    """Whether ``p`` is served by the narrow-weight layer path (CPU matmul layers)."""
+    narrow = p.shadow_dtype or p.storage_dtype
+    if not options.device.host_compute or narrow == p.compute_dtype or not _is_matmul_layer(named[p.module]):
+        return False
+    return all((q.shadow_dtype or q.storage_dtype) == narrow for q in group.params if q.module == p.module)
+
+
+def _route(named: dict[str, nn.Module], groups: list[GroupPlan], options: _Options, from_file: bool) -> None:
+    """Each parameter's residency, the group's residency and tied weights given."""
+    where: dict[str, tuple[Residency, str]] = {}  # first name -> (its residency, its group)
+    for group in groups:
+        for p in group.params:
+            first = where.get(p.tied_to) if p.tied_to else None
+            host = options.device.host_compute
+            if group.resident or (first is not None and first[0] is Residency.RESIDENT):
+                p.residency = Residency.RESIDENT
+                p.storage_dtype, p.shadow_dtype = p.compute_dtype, None  # kept as it computes
+            elif from_file:
+                p.residency = Residency.FILE
+            elif _reads_narrow(named, group, p, options):
+                p.residency = Residency.NARROW
+            elif host and p.storage_dtype == p.compute_dtype:
+                p.residency = Residency.IN_PLACE
+            elif first is not None and first[1] != group.name:
+                p.residency = Residency.CONVERTED  # its host copy is in the first group's buffer
+            elif type(_param(named, p)) not in (torch.Tensor, nn.Parameter):
+                p.residency = Residency.CONVERTED  # a tensor subclass is not packed into bytes
+            else:
+                p.residency = Residency.STREAMED
+            if p.tied_to is None:
+                where[p.name] = (p.residency, group.name)
+
+
+def _check_budget_holds_largest(budget: int, groups: list[GroupPlan], finer: bool) -> None:
+    """Refuse a budget that cannot hold even the largest group."""
+    big = max(groups, key=lambda g: g.nbytes)
+    if budget < big.nbytes:
+        raise BudgetError(_WHAT, budget, big.nbytes, big.name, finer=finer)
+
+
+def _choose_residency(named: dict[str, nn.Module], groups: list[GroupPlan], options: _Options) -> tuple[int | None, int | None]:
+    """Mark the groups resident from the start; returns (budget, budget left for measured residency)."""
+    seam, budget = options.device, options.budget
+    if budget is None and not seam.host_compute:
+        budget = max(0, int(seam.free_memory() * 0.9) - (256 << 20))
+    if budget is None:
+        return None, None
+    _check_budget_holds_largest(budget, groups, options.finer_groups)
+    if sum(g.nbytes for g in groups) <= budget:
+        for g in groups:
+            g.resident = True  # never offload a model that fits
+        return budget, None
+    # groups that stream through the ring from memory are measured on the first forward and
+    # then kept resident by how much of their transfer cannot be hidden; the others (served
+    # by the narrow-weight path, or needing no conversion) are filled in order, also when
+    # their weights are then read from a checkpoint file
+    _route(named, groups, options, from_file=False)
+    room = budget - (options.prefetch + 1) * max(g.nbytes for g in groups)
+    for g in groups:
+        rides_ring = any(p.residency not in (Residency.NARROW, Residency.IN_PLACE) for p in g.params)
+        if not rides_ring and g.nbytes <= room:
+            g.resident = True
+            room -= g.nbytes
+    return budget, budget - sum(g.nbytes for g in groups if g.resident)
+
+
+def _file_keys(model: nn.Module, named: dict[str, nn.Module], groups: list[GroupPlan], storage: str | os.PathLike[str]) -> None:
+    """Find each parameter read from the checkpoint under one of its ``state_dict`` names."""
+    source = open_source(storage, _WHAT)
+    try:
+        if not isinstance(source, SafetensorsSource):
+            raise ValueError(f"{_WHAT}: storage must be a safetensors checkpoint (file, *.index.json or folder), got {storage!r}")
+        stored = source.entries()
+    finally:
+        source.close()
+    state_names: dict[int, list[str]] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        state_names.setdefault(id(tensor), []).append(key)
+    problems = []
+    for p in (p for g in groups for p in g.params):
+        tensor = _param(named, p)
+        if p.residency is Residency.RESIDENT and not tensor.is_meta:
+            continue  # a resident group reads from the file only what has no values
+        found = [k for k in state_names.get(id(tensor), []) if k in stored]
+        if not found or stored[found[0]].shape != tuple(tensor.shape):
+            problems.append(p.name)
+        else:
+            p.file_key = found[0]
+            if p.residency is Residency.FILE:
+                p.storage_dtype = stored[found[0]].dtype
+    if problems:
+        raise ValueError(f"{_WHAT}: {storage!r} lacks (or mis-shapes) {len(problems)} weights, e.g. {problems[:3]}")
+
+
+def plan_offload(
+    model: nn.Module,
+    device: str | torch.device | OffloadDevice = "cpu",
+    *,
+    dtype: torch.dtype | None = None,
+    storage_dtype: torch.dtype | None = None,
+    budget: int | None = None,
+    prefetch: int = 1,
+    pin_memory: bool | None = None,
+    groups: str | Sequence[str] = "blocks",
+    skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP,
+    master_dtype: torch.dtype | None = None,
+    storage: str | os.PathLike[str] | None = None,
+) -> OffloadPlan:
+    """What :func:`~torchsurgery.offload` with these arguments would do, without doing it.
+
+    Checks the arguments as :func:`~torchsurgery.offload` does; the model is left
+    untouched (a checkpoint is only indexed, a device only asked for its free memory).
+
+    Args:
+        model: the model to plan for.
+        device: where the computation would run.
+        dtype: compute dtype of floating weights (default: theirs).
+        storage_dtype: the dtype weights would be stored in (``skip`` keeps theirs).
+        budget: device bytes the weights may take.
+        prefetch: groups brought in ahead.
+        pin_memory: pin host storage (default: on an accelerator that can).
+        groups: ``"blocks"``, ``"leaves"`` or a list of qualified module names.
+        skip: ``(module, name) -> bool``; selected modules keep their own dtype.
+        master_dtype: the dtype parameters keep for training, next to a narrow copy.
+        storage: a safetensors checkpoint to stream weights from.
+
+    See :func:`~torchsurgery.offload` for what each argument does in full.
+
+    Returns:
+        An :class:`OffloadPlan`: per group and per parameter the storage, compute and
+        shadow dtypes, the residency and the checkpoint key; ``print()`` it for a table.
+
+    Raises:
+        TypeError: an argument of the wrong kind.
+        ValueError: a device that does not exist, ``pin_memory=True`` where host memory
+            cannot be pinned, a budget below the largest group, an unknown group name,
+            weights without values and no checkpoint, a checkpoint lacking weights.
+        RuntimeError: the model is already offloaded (by torchsurgery, accelerate or diffusers).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        >>> plan = torchsurgery.plan_offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups="leaves")
+        >>> [(p.name, p.residency.value, p.storage_dtype) for p in plan.params]  # doctest: +NORMALIZE_WHITESPACE
+        [('0.weight', 'narrow', torch.bfloat16), ('0.bias', 'narrow', torch.bfloat16),
+         ('1.weight', 'in place', torch.float32), ('1.bias', 'in place', torch.float32)]
+        >>> model[0].weight.dtype  # nothing changed yet
+        torch.float32
+    """
+    options = _check_options(
+        model, device, dtype, storage_dtype, master_dtype, budget, prefetch, pin_memory, skip, groups
+    )
+    named = dict(model.named_modules())
+    plan = _collect(named, find_groups(model, groups, _WHAT), options)
+    if not plan:
+        raise ValueError(f"{_WHAT}: the model has no parameters to offload")
+    if storage is None:
+        empty = [p.name for g in plan for p in g.params if _param(named, p).is_meta]
+        if empty:
+            raise ValueError(
+                f"{_WHAT}: {len(empty)} weights are on the meta device (no values), e.g. {empty[:3]}; "
+                "stream them from their checkpoint with storage='model.safetensors', or load them first"
+            )
+    from_file = storage is not None
+    budget, measured = _choose_residency(named, plan, options)
+    _route(named, plan, options, from_file)
+    if storage is not None:
+        _file_keys(model, named, plan, storage)
+    seam = options.device
+    return OffloadPlan(seam.device, plan, budget, measured, prefetch, options.pin, storage, seam)

@@ -1,0 +1,35 @@
+"""Small models and checks shared by the offloading tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+
+def mlp(blocks: int = 4, d: int = 32) -> nn.Module:
+    layers = [nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(blocks)]
+    return nn.Sequential(nn.LayerNorm(d), nn.Sequential(*layers), nn.Linear(d, 4))
+
+
+def tiny_gpt2() -> nn.Module:
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    ).eval()
+
+
+def tiny_llama() -> nn.Module:
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    ).eval()
+
+
+def identity_map(model: nn.Module) -> dict[str, tuple[int, torch.device, torch.dtype]]:
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
+    return {n: (id(t), t.device, t.dtype) for n, t in named}
+
+
+IDS = torch.tensor([[3, 7, 1, 9]])

@@ -1,0 +1,164 @@
+"""Offload plans: decided before anything changes, printable, and what offload then installs."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from simulated_device import SimulatedDevice
+from torch import nn
+
+import torchsurgery
+from torchsurgery import Residency, offload, plan_offload
+
+
+class _Tied(nn.Module):
+    """Two linear blocks and a head sharing the first block's weight."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+        self.head = nn.Linear(d, d, bias=False)
+        self.head.weight = self.blocks[0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x).relu()
+        return self.head(x)
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.LayerNorm(8), nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)]), nn.Conv1d(1, 1, 3))
+
+
+def _state(model: nn.Module) -> list[Any]:
+    """Everything a plan must leave alone: identities, devices, dtypes, values, hooks, the undo log."""
+    tensors = [(n, id(t), t.device, t.dtype, t.detach().clone()) for n, t in model.state_dict(keep_vars=True).items()]
+    classes = [type(m) for m in model.modules()]
+    hooks = [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]
+    return [tensors, classes, hooks, torchsurgery.surgery_log(model)]
+
+
+def _same_state(a: list[Any], b: list[Any], values: bool = True) -> bool:
+    (ta, *rest_a), (tb, *rest_b) = a, b
+    same_tensors = all(x[:4] == y[:4] and (not values or torch.equal(x[4], y[4])) for x, y in zip(ta, tb, strict=True))
+    return same_tensors and rest_a == rest_b
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"storage_dtype": torch.bfloat16, "dtype": torch.float32},
+        {"storage_dtype": torch.bfloat16, "master_dtype": torch.float32, "groups": "leaves"},
+        {"budget": 10_000},
+    ],
+)
+def test_planning_changes_nothing_and_offload_installs_that_plan(kwargs: dict[str, Any]) -> None:
+    model = _mlp()
+    before = _state(model)
+    plan = plan_offload(model, **kwargs)
+    assert _same_state(before, _state(model))
+    handle = offload(model, **kwargs)
+    assert str(handle.plan) == str(plan) and handle.plan.params == plan.params
+    assert handle.stats().resident_groups == [g.name for g in plan.groups if g.resident]
+    handle.remove()
+    assert _same_state(before, _state(model), values="storage_dtype" not in kwargs)  # else rounded to bf16
+
+
+def test_each_residency_is_where_the_weights_then_are() -> None:
+    model = _mlp()
+    plan = plan_offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
+    residency = {p.name: p.residency for p in plan.params}
+    assert residency["1.0.weight"] is Residency.NARROW  # a CPU matmul layer reads its bf16 weight
+    assert residency["0.weight"] is Residency.IN_PLACE  # a norm keeps its dtype: nothing moves on a CPU
+    assert residency["2.weight"] is Residency.STREAMED  # a conv is widened through the ring
+    with offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32):
+        for p in plan.params:
+            assert p.lookup(model).dtype == p.storage_dtype
+        assert model[1][0].weight.untyped_storage().nbytes() == 64 * 2  # stored narrow: half the bytes
+    with SimulatedDevice(seed=0) as sim:
+        on_device = plan_offload(model, sim, budget=10_000)
+        assert {p.residency for p in on_device.params} == {Residency.RESIDENT}  # the model fits: kept whole
+        assert all(p.storage_dtype == p.compute_dtype for p in on_device.params)
+        with offload(model, sim, budget=10_000) as handle:
+            assert handle.stats().resident_groups == [g.name for g in on_device.groups]
+
+
+def test_master_copies_are_planned_as_shadows() -> None:
+    model = _mlp()
+    plan = plan_offload(model, storage_dtype=torch.bfloat16, master_dtype=torch.float32, dtype=torch.float32)
+    linear = next(p for p in plan.params if p.name == "1.0.weight")
+    assert (linear.storage_dtype, linear.shadow_dtype, linear.residency) == (torch.float32, torch.bfloat16, Residency.NARROW)
+    assert all(p.shadow_dtype is None for p in plan.params if p.name.startswith("0."))  # the norm keeps its dtype
+
+
+def test_tied_weights_are_listed_under_each_name_and_counted_once() -> None:
+    model = _Tied()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 8)
+    with SimulatedDevice(seed=3) as sim:
+        plan = plan_offload(model, sim, groups=["blocks.0", "blocks.1", "head"], budget=10**6 - 1, prefetch=0)
+        tied = next(p for p in plan.params if p.name == "head.weight")
+        assert tied.tied_to == "blocks.0.weight"
+        head = next(g for g in plan.groups if g.name == "head")
+        assert head.nbytes == 0  # its only weight is counted in blocks.0
+        total = sum(p.numel() * 4 for p in model.parameters())
+        streamed = plan_offload(model, sim, groups=["blocks.0", "blocks.1", "head"], budget=total - 1, prefetch=0)
+        by_name = {p.name: p.residency for p in streamed.params}
+        assert by_name["blocks.0.weight"] is Residency.STREAMED
+        assert by_name["head.weight"] is Residency.CONVERTED  # its host copy is blocks.0's buffer
+        with torch.no_grad(), offload(model, sim, groups=["blocks.0", "blocks.1", "head"], budget=total - 1, prefetch=0):
+            torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+
+
+def test_checkpoint_keys_and_dtypes_come_from_the_file(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    model = _Tied()
+    path = tmp_path / "tied.safetensors"
+    state = {k: v.to(torch.float16) for k, v in model.state_dict().items() if k != "head.weight"}
+    save_file(state, path)
+    plan = plan_offload(model, storage=path)
+    assert {p.residency for p in plan.params} == {Residency.FILE}
+    keys = {p.name: p.file_key for p in plan.params}
+    assert keys["head.weight"] == "blocks.0.weight"  # a tied weight is found under its other name
+    assert all(p.storage_dtype == torch.float16 and p.compute_dtype == torch.float32 for p in plan.params)
+    assert not any(p.is_meta for p in model.parameters())  # only the file's index was read
+
+
+def test_the_table_shows_every_parameter() -> None:
+    model = _Tied()
+    text = str(plan_offload(model, storage_dtype=torch.float16, dtype=torch.float32))
+    head, columns, *rows = text.splitlines()
+    assert head.startswith("offload to cpu: 3 groups (0 resident)")
+    assert columns.split() == ["group", "parameter", "residency", "storage", "compute", "shadow", "file", "key"]
+    assert [r.split()[1] for r in rows] == ["blocks.0.weight", "blocks.0.bias", "blocks.1.weight", "blocks.1.bias", "head.weight"]
+    assert "(= blocks.0.weight)" in rows[-1]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"budget": 10}, ValueError, "cannot hold the largest group"),
+        ({"groups": ["blocks.7"]}, ValueError, "did you mean"),
+        ({"dtype": "fp16"}, TypeError, "dtype"),
+        ({"prefetch": -1}, ValueError, "prefetch"),
+        ({"storage": "missing.safetensors"}, (ValueError, FileNotFoundError), "missing"),
+    ],
+)
+def test_bad_input_is_refused_by_the_plan(kwargs: dict[str, Any], error: Any, match: str) -> None:
+    model = _Tied()
+    before = _state(model)
+    with pytest.raises(error, match=match):
+        plan_offload(model, **kwargs)
+    assert _same_state(before, _state(model))
+
+
+def test_weights_without_values_need_a_checkpoint() -> None:
+    with torchsurgery.skeleton():
+        model = _Tied()
+    with pytest.raises(ValueError, match="meta device"):
+        plan_offload(model)

@@ -1,0 +1,59 @@
+"""The ring of device buffers that streamed groups are copied into, on its own."""
+
+from __future__ import annotations
+
+import torch
+from simulated_device import SimulatedDevice
+
+from torchsurgery.offloading.device import resolve_device
+from torchsurgery.offloading.packing import FlatLayout, pack
+from torchsurgery.offloading.streams import PackedGroup, Ring
+
+
+def _groups(n: int) -> tuple[list[PackedGroup], list[list[torch.Tensor]]]:
+    weights = [[torch.randn(3, 2) + i, torch.arange(i + 1).half()] for i in range(n)]
+    packed = []
+    for i, w in enumerate(weights):
+        layout = FlatLayout.of(w)
+        packed.append(PackedGroup(f"g{i}", layout, pack(w, layout)))
+    return packed, weights
+
+
+def _same(views: list[torch.Tensor], weights: list[torch.Tensor]) -> bool:
+    return all(torch.equal(v.cpu(), w) for v, w in zip(views, weights, strict=True))
+
+
+def test_groups_come_in_exactly_and_the_next_ones_are_copied_ahead() -> None:
+    groups, weights = _groups(4)
+    with SimulatedDevice(seed=1, delay=(0.0, 0.001)) as sim:
+        ring = Ring(groups, sim, slots=2)
+        for _ in range(2):
+            for i, group in enumerate(groups):
+                slot, views, _ = ring.enter(group, groups[i + 1 : i + 2])
+                assert _same(views, weights[i])
+                ring.exit(slot)
+        assert ring.misses == 2 and ring.prefetched == 6  # only each pass's first group was not ahead
+
+
+def test_a_forgotten_group_is_copied_again() -> None:
+    groups, weights = _groups(2)
+    ring = Ring(groups, resolve_device("cpu", "test"), slots=2)
+    slot, _, _ = ring.enter(groups[0], [groups[1]])
+    ring.exit(slot)
+    ring.forget(groups[1])  # e.g. it became resident
+    slot, views, _ = ring.enter(groups[1], [])
+    assert ring.misses == 2 and _same(views, weights[1])
+
+
+def test_a_slot_still_in_use_is_never_overwritten() -> None:
+    groups, weights = _groups(3)
+    with SimulatedDevice(seed=2) as sim:
+        ring = Ring(groups, sim, slots=1)
+        outer, outer_views, _ = ring.enter(groups[0], [groups[1]])  # nothing free to copy ahead into
+        inner, inner_views, _ = ring.enter(groups[1], [])  # nested: a temporary buffer
+        assert inner == -1 and _same(inner_views, weights[1])
+        ring.exit(inner)
+        assert _same(outer_views, weights[0])
+        ring.exit(outer)
+        slot, views, _ = ring.enter(groups[2], [])
+        assert slot == outer and _same(views, weights[2])
