@@ -168,49 +168,69 @@ inline vf load(const float* p) {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, 64); }
 
-// R dot products of len elements: the weight from element base against x's rows (stride
-// ldx); C accumulator chains per row so that the additions never wait on each other
-template <int K, int R>
-inline void dots(const float* x, int64_t ldx, const void* w, int64_t base, int64_t len, float* sums) {
-  constexpr int C = R >= 4 ? 1 : 4 / R;
-  vf acc[C][R];
+// R x OB dot products of len elements: OB weight rows (from element base, a row apart)
+// against x's rows (stride ldx), each x load serving OB rows; C accumulator chains each,
+// about 16 in all (measured: 8 chains leave the FMA units waiting half the time)
+template <int K, int R, int OB>
+inline void dots(const float* x, int64_t ldx, const void* w, int64_t base, int64_t stride, int64_t len,
+                 float* sums) {
+  constexpr int C = R * OB >= 16 ? 1 : 16 / (R * OB);
+  vf acc[C][OB][R];
   for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) acc[c][r] = vf{};
+    for (int t = 0; t < OB; ++t)
+      for (int r = 0; r < R; ++r) acc[c][t][r] = vf{};
   int64_t k = 0;
   for (; k + C * kLanes <= len; k += C * kLanes)
     for (int c = 0; c < C; ++c) {
-      vf wv = widen16<K>(w, base + k + c * kLanes);
-      for (int r = 0; r < R; ++r) acc[c][r] += wv * load(x + r * ldx + k + c * kLanes);
+      vf wv[OB];
+      for (int t = 0; t < OB; ++t) wv[t] = widen16<K>(w, base + t * stride + k + c * kLanes);
+      for (int r = 0; r < R; ++r) {
+        vf xv = load(x + r * ldx + k + c * kLanes);
+        for (int t = 0; t < OB; ++t) acc[c][t][r] += wv[t] * xv;
+      }
     }
   for (; k + kLanes <= len; k += kLanes) {
-    vf wv = widen16<K>(w, base + k);
-    for (int r = 0; r < R; ++r) acc[0][r] += wv * load(x + r * ldx + k);
+    vf wv[OB];
+    for (int t = 0; t < OB; ++t) wv[t] = widen16<K>(w, base + t * stride + k);
+    for (int r = 0; r < R; ++r) {
+      vf xv = load(x + r * ldx + k);
+      for (int t = 0; t < OB; ++t) acc[0][t][r] += wv[t] * xv;
+    }
   }
-  for (int r = 0; r < R; ++r) {
-    vf a = acc[0][r];
-    for (int c = 1; c < C; ++c) a += acc[c][r];
-    float s = hsum(a);
-    for (int64_t j = k; j < len; ++j) s += widen1<K>(w, base + j) * x[r * ldx + j];
-    sums[r] = s;
-  }
+  for (int t = 0; t < OB; ++t)
+    for (int r = 0; r < R; ++r) {
+      vf a = acc[0][t][r];
+      for (int c = 1; c < C; ++c) a += acc[c][t][r];
+      float s = hsum(a);
+      for (int64_t j = k; j < len; ++j) s += widen1<K>(w, base + t * stride + j) * x[r * ldx + j];
+      sums[t * R + r] = s;
+    }
 }
 
-// weight [out, in]: one output after the other, so the weight is read front to back
+// weight [out, in]: OB outputs at a time (one output for one or two rows: the weight is
+// then read front to back; more rows are bound by the loads of x, which OB outputs share)
 template <int K, int R>
 void rows_kernel(const float* x, const void* w, const float* bias, float* y, int64_t in, int64_t out) {
+  constexpr int OB = R <= 2 ? 1 : 2;
   constexpr int64_t kChunk = 8192 / R / kLanes * kLanes;  // columns of x per pass: 32 KiB
   constexpr int64_t kOutBlock = 16;
-  int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(in, 1));
+  int64_t grain = std::max<int64_t>(kOutBlock, (int64_t(1) << 16) / std::max<int64_t>(in, 1));
   at::parallel_for(0, out, grain, [&](int64_t begin, int64_t end) {
-    float sums[R], total[kOutBlock][R];
+    float sums[OB * R], total[kOutBlock][R];
     for (int64_t o0 = begin; o0 < end; o0 += kOutBlock) {
       int64_t n = std::min(kOutBlock, end - o0);
       for (int64_t t = 0; t < n; ++t)
         for (int r = 0; r < R; ++r) total[t][r] = bias ? bias[o0 + t] : 0.0f;
       for (int64_t k0 = 0; k0 < in; k0 += kChunk) {
         int64_t len = std::min(kChunk, in - k0);
-        for (int64_t t = 0; t < n; ++t) {
-          dots<K, R>(x + k0, in, w, (o0 + t) * in + k0, len, sums);
+        int64_t t = 0;
+        for (; t + OB <= n; t += OB) {
+          dots<K, R, OB>(x + k0, in, w, (o0 + t) * in + k0, in, len, sums);
+          for (int u = 0; u < OB; ++u)
+            for (int r = 0; r < R; ++r) total[t + u][r] += sums[u * R + r];
+        }
+        for (; t < n; ++t) {
+          dots<K, R, 1>(x + k0, in, w, (o0 + t) * in + k0, in, len, sums);
           for (int r = 0; r < R; ++r) total[t][r] += sums[r];
         }
       }
@@ -220,10 +240,12 @@ void rows_kernel(const float* x, const void* w, const float* bias, float* y, int
   });
 }
 
-// weight [in, out]: y[r, cols] += x[r, i] * W[i, cols] one weight row after the other,
-// the partial sums of a block of columns (32 KiB) kept in the first-level cache
+// weight [in, out]: y[r, cols] += x[r, i] * W[i, cols] over IB weight rows at a time (the
+// partial sums are loaded and stored once per IB rows), the partial sums of a block of
+// columns (32 KiB) kept in the first-level cache
 template <int K, int R>
 void cols_kernel(const float* x, const void* w, const float* bias, float* y, int64_t in, int64_t out) {
+  constexpr int IB = R <= 2 ? 1 : R <= 4 ? 2 : 4;
   constexpr int64_t kBlock = 8192 / R / kLanes * kLanes;
   int64_t vectors = (out + kLanes - 1) / kLanes;
   int64_t grain = std::max<int64_t>(4, (int64_t(1) << 16) / std::max<int64_t>(in, 1) / kLanes);
@@ -235,22 +257,33 @@ void cols_kernel(const float* x, const void* w, const float* bias, float* y, int
       int64_t full = width / kLanes * kLanes;
       for (int r = 0; r < R; ++r)
         for (int64_t j = 0; j < width; ++j) part[r * kBlock + j] = bias ? bias[c0 + j] : 0.0f;
-      for (int64_t i = 0; i < in; ++i) {
-        float xs[R];
-        for (int r = 0; r < R; ++r) xs[r] = x[r * in + i];
+      int64_t i = 0;
+      for (; i + IB <= in; i += IB) {
+        float xs[R][IB];
+        for (int r = 0; r < R; ++r)
+          for (int t = 0; t < IB; ++t) xs[r][t] = x[r * in + i + t];
         const int64_t row = i * out + c0;
         for (int64_t j = 0; j < full; j += kLanes) {
-          vf wv = widen16<K>(w, row + j);
+          vf wv[IB];
+          for (int t = 0; t < IB; ++t) wv[t] = widen16<K>(w, row + t * out + j);
           for (int r = 0; r < R; ++r) {
             float* p = &part[r * kBlock + j];
-            store(p, load(p) + xs[r] * wv);
+            vf a = load(p);
+            for (int t = 0; t < IB; ++t) a += xs[r][t] * wv[t];
+            store(p, a);
           }
         }
-        for (int64_t j = full; j < width; ++j) {
-          float wt = widen1<K>(w, row + j);
-          for (int r = 0; r < R; ++r) part[r * kBlock + j] += xs[r] * wt;
-        }
+        for (int64_t j = full; j < width; ++j)
+          for (int t = 0; t < IB; ++t) {
+            float wt = widen1<K>(w, row + t * out + j);
+            for (int r = 0; r < R; ++r) part[r * kBlock + j] += xs[r][t] * wt;
+          }
       }
+      for (; i < in; ++i)
+        for (int64_t j = 0; j < width; ++j) {
+          float wt = widen1<K>(w, i * out + c0 + j);
+          for (int r = 0; r < R; ++r) part[r * kBlock + j] += x[r * in + i] * wt;
+        }
       for (int r = 0; r < R; ++r) std::memcpy(y + r * out + c0, &part[r * kBlock], width * sizeof(float));
     }
   });
