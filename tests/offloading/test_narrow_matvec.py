@@ -53,6 +53,18 @@ def test_outputs_match_fp32_for_many_shapes_rows_and_biases(kernel: _NarrowMatve
     assert not kernel.failed
 
 
+def test_leading_dimensions_are_kept(kernel: _NarrowMatvec) -> None:
+    torch.manual_seed(2)
+    weight = torch.randn(300, 257).bfloat16()
+    for shape in [(257,), (1, 1, 257), (2, 3, 257), (1, 2, 4, 257)]:
+        x = torch.randn(*shape)
+        for transposed, w in ((False, weight), (True, weight.t().contiguous())):
+            got = kernel(x, w, None, transposed)
+            assert got is not None and got.shape == (*shape[:-1], 300)
+            expected = reference(x.reshape(-1, 257), w, None, transposed).reshape(*shape[:-1], 300)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
 def test_every_bit_pattern_widens_exactly(kernel: _NarrowMatvec, dtype: torch.dtype) -> None:
     # a weight holding every value of the dtype (NaN, infinities, subnormals, -0), times 1

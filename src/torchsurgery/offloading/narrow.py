@@ -204,9 +204,13 @@ def _is_matmul_layer(module: nn.Module) -> bool:
     )
 
 
-def _few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor | None:
-    """The product from the narrow weight for 1 to 8 rows without gradients, or None: cast."""
-    rows = x.shape[0]
+def _few_rows(
+    x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool
+) -> torch.Tensor | None:
+    """The product from the narrow weight for 1 to 8 rows without gradients, or None: cast.
+
+    ``x`` keeps its leading dimensions, and so does the result.
+    """
     if (
         x.dtype == torch.float32
         and weight.dtype in NATIVE_DTYPES
@@ -217,7 +221,9 @@ def _few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         if out is not None:
             return out
     if rows <= _FUSED_MAX_ROWS and weight.numel() >= _FUSED_MIN_WEIGHT:
-        return _fused(x.contiguous(), weight, bias, transposed)
+        result = _fused(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias, transposed)
+        if result is not None:
+            return result.reshape(*x.shape[:-1], result.shape[-1])
     return None
 
 
@@ -247,17 +253,13 @@ class _NarrowMatmul(Patch, nn.Module):
         dtype, stats, transposed = state.compute_dtype, state.stats, state.transposed
         weight: torch.Tensor = self._parameters["weight"]  # type: ignore[assignment]
         bias: torch.Tensor | None = self._parameters.get("bias")
-        x = input.to(dtype)
+        x = input if input.dtype == dtype else input.to(dtype)
         stats.bytes_moved += weight.numel() * weight.element_size()
         stats.transfers += 1
         stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + weight.numel() * dtype.itemsize)
-        rows = x.numel() // max(1, x.shape[-1])
-        out_features = weight.shape[1] if transposed else weight.shape[0]
         needs_grad = torch.is_grad_enabled() and (
             weight.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)
         )
-        x2d = x.reshape(rows, x.shape[-1])
-        out: torch.Tensor | None = None
         if needs_grad or torch.compiler.is_compiling():
             # autograd keeps the widened weight until backward: a fresh one; inside a
             # compiled model the compiler fuses the cast into its own kernels
@@ -266,12 +268,14 @@ class _NarrowMatmul(Patch, nn.Module):
         else:  # with a master copy, forwards without gradients read the narrow copy
             weight = state.shadows.narrow(weight)
             bias = state.shadows.narrow(bias) if bias is not None else None
+            rows = x.numel() // max(1, x.shape[-1])
             if 0 < rows <= NATIVE_MAX_ROWS:
-                out = _few_rows(x2d, weight, bias, transposed)
-            if out is None:
-                wide = state.scratch.widen(weight, dtype)
-                wide_bias = bias.to(dtype) if bias is not None else None
-        if out is None:
-            matrix = wide if transposed else wide.t()
-            out = x2d @ matrix if wide_bias is None else torch.addmm(wide_bias, x2d, matrix)
-        return out.reshape(*x.shape[:-1], out_features)
+                out = _few_rows(x, rows, weight, bias, transposed)
+                if out is not None:
+                    return out
+            wide = state.scratch.widen(weight, dtype)
+            wide_bias = bias.to(dtype) if bias is not None else None
+        x2d = x.reshape(x.numel() // max(1, x.shape[-1]), x.shape[-1])
+        matrix = wide if transposed else wide.t()
+        out = x2d @ matrix if wide_bias is None else torch.addmm(wide_bias, x2d, matrix)
+        return out.reshape(*x.shape[:-1], matrix.shape[1])

@@ -49,6 +49,7 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -319,19 +320,21 @@ void run(bool transposed, int64_t rows, const float* x, const void* w, const at:
 at::Tensor narrow_matvec(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                          bool transposed) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "narrow matvec: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
-              "narrow matvec: x must be a contiguous 2-d float32 tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous(),
+              "narrow matvec: x must be a contiguous float32 tensor");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "narrow matvec: the weight must be contiguous and 2-d");
-  int64_t rows = x.size(0);
   int64_t in = transposed ? weight.size(0) : weight.size(1);
   int64_t out = transposed ? weight.size(1) : weight.size(0);
-  TORCH_CHECK(x.size(1) == in, "narrow matvec: x has ", x.size(1), " columns, the weight takes ", in);
+  TORCH_CHECK(x.size(-1) == in && in > 0, "narrow matvec: x has ", x.size(-1), " columns, the weight takes ", in);
+  int64_t rows = x.numel() / in;
   const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
   TORCH_CHECK(b == nullptr || ((b->scalar_type() == at::kFloat || b->scalar_type() == weight.scalar_type()) &&
                                b->device().is_cpu() && b->is_contiguous() && b->numel() == out),
               "narrow matvec: the bias must be a contiguous float32 tensor (or one of the weight's dtype) of ",
               out, " elements");
-  at::Tensor y = at::empty({rows, out}, x.options());
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = out;
+  at::Tensor y = at::empty(sizes, x.options());
   const float* xp = x.data_ptr<float>();
   const void* wp = weight.data_ptr();
   float* yp = y.data_ptr<float>();
@@ -413,25 +416,25 @@ class _NarrowMatvec:
     ) -> torch.Tensor | None:
         """``x @ weight.T + bias`` (``x @ weight + bias`` when ``transposed``) in fp32, or None.
 
-        ``x`` is a contiguous fp32 ``[rows, in]`` tensor with 1 to :data:`NATIVE_MAX_ROWS`
-        rows, ``weight`` a contiguous 2-d tensor of one of :data:`NATIVE_DTYPES`, ``bias``
+        ``x`` is a contiguous fp32 ``[..., in]`` tensor of 1 to :data:`NATIVE_MAX_ROWS` rows
+        (the leading dimensions together), the result ``[..., out]``; ``weight`` a contiguous 2-d tensor of one of :data:`NATIVE_DTYPES`, ``bias``
         None or ``out`` elements in fp32 or the weight's dtype; none of them needs a gradient.
         None means: no kernel for this call, take another path.
         """
         op = self._op if self._op is not None else self._build()
         if op is None:
             return None
-        if self.failed and (transposed, x.shape[0], weight.dtype, tuple(weight.shape)) in self.failed:
+        if self.failed and (transposed, x.numel() // x.shape[-1], weight.dtype, tuple(weight.shape)) in self.failed:
             return None
         try:
             result: torch.Tensor = op(x, weight, bias, transposed)
             return result
         except Exception as exc:  # remembered for this shape only
             with self._lock:
-                self.failed.add((transposed, x.shape[0], weight.dtype, tuple(weight.shape)))
+                self.failed.add((transposed, x.numel() // max(1, x.shape[-1]), weight.dtype, tuple(weight.shape)))
             warnings.warn(
                 f"torchsurgery.offload: the native kernel failed for a {weight.dtype} weight of shape "
-                f"{list(weight.shape)} with {x.shape[0]} row(s) ({type(exc).__name__}: {exc}); "
+                f"{list(weight.shape)} and an input of shape {list(x.shape)} ({type(exc).__name__}: {exc}); "
                 "that shape takes another path",
                 stacklevel=3,
             )
