@@ -16,8 +16,8 @@ answered None from then on, the other shapes keep the kernel.
 
 Layouts, both read as contiguous streams:
 
-* weight ``[out, in]`` (``nn.Linear``): one output at a time over the weight's row, the
-  rows of ``x`` in chunks small enough to stay in the first-level cache;
+* weight ``[out, in]`` (``nn.Linear``): one output after the other, each a pass over its
+  weight row with 16 accumulator chains in all;
 * weight ``[in, out]`` (transformers' ``Conv1D``): ``y[r, :] += x[r, i] * W[i, :]`` over
   the weight's rows, the partial sums of a block of columns kept in the first-level cache.
 
@@ -169,74 +169,45 @@ inline vf load(const float* p) {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, 64); }
 
-// R x OB dot products of len elements: OB weight rows (from element base, a row apart)
-// against x's rows (stride ldx), each x load serving OB rows; C accumulator chains each,
-// about 16 in all (measured: 8 chains leave the FMA units waiting half the time)
-template <int K, int R, int OB>
-inline void dots(const float* x, int64_t ldx, const void* w, int64_t base, int64_t stride, int64_t len,
-                 float* sums) {
-  constexpr int C = R * OB >= 16 ? 1 : 16 / (R * OB);
-  vf acc[C][OB][R];
+// R dot products: weight row o against x's rows, C accumulator chains per row, about 16
+// in all (measured: 8 chains leave the FMA units waiting half the time)
+template <int K, int R>
+inline void dots(const float* x, const void* w, int64_t in, int64_t o, float* sums) {
+  constexpr int C = R >= 16 ? 1 : 16 / R;
+  const int64_t base = o * in;
+  vf acc[C][R];
   for (int c = 0; c < C; ++c)
-    for (int t = 0; t < OB; ++t)
-      for (int r = 0; r < R; ++r) acc[c][t][r] = vf{};
+    for (int r = 0; r < R; ++r) acc[c][r] = vf{};
   int64_t k = 0;
-  for (; k + C * kLanes <= len; k += C * kLanes)
+  for (; k + C * kLanes <= in; k += C * kLanes)
     for (int c = 0; c < C; ++c) {
-      vf wv[OB];
-      for (int t = 0; t < OB; ++t) wv[t] = widen16<K>(w, base + t * stride + k + c * kLanes);
-      for (int r = 0; r < R; ++r) {
-        vf xv = load(x + r * ldx + k + c * kLanes);
-        for (int t = 0; t < OB; ++t) acc[c][t][r] += wv[t] * xv;
-      }
+      vf wv = widen16<K>(w, base + k + c * kLanes);
+      for (int r = 0; r < R; ++r) acc[c][r] += wv * load(x + r * in + k + c * kLanes);
     }
-  for (; k + kLanes <= len; k += kLanes) {
-    vf wv[OB];
-    for (int t = 0; t < OB; ++t) wv[t] = widen16<K>(w, base + t * stride + k);
-    for (int r = 0; r < R; ++r) {
-      vf xv = load(x + r * ldx + k);
-      for (int t = 0; t < OB; ++t) acc[0][t][r] += wv[t] * xv;
-    }
+  for (; k + kLanes <= in; k += kLanes) {
+    vf wv = widen16<K>(w, base + k);
+    for (int r = 0; r < R; ++r) acc[0][r] += wv * load(x + r * in + k);
   }
-  for (int t = 0; t < OB; ++t)
-    for (int r = 0; r < R; ++r) {
-      vf a = acc[0][t][r];
-      for (int c = 1; c < C; ++c) a += acc[c][t][r];
-      float s = hsum(a);
-      for (int64_t j = k; j < len; ++j) s += widen1<K>(w, base + t * stride + j) * x[r * ldx + j];
-      sums[t * R + r] = s;
-    }
+  for (int r = 0; r < R; ++r) {
+    vf a = acc[0][r];
+    for (int c = 1; c < C; ++c) a += acc[c][r];
+    float s = hsum(a);
+    for (int64_t j = k; j < in; ++j) s += widen1<K>(w, base + j) * x[r * in + j];
+    sums[r] = s;
+  }
 }
 
-// weight [out, in]: OB outputs at a time (one output for one or two rows: the weight is
-// then read front to back; more rows are bound by the loads of x, which OB outputs share)
+// weight [out, in]: one output after the other, so that the weight is read front to back
+// (measured: reading two rows side by side, to share the loads of x, is up to 2x slower
+// from memory)
 template <int K, int R>
 void rows_kernel(const float* x, const void* w, const float* bias, float* y, int64_t in, int64_t out) {
-  constexpr int OB = R <= 2 ? 1 : 2;
-  constexpr int64_t kChunk = 8192 / R / kLanes * kLanes;  // columns of x per pass: 32 KiB
-  constexpr int64_t kOutBlock = 16;
-  int64_t grain = std::max<int64_t>(kOutBlock, (int64_t(1) << 16) / std::max<int64_t>(in, 1));
+  int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / std::max<int64_t>(in, 1));
   at::parallel_for(0, out, grain, [&](int64_t begin, int64_t end) {
-    float sums[OB * R], total[kOutBlock][R];
-    for (int64_t o0 = begin; o0 < end; o0 += kOutBlock) {
-      int64_t n = std::min(kOutBlock, end - o0);
-      for (int64_t t = 0; t < n; ++t)
-        for (int r = 0; r < R; ++r) total[t][r] = bias ? bias[o0 + t] : 0.0f;
-      for (int64_t k0 = 0; k0 < in; k0 += kChunk) {
-        int64_t len = std::min(kChunk, in - k0);
-        int64_t t = 0;
-        for (; t + OB <= n; t += OB) {
-          dots<K, R, OB>(x + k0, in, w, (o0 + t) * in + k0, in, len, sums);
-          for (int u = 0; u < OB; ++u)
-            for (int r = 0; r < R; ++r) total[t + u][r] += sums[u * R + r];
-        }
-        for (; t < n; ++t) {
-          dots<K, R, 1>(x + k0, in, w, (o0 + t) * in + k0, in, len, sums);
-          for (int r = 0; r < R; ++r) total[t][r] += sums[r];
-        }
-      }
-      for (int64_t t = 0; t < n; ++t)
-        for (int r = 0; r < R; ++r) y[r * out + o0 + t] = total[t][r];
+    float sums[R];
+    for (int64_t o = begin; o < end; ++o) {
+      dots<K, R>(x, w, in, o, sums);
+      for (int r = 0; r < R; ++r) y[r * out + o] = sums[r] + (bias ? bias[o] : 0.0f);
     }
   });
 }
