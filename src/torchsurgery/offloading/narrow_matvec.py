@@ -341,9 +341,13 @@ def _cpu_features() -> str:
 
 
 def _flags() -> list[str]:
+    """Compiler flags: this machine's vector units, and OpenMP on Linux, where torch's
+    ``at::parallel_for`` is OpenMP inlined into the extension (the library is the one
+    torch has loaded already); elsewhere the kernel runs on one thread."""
     machine = platform.machine().lower()
     arch = ["-march=native"] if machine in ("x86_64", "amd64") else ["-mcpu=native"] if machine in ("aarch64", "arm64") else []
-    return ["-O3", "-fno-math-errno", *arch]
+    openmp = ["-fopenmp"] if platform.system() == "Linux" else []
+    return ["-O3", "-fno-math-errno", *arch, *openmp]
 
 
 _Key = tuple[bool, int, torch.dtype, tuple[int, ...]]
@@ -369,7 +373,8 @@ class _NarrowMatvec:
 
                     load_inline(
                         namespace, cpp_sources=_SOURCE, extra_cflags=[*flags, f"-DTS_NAMESPACE={namespace}"],
-                        no_implicit_headers=True, is_python_module=False,
+                        extra_ldflags=[f for f in flags if f == "-fopenmp"], no_implicit_headers=True,
+                        is_python_module=False,
                     )
                     self._op = getattr(torch.ops, namespace).matvec
                 except Exception as exc:  # no compiler, or it failed: the callers take another path
