@@ -16,6 +16,8 @@ Variants, each on its own copy of the model:
 
 * fp32 model          the model as it is (the reference; weights 2x as large)
 * torchsurgery        ``offload(model, storage_dtype=bf16, dtype=fp32)``
+* ts compiled only    the same, with the native kernel switched off: what runs where no C++
+                      compiler is found (compiled kernels for up to 4 rows, casts beyond)
 * access-time cast    the seed's ``DynamicSwapInstaller`` way: every weight read returns
                       ``Parameter(p.to(fp32))``
 * diffusers           ``apply_layerwise_casting(storage_dtype=bf16, compute_dtype=fp32)``
@@ -35,11 +37,12 @@ Run: .venv/bin/python benchmarks/offload.py [--rounds 7] [--threads 2] [--models
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -47,6 +50,7 @@ from torch import nn
 
 import torchsurgery
 from _machine import cpu_name
+from torchsurgery.offloading import narrow
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -107,6 +111,21 @@ def store_bf16(model: nn.Module, skip: Callable[[nn.Module, str], bool]) -> None
             p.data = p.data.bfloat16()
 
 
+@contextlib.contextmanager
+def native_off() -> Iterator[None]:
+    """Few-row steps without the native kernel (as where no compiler is found)."""
+    kernel = narrow.narrow_matvec
+    narrow.narrow_matvec = lambda *args: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        narrow.narrow_matvec = kernel
+
+
+CONTEXTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {"ts compiled only": native_off}
+OURS = ("torchsurgery", "ts compiled only")
+
+
 MAKERS: dict[str, Callable[[], nn.Module]] = {
     "shapes12": make_shapes12, "mlp": make_mlp, "gpt2": make_gpt2, "llama": make_llama,
 }
@@ -121,6 +140,10 @@ def variants(kind: str) -> dict[str, tuple[nn.Module, Callable[[], None]]]:
     ours = copy.deepcopy(base)
     handle = torchsurgery.offload(ours, storage_dtype=torch.bfloat16, dtype=torch.float32)
     out["torchsurgery"] = (ours, handle.remove)
+    if kind != "llama":  # (generation: the few-row layers are the same ones)
+        ours2 = copy.deepcopy(base)
+        handle2 = torchsurgery.offload(ours2, storage_dtype=torch.bfloat16, dtype=torch.float32)
+        out["ts compiled only"] = (ours2, handle2.remove)
     seed = copy.deepcopy(base)
     store_bf16(seed, skip)
     access_time_cast(seed, dtype=torch.float32)
@@ -196,9 +219,10 @@ def compare(
         if bandwidth is not None:
             bandwidths.append(bandwidth.measure())
         for name, (model, _) in models.items():
-            start = time.perf_counter()
-            for _ in range(steps):
-                run(model)
+            with CONTEXTS.get(name, contextlib.nullcontext)():
+                start = time.perf_counter()
+                for _ in range(steps):
+                    run(model)
             samples[name].append((time.perf_counter() - start) / steps * 1e3)
     return samples, bandwidths
 
@@ -234,8 +258,9 @@ def bench_steps(kind: str, token_counts: list[int], rounds: int, bandwidth: Band
         for tokens in token_counts:
             run = step_fn(kind, tokens)
             reference = run(models["fp32 model"][0])
-            for model, _ in models.values():
-                got = run(model)  # warm-up (compiles the fused kernels)
+            for name, (model, _) in models.items():
+                with CONTEXTS.get(name, contextlib.nullcontext)():
+                    got = run(model)  # warm-up (builds or compiles the kernels)
                 torch.testing.assert_close(got.float(), reference, rtol=0.05, atol=0.05)
             steps = 2 if tokens >= 256 else few_steps
             samples, bandwidths = compare(models, run, rounds, steps, bandwidth if tokens <= 4 else None)
@@ -243,7 +268,7 @@ def bench_steps(kind: str, token_counts: list[int], rounds: int, bandwidth: Band
             column = columns[f"{tokens} token{'s' if tokens > 1 else ''}"] = {}
             for name, stat in stats.items():
                 floor = None
-                if bandwidths and name in ("fp32 model", "torchsurgery"):
+                if bandwidths and name in ("fp32 model", *OURS):
                     nbytes = read_bytes(models[name][0])
                     floor = statistics.median(t / 1e3 / (nbytes / bw) for t, bw in zip(samples[name], bandwidths, strict=True))
                 column[name] = cell(stat, floor)

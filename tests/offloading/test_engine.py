@@ -388,7 +388,8 @@ def test_torch_compile_around_an_offloaded_model_and_remove_after() -> None:
         handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, skip=None)
         eager = model(x)
         compiled = torch.compile(model, backend="eager")
-        torch.testing.assert_close(compiled(x), eager, rtol=0, atol=0)
+        # eager reads the narrow weights in a native kernel, compiled widens them: fp32 sums in another order
+        torch.testing.assert_close(compiled(x), eager, rtol=1e-6, atol=1e-6)
     handle.remove()  # compile's guards hold weak references to the weights: still undone
     assert identity_map(model) == ids
     torch._dynamo.reset()

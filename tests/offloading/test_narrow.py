@@ -1,4 +1,8 @@
-"""Tests of torchsurgery.offloading.narrow: narrow-weight matmuls against plain fp32, and threads."""
+"""Tests of torchsurgery.offloading.narrow: narrow-weight layers against plain fp32, and threads.
+
+Every test that runs a kernel runs twice: with the native kernel, and with it unavailable
+(no compiler), where the compiled kernels serve up to 4 rows.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from torchsurgery.offloading.narrow import (
     _fused,
     _rows_from_narrow,
 )
+from torchsurgery.offloading.narrow_matvec import NATIVE_MAX_ROWS, _NarrowMatvec, narrow_matvec
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,6 +31,22 @@ transformers = pytest.importorskip("transformers")
 SHAPES = [(out, _FUSED_MIN_WEIGHT // out + k) for k, out in enumerate(
     [256, 320, 384, 448, 512, 576, 640, 704, 768, 832, 896, 960, 1024, 1088]
 )]
+
+
+@pytest.fixture(params=["native", "compiled"])
+def tier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> str:
+    """Which kernel serves few rows: the native one, or (no compiler found) the compiled ones."""
+    if request.param == "native":
+        narrow_matvec(torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bfloat16), None, False)  # builds it
+        if narrow_matvec.unavailable is not None:
+            pytest.skip(f"no native kernel on this machine: {narrow_matvec.unavailable}")
+    else:
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+        monkeypatch.setenv("CXX", "/nonexistent/c++")
+        monkeypatch.setattr(narrow, "narrow_matvec", _NarrowMatvec())
+        with pytest.warns(UserWarning, match="could not be built"):
+            narrow.narrow_matvec(torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bfloat16), None, False)
+    return str(request.param)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -45,7 +66,8 @@ def make_layer(out: int, inp: int, transposed: bool, bias: bool) -> nn.Module:
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
-def test_narrow_path_matches_fp32_for_many_shapes_and_rows(transposed: bool) -> None:
+def test_narrow_path_matches_fp32_for_many_shapes_and_rows(transposed: bool, tier: str) -> None:
+    kernel_rows = NATIVE_MAX_ROWS if tier == "native" else _FUSED_MAX_ROWS
     torch.manual_seed(0)
     for i, (out, inp) in enumerate(SHAPES):
         layer = make_layer(out, inp, transposed, bias=i % 3 != 0)
@@ -57,13 +79,13 @@ def test_narrow_path_matches_fp32_for_many_shapes_and_rows(transposed: bool) -> 
             with torch.no_grad():
                 got = layer(x)
             torch.testing.assert_close(got, reference(x, weight, bias, transposed), rtol=1e-4, atol=1e-4)
-            if rows <= _FUSED_MAX_ROWS:  # served by a fused kernel, not by widening the weight
+            if rows <= kernel_rows:  # served by a kernel, not by widening the weight
                 assert handle._scratch.nbytes() == 0, (out, inp, rows)
         handle.remove()
     assert not _fused.failed
 
 
-def test_leading_dimensions_and_fp8_storage() -> None:
+def test_leading_dimensions_and_fp8_storage(tier: str) -> None:
     torch.manual_seed(1)
     for transposed in (False, True):
         for out, inp in SHAPES[:3]:
@@ -85,7 +107,8 @@ def test_the_kernel_body_never_runs_uncompiled() -> None:
         _rows_from_narrow(torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None)
 
 
-def test_a_failing_shape_casts_and_the_others_stay_fused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_compiled_shape_casts_and_the_others_stay_fused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(narrow, "narrow_matvec", lambda *args: None)  # only the compiled kernels
     bad_out, bad_in = SHAPES[-1]
     real_kernel = _fused._kernel
 
@@ -153,7 +176,7 @@ def block_model(d: int = 512, blocks: int = 3) -> nn.Module:
 
 
 @pytest.mark.parametrize("setup", ["narrow", "master copies", "streamed groups"])
-def test_concurrent_forwards_equal_sequential_ones(setup: str) -> None:
+def test_concurrent_forwards_equal_sequential_ones(setup: str, tier: str) -> None:
     torch.manual_seed(2)
     model = block_model()
     kwargs: dict[str, Any] = {"storage_dtype": torch.bfloat16, "dtype": torch.float32}
@@ -164,7 +187,7 @@ def test_concurrent_forwards_equal_sequential_ones(setup: str) -> None:
     handle = offload(model, **kwargs)
     if setup == "streamed groups":
         assert handle.stats().streamed_groups
-    # rows 1-3 take the fused kernels, 6 and 40 the per-thread widened copies
+    # rows 1-3 take a kernel, 6 the native kernel or a widened copy, 40 the per-thread widened copies
     inputs = [torch.randn(rows, 512) for rows in (1, 6, 2, 40, 3, 1, 6, 40)]
     with torch.no_grad():
         sequential = [model(x) for x in inputs]

@@ -1,18 +1,22 @@
 """Linear layers whose stored weight is narrower than the dtype they compute in (CPU).
 
-For a few rows (a decoding step) a fused kernel reduces straight from the narrow weight
-in the wide dtype: one pass over half the bytes, which on a memory-bound step beats the
-wide model itself. The kernels are compiled by ``torch.compile`` with symbolic weight
-shapes, one per (layout, row count, dtypes), so their number does not grow with the
-number of layer shapes a model has; all rows share one pass over the weight. The body
-of a kernel never runs eagerly (that would build a rows x out x in temporary): where the
-compiler is missing or fails for a shape, that shape takes the cast path.
+For a few rows (a decoding step) the product is taken straight from the narrow weight,
+widened in registers: one pass over half the bytes (a quarter for fp8), which on a
+memory-bound step beats the wide model itself. Three paths, each falling back to the
+next for a (layout, rows, dtype, shape) it cannot serve:
 
-The cast path (more rows, small weights, training) widens the weight into a reused
-per-thread buffer (fresh allocations page-fault) and multiplies. transformers'
-``Conv1D`` (weight stored ``[in, out]``) gets its own kernels so that its reads stay
-contiguous. With a master copy, forwards without gradients read a narrow copy refreshed
-whenever the master parameter changes.
+1. the native kernel (:mod:`torchsurgery.offloading.narrow_matvec`): fp32 compute, bf16,
+   fp16 or fp8 storage, 1 to 8 rows, both weight layouts; built once per machine;
+2. kernels compiled by ``torch.compile`` with symbolic weight shapes, one per (layout,
+   row count, dtypes), so their number does not grow with the number of layer shapes;
+   their body never runs eagerly (that would build a rows x out x in temporary);
+3. the cast path (more rows, small weights, training, or neither kernel available):
+   the weight is widened into a reused per-thread buffer (fresh allocations page-fault)
+   and multiplied.
+
+transformers' ``Conv1D`` (weight stored ``[in, out]``) keeps its layout: both kernels
+have a variant that reads that layout front to back. With a master copy, forwards
+without gradients read a narrow copy refreshed whenever the master parameter changes.
 
 Concurrent forwards from several threads are safe: kernels are shared read-only, each
 thread widens into its own buffer, and narrow copies are refreshed under a lock.
@@ -25,11 +29,13 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from torchsurgery.offloading.narrow_matvec import NATIVE_DTYPES, NATIVE_MAX_ROWS, narrow_matvec
 from torchsurgery.offloading.stats import OffloadStats
 from torchsurgery.patching import Patch
 
@@ -198,43 +204,78 @@ def _is_matmul_layer(module: nn.Module) -> bool:
     )
 
 
+def _few_rows(
+    x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool
+) -> torch.Tensor | None:
+    """The product from the narrow weight for 1 to 8 rows without gradients, or None: cast.
+
+    ``x`` keeps its leading dimensions, and so does the result.
+    """
+    if (
+        x.dtype == torch.float32
+        and weight.dtype in NATIVE_DTYPES
+        and weight.is_contiguous()
+        and (bias is None or bias.is_contiguous())
+    ):
+        out = narrow_matvec(x.contiguous(), weight, bias, transposed)
+        if out is not None:
+            return out
+    if rows <= _FUSED_MAX_ROWS and weight.numel() >= _FUSED_MIN_WEIGHT:
+        result = _fused(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias, transposed)
+        if result is not None:
+            return result.reshape(*x.shape[:-1], result.shape[-1])
+    return None
+
+
+@dataclass
+class _NarrowState:
+    """What a narrow layer's forward needs, kept in the module's ``__dict__``."""
+
+    compute_dtype: torch.dtype
+    stats: OffloadStats
+    scratch: _Scratch
+    shadows: _Shadows
+    transposed: bool  # weight stored [in, out] (Conv1D)
+
+
 class _NarrowMatmul(Patch, nn.Module):
     """A Linear (or Conv1D) whose stored weight is narrower than the dtype it computes in."""
 
     def __patch_init__(
         self, compute_dtype: torch.dtype, stats: OffloadStats, scratch: _Scratch, shadows: _Shadows
     ) -> None:
-        self.__dict__["_offload_narrow"] = (compute_dtype, stats, scratch, shadows, not isinstance(self, nn.Linear))
+        self.__dict__["_offload_narrow"] = _NarrowState(
+            compute_dtype, stats, scratch, shadows, transposed=not isinstance(self, nn.Linear)
+        )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        dtype, stats, scratch, shadows, transposed = self.__dict__["_offload_narrow"]
+        state: _NarrowState = self.__dict__["_offload_narrow"]
+        dtype, stats, transposed = state.compute_dtype, state.stats, state.transposed
         weight: torch.Tensor = self._parameters["weight"]  # type: ignore[assignment]
         bias: torch.Tensor | None = self._parameters.get("bias")
-        x = input.to(dtype)
+        x = input if input.dtype == dtype else input.to(dtype)
         stats.bytes_moved += weight.numel() * weight.element_size()
         stats.transfers += 1
         stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + weight.numel() * dtype.itemsize)
-        rows = x.numel() // max(1, x.shape[-1])
-        out_features = weight.shape[1] if transposed else weight.shape[0]
         needs_grad = torch.is_grad_enabled() and (
             weight.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)
         )
-        x2d = x.reshape(rows, x.shape[-1])
-        out: torch.Tensor | None = None
         if needs_grad or torch.compiler.is_compiling():
             # autograd keeps the widened weight until backward: a fresh one; inside a
             # compiled model the compiler fuses the cast into its own kernels
             wide = weight.to(dtype)
             wide_bias = bias.to(dtype) if bias is not None else None
         else:  # with a master copy, forwards without gradients read the narrow copy
-            weight = shadows.narrow(weight)
-            bias = shadows.narrow(bias) if bias is not None else None
-            if 0 < rows <= _FUSED_MAX_ROWS and weight.numel() >= _FUSED_MIN_WEIGHT:
-                out = _fused(x2d.contiguous(), weight, bias, transposed)
-            if out is None:
-                wide = scratch.widen(weight, dtype)
-                wide_bias = bias.to(dtype) if bias is not None else None
-        if out is None:
-            matrix = wide if transposed else wide.t()
-            out = x2d @ matrix if wide_bias is None else torch.addmm(wide_bias, x2d, matrix)
-        return out.reshape(*x.shape[:-1], out_features)
+            weight = state.shadows.narrow(weight)
+            bias = state.shadows.narrow(bias) if bias is not None else None
+            rows = x.numel() // max(1, x.shape[-1])
+            if 0 < rows <= NATIVE_MAX_ROWS:
+                out = _few_rows(x, rows, weight, bias, transposed)
+                if out is not None:
+                    return out
+            wide = state.scratch.widen(weight, dtype)
+            wide_bias = bias.to(dtype) if bias is not None else None
+        x2d = x.reshape(x.numel() // max(1, x.shape[-1]), x.shape[-1])
+        matrix = wide if transposed else wide.t()
+        out = x2d @ matrix if wide_bias is None else torch.addmm(wide_bias, x2d, matrix)
+        return out.reshape(*x.shape[:-1], matrix.shape[1])

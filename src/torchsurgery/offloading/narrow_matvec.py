@@ -1,0 +1,420 @@
+"""A native CPU kernel for few-row matmuls against a weight stored narrower than fp32.
+
+``y = x @ W.T + b`` (or ``x @ W + b`` for a weight stored ``[in, out]``) with ``x`` of 1 to
+8 rows in fp32 and ``W`` in bf16, fp16 or fp8 (e4m3fn, e5m2): each weight element is
+widened in registers and accumulated in fp32, so a step reads the narrow bytes once and
+writes nothing weight-sized. torch's CPU matmuls take only one dtype, so this is the
+one way to read a narrow weight at memory speed without a compiled graph per shape.
+
+The kernel is C++ compiled on first use with the C++ compiler torch's extensions use,
+for this machine's instruction set, and cached by torch in its extensions directory
+(``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``): one build per
+machine and source, shared by every process after it. Where no compiler is found or the
+build fails, :data:`narrow_matvec` answers None for every call and the caller takes
+another path; a call that fails for one (layout, rows, dtype, shape) is remembered and
+answered None from then on, the other shapes keep the kernel.
+
+Layouts, both read as contiguous streams:
+
+* weight ``[out, in]`` (``nn.Linear``): one output after the other, each a pass over its
+  weight row with 16 accumulator chains in all;
+* weight ``[in, out]`` (transformers' ``Conv1D``): ``y[r, :] += x[r, i] * W[i, :]`` over
+  the weight's rows, the partial sums of a block of columns kept in the first-level cache.
+
+Threads: the output columns are split by ``at::parallel_for`` (torch's thread count);
+concurrent calls from several Python threads share nothing but the read-only weight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import threading
+import warnings
+from collections.abc import Callable
+
+import torch
+
+NATIVE_MAX_ROWS = 8
+NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+_SOURCE = r"""
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kLanes = 16;
+typedef float vf __attribute__((vector_size(64)));
+typedef uint32_t vu32 __attribute__((vector_size(64)));
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+typedef uint8_t vu8 __attribute__((vector_size(16)));
+
+enum Kind { kBF16, kF16, kE4M3, kE5M2 };
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// scalar widening (tails and biases), exact for every value, subnormals included
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t man = h & 0x3ff;
+  if (exp == 0) {
+    float v = float(man) * (1.0f / 16777216.0f);  // man * 2^-24
+    return (h & 0x8000) ? -v : v;
+  }
+  if (exp == 31) return bits_to_float(sign | 0x7f800000u | (man << 13));
+  return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+// e4m3fn as an fp16 bit pattern 2^8 too small: the exponent bias differs by 8
+inline uint16_t e4m3_to_half_bits(uint8_t b) {
+  return uint16_t((uint16_t(b & 0x80) << 8) | (uint16_t(b & 0x7f) << 7));
+}
+
+template <int K>
+inline float widen1(const void* p, int64_t i) {
+  if constexpr (K == kBF16) {
+    return bits_to_float(uint32_t(static_cast<const uint16_t*>(p)[i]) << 16);
+  } else if constexpr (K == kF16) {
+    return half_to_float(static_cast<const uint16_t*>(p)[i]);
+  } else if constexpr (K == kE4M3) {
+    uint8_t b = static_cast<const uint8_t*>(p)[i];
+    if ((b & 0x7f) == 0x7f) return bits_to_float(0x7fc00000u);  // e4m3fn's only NaN
+    return half_to_float(e4m3_to_half_bits(b)) * 256.0f;
+  } else {
+    return half_to_float(uint16_t(static_cast<const uint8_t*>(p)[i]) << 8);  // e5m2: fp16's top byte
+  }
+}
+
+inline vf halves_to_floats(vu16 h) {
+#if defined(__AVX512F__)
+  __m256i v;
+  std::memcpy(&v, &h, 32);
+  return (vf)_mm512_cvtph_ps(v);
+#elif defined(__F16C__)
+  __m128i lo, hi;
+  std::memcpy(&lo, &h, 16);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&h) + 16, 16);
+  __m256 a = _mm256_cvtph_ps(lo), b = _mm256_cvtph_ps(hi);
+  vf out;
+  std::memcpy(&out, &a, 32);
+  std::memcpy(reinterpret_cast<char*>(&out) + 32, &b, 32);
+  return out;
+#else
+  vf out;
+  for (int j = 0; j < kLanes; ++j) out[j] = half_to_float(h[j]);
+  return out;
+#endif
+}
+
+// 16 weights from element i on, widened to fp32
+template <int K>
+inline vf widen16(const void* p, int64_t i) {
+  if constexpr (K == kBF16) {
+#if defined(__AVX512F__)
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#else
+    vu16 h;
+    std::memcpy(&h, static_cast<const uint16_t*>(p) + i, 32);
+    return (vf)(__builtin_convertvector(h, vu32) << 16);
+#endif
+  } else if constexpr (K == kF16) {
+    vu16 h;
+    std::memcpy(&h, static_cast<const uint16_t*>(p) + i, 32);
+    return halves_to_floats(h);
+  } else {
+    vu8 b;
+    std::memcpy(&b, static_cast<const uint8_t*>(p) + i, 16);
+    vu16 w = __builtin_convertvector(b, vu16);
+    if constexpr (K == kE5M2) {
+      return halves_to_floats(w << 8);
+    } else {
+      vf f = halves_to_floats(((w & 0x80) << 8) | ((w & 0x7f) << 7)) * 256.0f;
+      vu32 nan = __builtin_convertvector((w & 0x7f) == 0x7f, vu32);  // all ones where NaN
+      return (vf)(((vu32)f & ~nan) | (nan & 0x7fc00000u));
+    }
+  }
+}
+
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int j = 0; j < kLanes; ++j) s += v[j];
+  return s;
+}
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, 64);
+  return v;
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, 64); }
+
+// R dot products: weight row o against x's rows, C accumulator chains per row, about 16
+// in all (measured: 8 chains leave the FMA units waiting half the time)
+template <int K, int R>
+inline void dots(const float* x, const void* w, int64_t in, int64_t o, float* sums) {
+  constexpr int C = R >= 16 ? 1 : 16 / R;
+  const int64_t base = o * in;
+  vf acc[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = vf{};
+  int64_t k = 0;
+  for (; k + C * kLanes <= in; k += C * kLanes)
+    for (int c = 0; c < C; ++c) {
+      vf wv = widen16<K>(w, base + k + c * kLanes);
+      for (int r = 0; r < R; ++r) acc[c][r] += wv * load(x + r * in + k + c * kLanes);
+    }
+  for (; k + kLanes <= in; k += kLanes) {
+    vf wv = widen16<K>(w, base + k);
+    for (int r = 0; r < R; ++r) acc[0][r] += wv * load(x + r * in + k);
+  }
+  for (int r = 0; r < R; ++r) {
+    vf a = acc[0][r];
+    for (int c = 1; c < C; ++c) a += acc[c][r];
+    float s = hsum(a);
+    for (int64_t j = k; j < in; ++j) s += widen1<K>(w, base + j) * x[r * in + j];
+    sums[r] = s;
+  }
+}
+
+// weight [out, in]: one output after the other, so that the weight is read front to back
+// (measured: reading two rows side by side, to share the loads of x, is up to 2x slower
+// from memory)
+template <int K, int R>
+void rows_kernel(const float* x, const void* w, const float* bias, float* y, int64_t in, int64_t out) {
+  int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / std::max<int64_t>(in, 1));
+  at::parallel_for(0, out, grain, [&](int64_t begin, int64_t end) {
+    float sums[R];
+    for (int64_t o = begin; o < end; ++o) {
+      dots<K, R>(x, w, in, o, sums);
+      for (int r = 0; r < R; ++r) y[r * out + o] = sums[r] + (bias ? bias[o] : 0.0f);
+    }
+  });
+}
+
+// weight [in, out]: y[r, cols] += x[r, i] * W[i, cols] over IB weight rows at a time (the
+// partial sums are loaded and stored once per IB rows), the partial sums of a block of
+// columns (32 KiB) kept in the first-level cache
+template <int K, int R>
+void cols_kernel(const float* x, const void* w, const float* bias, float* y, int64_t in, int64_t out) {
+  constexpr int IB = R <= 2 ? 1 : R <= 4 ? 2 : 4;
+  constexpr int64_t kBlock = 8192 / R / kLanes * kLanes;
+  int64_t vectors = (out + kLanes - 1) / kLanes;
+  int64_t grain = std::max<int64_t>(4, (int64_t(1) << 16) / std::max<int64_t>(in, 1) / kLanes);
+  at::parallel_for(0, vectors, grain, [&](int64_t vbegin, int64_t vend) {
+    std::unique_ptr<float[]> part(new float[R * kBlock]);
+    int64_t stop = std::min(vend * kLanes, out);
+    for (int64_t c0 = vbegin * kLanes; c0 < stop; c0 += kBlock) {
+      int64_t width = std::min(kBlock, stop - c0);
+      int64_t full = width / kLanes * kLanes;
+      for (int r = 0; r < R; ++r)
+        for (int64_t j = 0; j < width; ++j) part[r * kBlock + j] = bias ? bias[c0 + j] : 0.0f;
+      int64_t i = 0;
+      for (; i + IB <= in; i += IB) {
+        float xs[R][IB];
+        for (int r = 0; r < R; ++r)
+          for (int t = 0; t < IB; ++t) xs[r][t] = x[r * in + i + t];
+        const int64_t row = i * out + c0;
+        for (int64_t j = 0; j < full; j += kLanes) {
+          vf wv[IB];
+          for (int t = 0; t < IB; ++t) wv[t] = widen16<K>(w, row + t * out + j);
+          for (int r = 0; r < R; ++r) {
+            float* p = &part[r * kBlock + j];
+            vf a = load(p);
+            for (int t = 0; t < IB; ++t) a += xs[r][t] * wv[t];
+            store(p, a);
+          }
+        }
+        for (int64_t j = full; j < width; ++j)
+          for (int t = 0; t < IB; ++t) {
+            float wt = widen1<K>(w, row + t * out + j);
+            for (int r = 0; r < R; ++r) part[r * kBlock + j] += xs[r][t] * wt;
+          }
+      }
+      for (; i < in; ++i)
+        for (int64_t j = 0; j < width; ++j) {
+          float wt = widen1<K>(w, i * out + c0 + j);
+          for (int r = 0; r < R; ++r) part[r * kBlock + j] += x[r * in + i] * wt;
+        }
+      for (int r = 0; r < R; ++r) std::memcpy(y + r * out + c0, &part[r * kBlock], width * sizeof(float));
+    }
+  });
+}
+
+template <int K>
+void run(bool transposed, int64_t rows, const float* x, const void* w, const at::Tensor* bias, float* y, int64_t in,
+         int64_t out) {
+  const float* b = nullptr;
+  std::unique_ptr<float[]> wide;
+  if (bias != nullptr && bias->scalar_type() == at::kFloat) {
+    b = bias->data_ptr<float>();
+  } else if (bias != nullptr) {  // stored as narrow as the weight
+    wide.reset(new float[out]);
+    for (int64_t j = 0; j < out; ++j) wide[j] = widen1<K>(bias->data_ptr(), j);
+    b = wide.get();
+  }
+#define TS_ROWS(R)                                \
+  case R:                                         \
+    if (transposed)                               \
+      cols_kernel<K, R>(x, w, b, y, in, out);     \
+    else                                          \
+      rows_kernel<K, R>(x, w, b, y, in, out);     \
+    return;
+  switch (rows) {
+    TS_ROWS(1) TS_ROWS(2) TS_ROWS(3) TS_ROWS(4) TS_ROWS(5) TS_ROWS(6) TS_ROWS(7) TS_ROWS(8)
+    default:
+      TORCH_CHECK(false, "narrow matvec: 1 to 8 rows, got ", rows);
+  }
+#undef TS_ROWS
+}
+
+at::Tensor narrow_matvec(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                         bool transposed) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "narrow matvec: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous(),
+              "narrow matvec: x must be a contiguous float32 tensor");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "narrow matvec: the weight must be contiguous and 2-d");
+  int64_t in = transposed ? weight.size(0) : weight.size(1);
+  int64_t out = transposed ? weight.size(1) : weight.size(0);
+  TORCH_CHECK(x.size(-1) == in && in > 0, "narrow matvec: x has ", x.size(-1), " columns, the weight takes ", in);
+  int64_t rows = x.numel() / in;
+  const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
+  TORCH_CHECK(b == nullptr || ((b->scalar_type() == at::kFloat || b->scalar_type() == weight.scalar_type()) &&
+                               b->device().is_cpu() && b->is_contiguous() && b->numel() == out),
+              "narrow matvec: the bias must be a contiguous float32 tensor (or one of the weight's dtype) of ",
+              out, " elements");
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = out;
+  at::Tensor y = at::empty(sizes, x.options());
+  const float* xp = x.data_ptr<float>();
+  const void* wp = weight.data_ptr();
+  float* yp = y.data_ptr<float>();
+  switch (weight.scalar_type()) {
+    case at::kBFloat16: run<kBF16>(transposed, rows, xp, wp, b, yp, in, out); break;
+    case at::kHalf: run<kF16>(transposed, rows, xp, wp, b, yp, in, out); break;
+    case at::kFloat8_e4m3fn: run<kE4M3>(transposed, rows, xp, wp, b, yp, in, out); break;
+    case at::kFloat8_e5m2: run<kE5M2>(transposed, rows, xp, wp, b, yp, in, out); break;
+    default: TORCH_CHECK(false, "narrow matvec: no kernel for a ", weight.scalar_type(), " weight");
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(TS_NAMESPACE, m) {
+  m.def("matvec(Tensor x, Tensor weight, Tensor? bias, bool transposed) -> Tensor");
+  m.impl("matvec", c10::DispatchKey::CPU, TORCH_FN(narrow_matvec));
+}
+"""
+
+
+def _cpu_features() -> str:
+    """What the build targets: the build is for this machine's instruction set."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _flags() -> list[str]:
+    """Compiler flags: this machine's vector units, and OpenMP on Linux, where torch's
+    ``at::parallel_for`` is OpenMP inlined into the extension (the library is the one
+    torch has loaded already); elsewhere the kernel runs on one thread."""
+    machine = platform.machine().lower()
+    arch = ["-march=native"] if machine in ("x86_64", "amd64") else ["-mcpu=native"] if machine in ("aarch64", "arm64") else []
+    openmp = ["-fopenmp"] if platform.system() == "Linux" else []
+    return ["-O3", "-fno-math-errno", *arch, *openmp]
+
+
+_Key = tuple[bool, int, torch.dtype, tuple[int, ...]]
+
+
+class _NarrowMatvec:
+    """The kernel, built on first use; per-(layout, rows, dtype, shape) failures remembered."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._op: Callable[..., torch.Tensor] | None = None
+        self.unavailable: str | None = None  # why the kernel could not be built
+        self.failed: set[_Key] = set()
+
+    def _build(self) -> Callable[..., torch.Tensor] | None:
+        with self._lock:
+            if self._op is None and self.unavailable is None:
+                flags = _flags()
+                digest = hashlib.sha256("\0".join([_SOURCE, *flags, _cpu_features(), torch.__version__]).encode()).hexdigest()[:16]
+                namespace = f"torchsurgery_narrow_{digest}"
+                try:
+                    from torch.utils.cpp_extension import load_inline
+
+                    load_inline(
+                        namespace, cpp_sources=_SOURCE, extra_cflags=[*flags, f"-DTS_NAMESPACE={namespace}"],
+                        extra_ldflags=[f for f in flags if f == "-fopenmp"], no_implicit_headers=True,
+                        is_python_module=False,
+                    )
+                    self._op = getattr(torch.ops, namespace).matvec
+                except Exception as exc:  # no compiler, or it failed: the callers take another path
+                    first_line = (str(exc).strip().splitlines() or [""])[0]
+                    self.unavailable = f"{type(exc).__name__}: {first_line}"[:300]
+                    warnings.warn(
+                        f"torchsurgery.offload: the native narrow-weight CPU kernel could not be built "
+                        f"({self.unavailable}); narrow weights take the compiled or the cast path",
+                        stacklevel=4,
+                    )
+            return self._op
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool
+    ) -> torch.Tensor | None:
+        """``x @ weight.T + bias`` (``x @ weight + bias`` when ``transposed``) in fp32, or None.
+
+        ``x`` is a contiguous fp32 ``[..., in]`` tensor of 1 to :data:`NATIVE_MAX_ROWS` rows
+        (the leading dimensions together), the result ``[..., out]``; ``weight`` a contiguous 2-d tensor of one of :data:`NATIVE_DTYPES`, ``bias``
+        None or ``out`` elements in fp32 or the weight's dtype; none of them needs a gradient.
+        None means: no kernel for this call, take another path.
+        """
+        op = self._op if self._op is not None else self._build()
+        if op is None:
+            return None
+        if self.failed and (transposed, x.numel() // x.shape[-1], weight.dtype, tuple(weight.shape)) in self.failed:
+            return None
+        try:
+            result: torch.Tensor = op(x, weight, bias, transposed)
+            return result
+        except Exception as exc:  # remembered for this shape only
+            with self._lock:
+                self.failed.add((transposed, x.numel() // max(1, x.shape[-1]), weight.dtype, tuple(weight.shape)))
+            warnings.warn(
+                f"torchsurgery.offload: the native kernel failed for a {weight.dtype} weight of shape "
+                f"{list(weight.shape)} and an input of shape {list(x.shape)} ({type(exc).__name__}: {exc}); "
+                "that shape takes another path",
+                stacklevel=3,
+            )
+            return None
+
+
+narrow_matvec = _NarrowMatvec()

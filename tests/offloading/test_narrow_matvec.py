@@ -1,0 +1,138 @@
+"""Tests of torchsurgery.offloading.narrow_matvec: the native kernel against plain fp32."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+from torchsurgery.offloading.narrow_matvec import (
+    NATIVE_DTYPES,
+    NATIVE_MAX_ROWS,
+    _NarrowMatvec,
+    narrow_matvec,
+)
+
+# odd sizes (tails shorter than a vector), sizes above the kernel's column blocks, tiny ones
+SHAPES = [(1, 1), (5, 3), (17, 33), (64, 48), (300, 257), (1000, 777), (129, 2100), (40, 4100), (2304, 96), (96, 9000)]
+
+
+@pytest.fixture(scope="module")
+def kernel() -> _NarrowMatvec:
+    narrow_matvec(torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bfloat16), None, False)  # builds it
+    if narrow_matvec.unavailable is not None:
+        pytest.skip(f"no native kernel on this machine: {narrow_matvec.unavailable}")
+    return narrow_matvec
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """Plain fp32: the narrow weight widened, then the usual matmul."""
+    w = weight.float()
+    out = x @ w if transposed else x @ w.t()
+    return out if bias is None else out + bias.float()
+
+
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
+@pytest.mark.parametrize("transposed", [False, True], ids=["out-in", "in-out"])
+def test_outputs_match_fp32_for_many_shapes_rows_and_biases(kernel: _NarrowMatvec, dtype: torch.dtype, transposed: bool) -> None:
+    torch.manual_seed(0)
+    for i, (out, inp) in enumerate(SHAPES):
+        weight = torch.randn(out, inp).to(dtype)
+        if transposed:
+            weight = weight.t().contiguous()
+        biases = [None, torch.randn(out), torch.randn(out).to(dtype)]  # none, fp32, narrow
+        for rows in range(1, NATIVE_MAX_ROWS + 1):
+            x = torch.randn(rows, inp)
+            bias = biases[(i + rows) % 3]
+            got = kernel(x, weight, bias, transposed)
+            assert got is not None and got.dtype == torch.float32 and got.shape == (rows, out)
+            # fp32 sums in another order: error grows with the length of the dot products
+            torch.testing.assert_close(got, reference(x, weight, bias, transposed), rtol=1e-5, atol=1e-5 * inp**0.5)
+    assert not kernel.failed
+
+
+def test_leading_dimensions_are_kept(kernel: _NarrowMatvec) -> None:
+    torch.manual_seed(2)
+    weight = torch.randn(300, 257).bfloat16()
+    for shape in [(257,), (1, 1, 257), (2, 3, 257), (1, 2, 4, 257)]:
+        x = torch.randn(*shape)
+        for transposed, w in ((False, weight), (True, weight.t().contiguous())):
+            got = kernel(x, w, None, transposed)
+            assert got is not None and got.shape == (*shape[:-1], 300)
+            expected = reference(x.reshape(-1, 257), w, None, transposed).reshape(*shape[:-1], 300)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
+def test_every_bit_pattern_widens_exactly(kernel: _NarrowMatvec, dtype: torch.dtype) -> None:
+    # a weight holding every value of the dtype (NaN, infinities, subnormals, -0), times 1
+    if dtype.itemsize == 1:
+        values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    else:
+        values = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    expected = values.float()
+    one = torch.ones(1, 1)
+    for transposed in (False, True):  # [n, 1] widens element by element, [1, n] a vector at a time
+        weight = values.reshape(1, -1) if transposed else values.reshape(-1, 1)
+        got = kernel(one, weight, None, transposed)
+        assert got is not None
+        got = got.reshape(-1)
+        same = (got == expected) | (got.isnan() & expected.isnan())
+        assert bool(same.all()), values[~same][:8]
+
+
+def test_concurrent_calls_equal_sequential_ones(kernel: _NarrowMatvec) -> None:
+    torch.manual_seed(1)
+    cases = []
+    for k, (out, inp) in enumerate(SHAPES[4:]):
+        transposed = k % 2 == 1
+        weight = torch.randn(out, inp).bfloat16()
+        cases.append((torch.randn(1 + k % NATIVE_MAX_ROWS, inp), weight.t().contiguous() if transposed else weight, transposed))
+    sequential = [kernel(x, w, None, t) for x, w, t in cases]
+    results: list[list[torch.Tensor | None]] = [[] for _ in range(4)]
+    start = threading.Barrier(4)
+
+    def work(slot: int) -> None:
+        start.wait()
+        for _ in range(5):
+            results[slot] = [kernel(x, w, None, t) for x, w, t in cases]
+
+    pool = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    for got in results:
+        for a, b in zip(got, sequential, strict=True):
+            assert a is not None and b is not None
+            assert torch.equal(a, b)
+
+
+def test_a_failing_call_is_remembered_for_its_shape_only(kernel: _NarrowMatvec, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernel, "failed", set())
+    weight = torch.randn(64, 48).bfloat16()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert kernel(torch.randn(2, 47), weight, None, False) is None  # x does not fit: the kernel raises
+        assert kernel(torch.randn(2, 48), weight, None, False) is None  # that (layout, rows, dtype, shape): remembered
+    assert len([w for w in caught if "that shape takes another path" in str(w.message)]) == 1
+    assert kernel.failed == {(False, 2, torch.bfloat16, (64, 48))}
+    x = torch.randn(3, 48)  # other rows, and other shapes, keep the kernel
+    torch.testing.assert_close(kernel(x, weight, None, False), reference(x, weight, None, False))
+    other = torch.randn(64, 40).bfloat16()
+    torch.testing.assert_close(kernel(x[:2, :40].contiguous(), other, None, False), reference(x[:2, :40], other, None, False))
+
+
+def test_no_compiler_means_none_and_one_warning(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing cached there
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    fresh = _NarrowMatvec()
+    weight = torch.randn(8, 4).bfloat16()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fresh(torch.randn(1, 4), weight, None, False) is None
+        assert fresh(torch.randn(3, 4), weight, None, True) is None  # no second build attempt
+    assert fresh.unavailable is not None
+    assert len([w for w in caught if "could not be built" in str(w.message)]) == 1
