@@ -309,7 +309,7 @@ def test_bad_input_is_refused_before_anything_changes() -> None:
         offload(model, groups=None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="pin_memory must be True, False or None.*'yes'"):
         offload(model, pin_memory="yes")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="pin_memory=True, but host memory cannot be pinned for 'cpu'"):
+    with pytest.raises(ValueError, match="pin_memory is True, but host memory cannot be pinned for 'cpu'"):
         offload(model, "cpu", pin_memory=True)
     assert identity_map(model) == ids
     with torchsurgery.skeleton():
