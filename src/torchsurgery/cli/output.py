@@ -14,20 +14,17 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from torchsurgery import _format
+
 
 def human_bytes(nbytes: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``: sizes as a person reads them (powers of 1024).
+    """``1536`` -> ``"1.5 KiB"``: the command prints sizes in powers of 1024.
 
     Example:
         >>> human_bytes(0), human_bytes(1536), human_bytes(3 * 2**30)
         ('0 B', '1.5 KiB', '3.0 GiB')
     """
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
+    return _format.human_bytes(nbytes, binary=True)
 
 
 @dataclass
