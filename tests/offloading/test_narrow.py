@@ -80,7 +80,7 @@ def test_narrow_path_matches_fp32_for_many_shapes_and_rows(transposed: bool, tie
                 got = layer(x)
             torch.testing.assert_close(got, reference(x, weight, bias, transposed), rtol=1e-4, atol=1e-4)
             if rows <= kernel_rows:  # served by a kernel, not by widening the weight
-                assert handle._scratch.nbytes() == 0, (out, inp, rows)
+                assert handle.stats().widened_bytes == 0, (out, inp, rows)
         handle.remove()
     assert not _fused.failed
 
@@ -136,11 +136,11 @@ def test_a_failing_compiled_shape_casts_and_the_others_stay_fused(monkeypatch: p
     assert len([w for w in caught if "casts instead" in str(w.message)]) == 1
     torch.testing.assert_close(got, reference(x, bad.weight, bad.bias, False), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(again, got)
-    assert bad_handle._scratch.nbytes() > 0  # the cast path served it
+    assert bad_handle.stats().widened_bytes > 0  # the cast path served it
     y = torch.randn(1, SHAPES[0][1])
     with torch.no_grad():
         torch.testing.assert_close(good(y), reference(y, good.weight, good.bias, False), rtol=1e-4, atol=1e-4)
-    assert good_handle._scratch.nbytes() == 0  # still fused
+    assert good_handle.stats().widened_bytes == 0  # still fused
     bad_handle.remove()
     good_handle.remove()
 
@@ -204,7 +204,7 @@ def test_scratch_is_per_thread_and_freed_on_remove() -> None:
     x = torch.randn(40, 512)
     with torch.no_grad():
         model(x)
-        assert handle._scratch.nbytes() == widest  # one buffer, reused across shapes
+        assert handle.stats().widened_bytes == widest  # one buffer, reused across shapes
 
         def step() -> None:
             with torch.no_grad():  # grad mode is per thread
@@ -213,8 +213,8 @@ def test_scratch_is_per_thread_and_freed_on_remove() -> None:
         thread = threading.Thread(target=step)
         thread.start()
         thread.join()
-    assert handle._scratch.nbytes() <= 2 * widest
+    assert handle.stats().widened_bytes <= 2 * widest
     del thread  # a finished thread's buffer goes with it
-    assert handle._scratch.nbytes() == widest
+    assert handle.stats().widened_bytes == widest
     handle.remove()
-    assert handle._scratch.nbytes() == 0
+    assert handle.stats().widened_bytes == 0

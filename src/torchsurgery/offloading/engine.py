@@ -179,6 +179,7 @@ class OffloadHandle:
             execution_order=order,
             group_costs=costs,
             link_bytes_per_s=bandwidth if costs else 0.0,
+            widened_bytes=self._scratch.nbytes(),
         )
 
     @property

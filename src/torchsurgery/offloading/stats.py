@@ -31,6 +31,9 @@ class OffloadStats:
         group_costs: per group of ``execution_order`` (once each), the last measured bytes
             brought in and seconds of compute: what the residency planner reads.
         link_bytes_per_s: bytes per second of those groups' transfers (0.0 before any).
+        widened_bytes: bytes held now by the buffers that narrow weights are widened into
+            where no kernel reads them directly (at most one per thread, the size of the
+            largest widened weight; 0 while every call takes a narrow-weight kernel).
         achieved_gbps: bytes moved per second of transferring.
 
     Timings come from events recorded through the offload's
@@ -63,6 +66,7 @@ class OffloadStats:
     execution_order: list[str] = field(default_factory=list)
     group_costs: list[GroupCost] = field(default_factory=list)
     link_bytes_per_s: float = 0.0
+    widened_bytes: int = 0
 
     @property
     def achieved_gbps(self) -> float:
