@@ -1254,3 +1254,22 @@ def test_originals_are_kept_exactly_when_the_conversion_loses_values(here: torch
     numbers = ~values.isnan()  # every number bitwise (signed zeros too); NaN stays NaN, payload aside
     assert module.values.dtype == here and bool(module.values.isnan().eq(~numbers).all())
     assert _same_bytes(module.values[numbers], values[numbers])
+
+
+def test_convert_of_an_offloaded_model_is_refused_until_the_offload_is_removed() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    x = torch.randn(2, 8)
+    handle = torchsurgery.offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups="leaves")
+    with torch.no_grad():
+        offloaded = model(x)
+    log = torchsurgery.surgery_log(model)
+    with pytest.raises(RuntimeError, match="convert_: the module's weights are held by an active offload"):
+        torchsurgery.convert_(model, dtype=torch.float64)
+    assert torchsurgery.surgery_log(model) == log and model[0].weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), offloaded, rtol=0, atol=0)
+    handle.remove()
+    torchsurgery.convert_(model, dtype=torch.float64)  # the same model converts once it is back
+    with torch.no_grad():
+        assert model(x.double()).dtype == torch.float64

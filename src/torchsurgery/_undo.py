@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -384,6 +384,15 @@ def release(held: Hold) -> None:
     for key in held._keys:
         if _held.get(key) is held:
             del _held[key]
+
+
+def holder_of_any(tensors: Iterable[torch.Tensor]) -> str | None:
+    """What depends on one of ``tensors`` by identity, if anything (``"an active offload"``)."""
+    for tensor in tensors:
+        held = _held.get(id(tensor))
+        if held is not None:
+            return held.what
+    return None
 
 
 def holder_of(changes: ChangeSet) -> str | None:

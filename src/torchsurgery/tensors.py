@@ -335,6 +335,12 @@ def convert_(
         raise TypeError(f"{what}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(undoable, bool):
         raise TypeError(f"{what}: undoable must be True or False, got {undoable!r}")
+    holder = _undo.holder_of_any(t for _, t, _ in _named_tensors(module))
+    if holder:
+        raise RuntimeError(
+            f"{what}: the module's weights are held by {holder}, which would keep computing with "
+            "its own copies; remove it first (handle.remove() or torchsurgery.restore), then convert"
+        )
 
     with _own_weakrefs_released(module):
         plan = _plan_conversion(module, target_device, target_dtype, non_blocking, what)
