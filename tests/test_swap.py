@@ -1,0 +1,56 @@
+"""What the pillars that keep a tensor's identity check before swapping data into it."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.utils import swap_tensors
+
+from torchsurgery._swap import swap_blocker, wrap_like
+
+
+class Tagged(nn.Parameter):
+    """A Parameter subclass carrying an attribute, as quantisation libraries use them."""
+
+
+def test_wrap_like_keeps_the_kind_of_tensor_and_its_grad_flag() -> None:
+    plain = nn.Parameter(torch.ones(2), requires_grad=False)
+    new = wrap_like(plain, torch.zeros(2, dtype=torch.float64))
+    assert type(new) is nn.Parameter and not new.requires_grad and new.dtype == torch.float64
+
+    tagged = Tagged(torch.ones(2))
+    tagged.scale = 3.0
+    new = wrap_like(tagged, torch.zeros(2))
+    assert type(new) is Tagged and new.scale == 3.0 and new.requires_grad
+
+    buffer = torch.ones(2)
+    assert type(wrap_like(buffer, torch.zeros(2))) is torch.Tensor
+
+
+def test_a_swap_the_blocker_allows_succeeds_in_place() -> None:
+    layer = nn.Linear(2, 2)
+    weight = layer.weight
+    replacement = wrap_like(weight, weight.detach().double())
+    assert swap_blocker("weight", weight, replacement, "example") is None
+    swap_tensors(weight, replacement)
+    assert layer.weight is weight and weight.dtype == torch.float64 and isinstance(weight, nn.Parameter)
+
+
+def test_weak_references_and_pending_backwards_block_a_swap_as_torch_would() -> None:
+    layer = nn.Linear(2, 2)
+    ref = weakref.ref(layer.weight)
+    reason = swap_blocker("weight", layer.weight, None, "example")
+    assert reason is not None and "weak references" in reason
+    with pytest.raises(RuntimeError):  # torch refuses it too
+        swap_tensors(layer.weight, nn.Parameter(torch.zeros(2, 2)))
+    del ref
+
+    loss = layer(torch.ones(1, 2)).sum()  # the graph holds the weight until backward runs
+    reason = swap_blocker("weight", layer.weight, None, "example")
+    assert reason is not None and "backward has not run" in reason
+    loss.backward()
+    del loss
+    assert swap_blocker("weight", layer.weight, None, "example") is None
