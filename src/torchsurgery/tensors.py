@@ -274,6 +274,27 @@ class ConvertRecord(_undo.Record):
         return {**self.__dict__, "optimizer": None, "moved": []}
 
 
+def _check_conversion(
+    module: nn.Module, device: Any, dtype: Any, optimizer: Any, undoable: Any, what: str
+) -> tuple[torch.device | None, torch.dtype | None]:
+    """``convert_``'s arguments checked, and the module free to convert; the target device and dtype."""
+    _undo.check_not_compiling("convert_")
+    _undo.check_module(module, what)
+    target_device = check_device(device, what)
+    target_dtype = check_dtype(dtype, what, complex_ok=True)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{what}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(undoable, bool):
+        raise TypeError(f"{what}: undoable must be True or False, got {undoable!r}")
+    holder = _undo.holder_of_any(t for _, t, _ in _named_tensors(module))
+    if holder:
+        raise RuntimeError(
+            f"{what}: the module's weights are held by {holder}, which would keep computing with "
+            "its own copies; remove it first (handle.remove() or torchsurgery.restore), then convert"
+        )
+    return target_device, target_dtype
+
+
 def convert_(
     module: M,
     device: str | torch.device | None = None,
@@ -327,20 +348,7 @@ def convert_(
         (True, torch.float32, True)
     """
     what = "torchsurgery.convert_"
-    _undo.check_not_compiling("convert_")
-    _undo.check_module(module, what)
-    target_device = check_device(device, what)
-    target_dtype = check_dtype(dtype, what, complex_ok=True)
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"{what}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if not isinstance(undoable, bool):
-        raise TypeError(f"{what}: undoable must be True or False, got {undoable!r}")
-    holder = _undo.holder_of_any(t for _, t, _ in _named_tensors(module))
-    if holder:
-        raise RuntimeError(
-            f"{what}: the module's weights are held by {holder}, which would keep computing with "
-            "its own copies; remove it first (handle.remove() or torchsurgery.restore), then convert"
-        )
+    target_device, target_dtype = _check_conversion(module, device, dtype, optimizer, undoable, what)
 
     with _own_weakrefs_released(module):
         plan = _plan_conversion(module, target_device, target_dtype, non_blocking, what)
