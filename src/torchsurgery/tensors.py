@@ -67,8 +67,7 @@ from torch import nn
 from torchsurgery import _undo
 from torchsurgery._checkpoint import CheckpointError, Entry, Source, Stash, open_source
 from torchsurgery._names import near_matches
-from torchsurgery._swap import swap_blocker as _swap_blocker
-from torchsurgery._swap import wrap_like as _wrap_like
+from torchsurgery._swap import swap_blocker, wrap_like
 from torchsurgery._validate import check_device, check_dtype
 
 __all__ = ["swap_on_conversion", "convert_", "load_", "LoadResult", "skeleton", "CheckpointError"]
@@ -178,7 +177,7 @@ class _Swap(NamedTuple):
 def _swap_all(plan: list[_Swap], non_blocking: bool, what: str) -> None:
     """Swap every new content in, converting gradients along; all or nothing."""
     for item in plan:
-        problem = _swap_blocker(item.name, item.tensor, item.new, what)
+        problem = swap_blocker(item.name, item.tensor, item.new, what)
         if problem:
             raise RuntimeError(problem)
     done: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
@@ -258,7 +257,7 @@ class ConvertRecord(_undo.Record):
         return f"convert to {self.target} ({len(self.converted)} tensors" + (f", {kept} originals kept)" if kept else ")")
 
     def undo(self, module: nn.Module) -> None:
-        plan = [_Swap(c.name, c.tensor, _wrap_like(c.tensor, _restored(c)), c.device, c.dtype) for c in self.converted]
+        plan = [_Swap(c.name, c.tensor, wrap_like(c.tensor, _restored(c)), c.device, c.dtype) for c in self.converted]
         with _own_weakrefs_released(module):
             _swap_all(plan, False, "torchsurgery.restore")
         optimizer = None if self.optimizer is None else self.optimizer()
@@ -379,10 +378,10 @@ def _plan_conversion(
             dtype is None or t.dtype == dtype or not (t.is_floating_point() or t.is_complex())
         ):
             continue
-        problem = _swap_blocker(name, t, None, what)
+        problem = swap_blocker(name, t, None, what)
         if problem:
             raise RuntimeError(problem)
-        plan.append(_Swap(name, t, _wrap_like(t, _converted(t, device, dtype, non_blocking)), device, dtype))
+        plan.append(_Swap(name, t, wrap_like(t, _converted(t, device, dtype, non_blocking)), device, dtype))
     return plan
 
 
@@ -573,7 +572,7 @@ class LoadRecord(_undo.Record):
         for name, t, old, loaded in self.replaced:
             if loaded != (t.device, t.dtype) and not old.is_meta:
                 # converted since by surgery undone out of order: the old values as it is now
-                old = _wrap_like(t, old.detach().to(device=t.device, dtype=t.dtype))
+                old = wrap_like(t, old.detach().to(device=t.device, dtype=t.dtype))
             old.requires_grad_(t.requires_grad)  # a flag set since stays, as with every undo
             plan.append(_Swap(name, t, old, old.device, old.dtype))
         with _own_weakrefs_released(module):
@@ -680,7 +679,7 @@ def _load(
     stored: dict[str, Entry] = reader.entries()
     plan, missing, unexpected = _match(module, stored, strict)
     for name, t, _ in plan:
-        problem = _swap_blocker(name, t, None, what)
+        problem = swap_blocker(name, t, None, what)
         if problem:
             raise RuntimeError(problem)
     in_place: list[tuple[torch.Tensor, str]] = []
@@ -748,11 +747,11 @@ def _replacement(t: torch.Tensor, value: torch.Tensor, assign: bool) -> torch.Te
     """The object swapped into ``t`` to give it ``value``."""
     if type(t) in (torch.Tensor, nn.Parameter) and not assign:
         # a meta tensor to materialise, or a move/cast: the loaded value becomes the content
-        return _wrap_like(t, value)
+        return wrap_like(t, value)
     # tensor subclasses decide through module_load (assign=True: the checkpoint's tensor)
     with torch.no_grad():
         loaded = t.module_load(value, assign=assign)
-    return _wrap_like(t, loaded) if isinstance(t, nn.Parameter) else loaded
+    return wrap_like(t, loaded) if isinstance(t, nn.Parameter) else loaded
 
 
 @contextlib.contextmanager
@@ -787,7 +786,7 @@ def skeleton(device: str | torch.device = "meta", include_buffers: bool = False)
     def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original_param(self, name, param)
         if param is not None and param.device != target:
-            self._parameters[name] = _wrap_like(param, param.detach().to(target))  # type: ignore[assignment]
+            self._parameters[name] = wrap_like(param, param.detach().to(target))  # type: ignore[assignment]
 
     def register_buffer(self: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
         if tensor is not None and tensor.device != target:

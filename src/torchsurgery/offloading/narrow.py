@@ -254,6 +254,7 @@ class _NarrowMatmul(Patch, nn.Module):
         weight: torch.Tensor = self._parameters["weight"]  # type: ignore[assignment]
         bias: torch.Tensor | None = self._parameters.get("bias")
         x = input if input.dtype == dtype else input.to(dtype)
+        rows = x.numel() // max(1, x.shape[-1])
         stats.bytes_moved += weight.numel() * weight.element_size()
         stats.transfers += 1
         stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + weight.numel() * dtype.itemsize)
@@ -268,14 +269,13 @@ class _NarrowMatmul(Patch, nn.Module):
         else:  # with a master copy, forwards without gradients read the narrow copy
             weight = state.shadows.narrow(weight)
             bias = state.shadows.narrow(bias) if bias is not None else None
-            rows = x.numel() // max(1, x.shape[-1])
             if 0 < rows <= NATIVE_MAX_ROWS:
                 out = _few_rows(x, rows, weight, bias, transposed)
                 if out is not None:
                     return out
             wide = state.scratch.widen(weight, dtype)
             wide_bias = bias.to(dtype) if bias is not None else None
-        x2d = x.reshape(x.numel() // max(1, x.shape[-1]), x.shape[-1])
+        x2d = x.reshape(rows, x.shape[-1])
         matrix = wide if transposed else wide.t()
         out = x2d @ matrix if wide_bias is None else torch.addmm(wide_bias, x2d, matrix)
         return out.reshape(*x.shape[:-1], matrix.shape[1])

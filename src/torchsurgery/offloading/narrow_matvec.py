@@ -400,14 +400,15 @@ class _NarrowMatvec:
         op = self._op if self._op is not None else self._build()
         if op is None:
             return None
-        if self.failed and (transposed, x.numel() // x.shape[-1], weight.dtype, tuple(weight.shape)) in self.failed:
+        key = (transposed, x.numel() // max(1, x.shape[-1]), weight.dtype, tuple(weight.shape))
+        if key in self.failed:
             return None
         try:
             result: torch.Tensor = op(x, weight, bias, transposed)
             return result
         except Exception as exc:  # remembered for this shape only
             with self._lock:
-                self.failed.add((transposed, x.numel() // max(1, x.shape[-1]), weight.dtype, tuple(weight.shape)))
+                self.failed.add(key)
             warnings.warn(
                 f"torchsurgery.offload: the native kernel failed for a {weight.dtype} weight of shape "
                 f"{list(weight.shape)} and an input of shape {list(x.shape)} ({type(exc).__name__}: {exc}); "
