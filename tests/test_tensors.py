@@ -1266,7 +1266,7 @@ def test_convert_of_an_offloaded_model_is_refused_until_the_offload_is_removed()
     log = torchsurgery.surgery_log(model)
     with pytest.raises(RuntimeError, match="convert_: the module's weights are held by an active offload"):
         torchsurgery.convert_(model, dtype=torch.float64)
-    assert torchsurgery.surgery_log(model) == log and model[0].weight.dtype == torch.bfloat16
+    assert torchsurgery.surgery_log(model) == log and model[0].weight.stored.dtype == torch.bfloat16
     with torch.no_grad():
         torch.testing.assert_close(model(x), offloaded, rtol=0, atol=0)
     handle.remove()

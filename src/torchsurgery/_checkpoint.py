@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from torchsurgery._swap import copy_of
 from torchsurgery._validate import dtype_from_safetensors
 
 _MAX_HEADER = 100 * 1024 * 1024
@@ -194,7 +196,10 @@ def _parse_header(path: Path, f: BinaryIO) -> dict[str, _Located]:
 
 def _is_raw(t: torch.Tensor) -> bool:
     """Whether ``t``'s memory holds exactly its values, in order (so its bytes can be read or written)."""
-    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+    return (
+        t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+        and not is_traceable_wrapper_subclass(t)  # e.g. an offloaded weight: its values are elsewhere
+    )
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -287,7 +292,10 @@ class Stash:
         try:
             with torch.no_grad():
                 kept = set(map(id, in_file))
-                self._clones = {id(t): (t, t.detach().to("cpu", copy=True)) for t in tensors if id(t) not in kept}
+                self._clones = {
+                    id(t): (t, copy_of(t) if t.device.type == "cpu" else t.detach().to("cpu", copy=True))
+                    for t in tensors if id(t) not in kept
+                }
             for i in range(0, len(self._in_file), _IOV_MAX):
                 offset = sum(v.nbytes for v in self._in_file[:i])
                 if _transfer(os.pwritev, self._fd, self._in_file[i : i + _IOV_MAX], offset) is not None:

@@ -6,36 +6,65 @@ offloading).
 
 from __future__ import annotations
 
+import copy
 import copyreg
 import weakref
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["wrap_like", "swap_blocker"]
+__all__ = ["wrap_like", "swap_blocker", "swap_in", "user_attributes", "copy_of"]
 
 
-def wrap_like(original: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
-    """``data`` as an object of ``original``'s kind, ready to be swapped into it."""
+def user_attributes(tensor: torch.Tensor) -> dict[str, object]:
+    """Attributes set on a tensor object by its user (not torch's ``_is_param``, not ours)."""
+    return {k: v for k, v in tensor.__dict__.items() if k != "_is_param" and not k.startswith("_torchsurgery_")}
+
+
+def copy_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor``'s values as kept, to be written back with ``tensor.detach().copy_(it)``.
+
+    A wrapper subclass (an offloaded weight) copies its inner tensors exactly: ``clone()``
+    would give its values in the dtype it reads as, which may round them.
+    """
+    if is_traceable_wrapper_subclass(tensor):
+        return copy.deepcopy(tensor.detach())
+    return tensor.detach().clone()
+
+
+def wrap_like(original: torch.Tensor, data: torch.Tensor, kind: type | None = None) -> torch.Tensor:
+    """``data`` as an object of ``original``'s kind (or of class ``kind``), ready to be swapped into it.
+
+    ``swap_tensors`` swaps the objects' ``__dict__`` too: where the result is a plain
+    tensor or parameter, attributes the user set on ``original`` are carried over, so the
+    swap keeps them (a subclass's ``__dict__`` is its own state, which ``data`` carries).
+    """
+    kind = type(original) if kind is None else kind
     data = data.detach()
-    if type(original) is nn.Parameter or (
-        isinstance(original, nn.Parameter) and not issubclass(type(original), nn.Parameter)
-    ):
+    if kind is nn.Parameter or (isinstance(original, nn.Parameter) and not issubclass(kind, nn.Parameter)):
         # plain Parameters, and tensor subclasses marked as parameters (_is_param)
-        return nn.Parameter(data, requires_grad=original.requires_grad)
-    if isinstance(original, nn.Parameter):
+        param = nn.Parameter(data, requires_grad=original.requires_grad)
+        if type(param) is nn.Parameter:
+            param.__dict__.update(user_attributes(original))
+        return param
+    if issubclass(kind, nn.Parameter):
         # a Parameter subclass: same class and attributes, so the swap changes neither
-        new = torch.Tensor._make_subclass(type(original), data, original.requires_grad)
+        new = torch.Tensor._make_subclass(kind, data, original.requires_grad)
         new.__dict__.update(original.__dict__)
         return new
     if data.requires_grad != original.requires_grad and data.is_leaf:
         data.requires_grad_(original.requires_grad)
+    if type(data) is torch.Tensor:
+        data.__dict__.update(user_attributes(original))
     return data
 
 
-def swap_blocker(name: str, tensor: torch.Tensor, replacement: torch.Tensor | None, what: str) -> str | None:
-    """Why ``swap_tensors(tensor, replacement)`` would fail or poison autograd, if it would."""
-    if weakref.getweakrefs(tensor):
+def swap_blocker(
+    name: str, tensor: torch.Tensor, replacement: torch.Tensor | None, what: str, *, weak_references_ok: bool = False
+) -> str | None:
+    """Why ``swap_tensors(tensor, replacement)`` (or :func:`swap_in`, with ``weak_references_ok``) would fail or poison autograd."""
+    if not weak_references_ok and weakref.getweakrefs(tensor):
         return (
             f"{what}: cannot swap {name!r}: it has weak references (e.g. a WeakTensorKeyDictionary "
             "or a weakref.ref held somewhere); drop them and try again"
@@ -60,3 +89,32 @@ def swap_blocker(name: str, tensor: torch.Tensor, replacement: torch.Tensor | No
             "of it. Run backward and drop the outputs (del loss), and delete views of the tensor"
         )
     return None
+
+
+def swap_in(tensor: torch.Tensor, replacement: torch.Tensor) -> None:
+    """``torch.utils.swap_tensors(tensor, replacement)``, also where weak references to ``tensor`` exist.
+
+    For a surgery's own undo and redo of tensors it converted itself: ``torch.compile``
+    keeps weak references to the parameters it traced (its caches are keyed by object),
+    and ``swap_tensors`` refuses any. The object stays the one those caches know; its
+    guards see the new class, dtype and memory and recompile. Everything else that
+    ``swap_tensors`` checks is checked. A gradient goes along, in the replacement's dtype.
+    """
+    grad = tensor.grad
+    if grad is not None and replacement.grad is None and replacement.requires_grad:
+        # the gradient lives in the tensor's memory record, which the swap replaces: it goes along
+        replacement.grad = grad.to(device=replacement.device, dtype=replacement.dtype)
+    if not weakref.getweakrefs(tensor):
+        torch.utils.swap_tensors(tensor, replacement)
+        return
+    if set(copyreg._slotnames(type(tensor))) != set(copyreg._slotnames(type(replacement))):  # type: ignore[attr-defined]
+        raise RuntimeError(f"cannot swap a {type(tensor).__name__} and a {type(replacement).__name__}: their __slots__ differ")
+    for t in (tensor, replacement):
+        if t._use_count() > 1:  # type: ignore[attr-defined]
+            raise RuntimeError(
+                "cannot swap a tensor held elsewhere (by the graph of a pending backward, or by a view of it); "
+                "run backward and drop its outputs first"
+            )
+    tensor.__class__, replacement.__class__ = replacement.__class__, tensor.__class__
+    tensor.__dict__, replacement.__dict__ = replacement.__dict__, tensor.__dict__
+    torch._C._swap_tensor_impl(tensor, replacement)

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from torchsurgery._swap import copy_of, swap_in, wrap_like
 
 _LOG_KEY = "_torchsurgery_log"
 
@@ -76,8 +78,9 @@ class ChangeSet:
             written in place, and a copy of what it held before the first write. Undo writes
             the copy through the tensor object, so it lands even where later surgery gave
             the tensor new memory (a conversion undone since), cast to its dtype.
-        storage: ``(tensor, alias)``: a tensor of the subtree whose ``.data`` was replaced,
-            and an alias of the storage it had.
+        storage: ``(tensor, alias, class)``: a tensor of the subtree whose ``.data`` was
+            replaced, or that was swapped (``torch.utils.swap_tensors``, e.g. into a tensor
+            subclass), an alias of the storage it had and its class then.
         tensor_hooks: ``(tensor, attribute, key, old, new)`` for hooks registered on or
             removed from the subtree's parameters and buffers themselves.
     """
@@ -88,7 +91,7 @@ class ChangeSet:
     below: list[tuple[nn.Module, ChangeSet]] = field(default_factory=list)
     classes: tuple[type, type] | None = None
     values: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    storage: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    storage: list[tuple[torch.Tensor, torch.Tensor, type]] = field(default_factory=list)
     tensor_hooks: list[tuple[torch.Tensor, str, Any, Any, Any]] = field(default_factory=list)
 
     def keys(self) -> set[tuple[str, Any]]:
@@ -102,7 +105,7 @@ class ChangeSet:
             if own.classes is not None:
                 touched.add(("class", id(child)))
         touched.update(("value", id(t)) for t, _ in self.values)
-        touched.update(("value", id(t)) for t, _ in self.storage)
+        touched.update(("value", id(t)) for t, _, _ in self.storage)
         touched.update(("tensor_hook", (id(t), a, k)) for t, a, k, _, _ in self.tensor_hooks)
         return touched
 
@@ -134,8 +137,11 @@ class ChangeSet:
                 child.__class__ = own.classes[0]
         for param, old_flag, _ in self.grad_flags:
             param.requires_grad_(old_flag)
-        for tensor, alias in self.storage:
-            tensor.data = alias
+        for tensor, alias, kind in self.storage:
+            if type(tensor) is kind:
+                tensor.data = alias
+            else:  # swapped into another class: swapped back, the object kept
+                swap_in(tensor, wrap_like(tensor, alias, kind))
         with torch.no_grad():
             for tensor, copy in self.values:
                 tensor.detach().copy_(copy)
@@ -153,20 +159,30 @@ _TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:
-    """The address of the memory ``tensor`` views, where it has values to keep."""
+    """The address of the memory ``tensor`` views, where it has values to keep.
+
+    A wrapper tensor subclass (an offloaded weight, a quantised one) has no memory of its
+    own: its first inner tensor's counts.
+    """
     if tensor.device.type == "meta" or tensor.numel() == 0:
         return None
+    if is_traceable_wrapper_subclass(tensor):
+        inner = getattr(tensor, tensor.__tensor_flatten__()[0][0])
+        return _storage_key(inner)
     try:
         return int(tensor.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass has no storage
+    except (RuntimeError, NotImplementedError, TypeError):  # a subclass without memory
         return None
+
 
 
 def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
     """What ``tensor.data = other`` changes (its memory, shape and placement)."""
     if tensor.layout is not torch.strided:
-        return (tensor.layout, tensor.shape, tensor.dtype, tensor.device)
-    return (_storage_key(tensor), tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype, tensor.device)
+        return (type(tensor), tensor.layout, tensor.shape, tensor.dtype, tensor.device)
+    return (
+        type(tensor), _storage_key(tensor), tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype, tensor.device
+    )
 
 
 @dataclass
@@ -250,7 +266,7 @@ class _WriteTracker(TorchDispatchMode):
         key = _storage_key(tensor)
         if key is None or key in self.state.written or key not in self.state.by_storage:
             return
-        self.state.written[key] = [(t, t.detach().clone()) for t in self.state.by_storage[key]]
+        self.state.written[key] = [(t, copy_of(t)) for t in self.state.by_storage[key]]
 
 
 @contextlib.contextmanager
@@ -310,7 +326,7 @@ def diff(before: Snapshot, module: nn.Module) -> ChangeSet:
         changes.values.extend(pairs)
     for tensor, alias, layout, hooks in before.tensors:
         if _layout(tensor) != layout:
-            changes.storage.append((tensor, alias))
+            changes.storage.append((tensor, alias, layout[0]))
         for attr, was in hooks.items():
             cur = getattr(tensor, attr, None)
             was, cur = was or {}, cur if isinstance(cur, dict) else {}
@@ -402,7 +418,7 @@ def holder_of(changes: ChangeSet) -> str | None:
             for tensor in (old, new):
                 if tensor is not MISSING and id(tensor) in _held:
                     return _held[id(tensor)].what
-    for tensor, _ in changes.storage:
+    for tensor, _, _ in changes.storage:
         if id(tensor) in _held:
             return _held[id(tensor)].what
     for _, below in changes.below:

@@ -35,10 +35,13 @@ patches and can be unpatched on their own.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import types
 from collections.abc import Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torchsurgery import _undo
 from torchsurgery._names import ModuleFilter, select
@@ -107,6 +110,13 @@ class Patch(nn.Module):
         >>> type(torchsurgery.unpatch(layer)) is nn.Linear, hasattr(layer, "factor")
         (True, False)
     """
+
+    __patch_needs_plain_weights__: ClassVar[bool] = False
+    """Set to True by a patch whose ``forward`` reads its weights' memory directly (``data_ptr``,
+    a custom C++ or Triton kernel), so that it cannot work with weights that are tensor
+    subclasses without memory of their own: an :func:`~torchsurgery.offload` that keeps the
+    module's weights in another dtype (as :class:`~torchsurgery.OffloadedTensor`) refuses the
+    module, and :func:`patch` refuses the patch on a module whose weights already are."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         original: type[nn.Module] | None = type(self).__dict__.get("__patch_original__")
@@ -179,18 +189,48 @@ def _compose(patch_cls: type[Patch], base: type[nn.Module]) -> type[nn.Module]:
     if cls is None:
         label, original = _label_and_original(base)
         # named as the original, so that lookups by name or str(cls) find the original
-        cls = type(
-            original.__name__,
-            (patch_cls, base),
-            {
-                "__module__": original.__module__,
-                "__qualname__": original.__qualname__,
-                "__patch_original__": original,
-                "__patch_label__": f"{patch_cls.__qualname__}[{label}]",
-            },
-        )
+        namespace: dict[str, Any] = {
+            "__module__": original.__module__,
+            "__qualname__": original.__qualname__,
+            "__patch_original__": original,
+            "__patch_label__": f"{patch_cls.__qualname__}[{label}]",
+        }
+        forward = _passing_on(patch_cls)
+        if forward is not None:
+            namespace["forward"] = _with_signature_of(forward, base.forward)
+        cls = type(original.__name__, (patch_cls, base), namespace)
         _CLASS_CACHE[key] = cls
     return cls
+
+
+def _passing_on(patch_cls: type[Patch]) -> types.FunctionType | None:
+    """The patch's ``forward`` if it takes only ``(self, *args, **kwargs)`` (it passes them on)."""
+    forward = next((c.__dict__["forward"] for c in patch_cls.__mro__ if issubclass(c, Patch) and "forward" in c.__dict__), None)
+    if not isinstance(forward, types.FunctionType):
+        return None
+    kinds = [p.kind for p in inspect.signature(forward, follow_wrapped=False).parameters.values()]
+    return forward if kinds == [_POSITIONAL, inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD] else None
+
+
+_POSITIONAL = inspect.Parameter.POSITIONAL_OR_KEYWORD
+
+
+def _with_signature_of(forward: types.FunctionType, wrapped: Any) -> types.FunctionType:
+    """A copy of ``forward`` that shows ``wrapped``'s signature.
+
+    Programs read ``inspect.signature(model.forward)`` to decide what to pass (transformers'
+    ``generate()`` passes ``logits_to_keep`` only where ``forward`` names it), so a patch that
+    passes everything on must show the signature of what it passes to. The copy shares the
+    code object, so the compiler's cache for it is shared too; its ``super()`` is the patch's.
+    """
+    copy = types.FunctionType(forward.__code__, forward.__globals__, forward.__name__, forward.__defaults__, forward.__closure__)
+    copy.__kwdefaults__ = forward.__kwdefaults__
+    copy.__qualname__ = forward.__qualname__
+    copy.__dict__.update(forward.__dict__)
+    copy.__doc__ = getattr(wrapped, "__doc__", None) or forward.__doc__
+    copy.__wrapped__ = wrapped  # type: ignore[attr-defined]
+    copy.__signature__ = inspect.signature(wrapped)  # type: ignore[attr-defined]
+    return copy
 
 
 def _label_and_original(cls: type) -> tuple[str, type[nn.Module]]:
@@ -285,6 +325,20 @@ def _put_back(
     module.__class__ = before
 
 
+def _check_plain_weights(module: nn.Module, patch_cls: type[Patch]) -> None:
+    """Refuse a patch that reads weight memory directly on a module whose weights have none."""
+    if not patch_cls.__patch_needs_plain_weights__:
+        return
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if is_traceable_wrapper_subclass(t):
+            raise TypeError(
+                f"torchsurgery.patch: {patch_cls.__qualname__} reads weight memory directly "
+                f"(__patch_needs_plain_weights__), but {name!r} is a {type(t).__name__} without memory of its "
+                "own (e.g. a weight an offload keeps in another dtype); patch before offloading, or remove the "
+                "offload (handle.remove()) first"
+            )
+
+
 def patch(module: M, patch_cls: type[Patch], /, *args: Any, **kwargs: Any) -> M:
     """Apply ``patch_cls`` to ``module`` in place and return ``module``.
 
@@ -335,6 +389,7 @@ def patch(module: M, patch_cls: type[Patch], /, *args: Any, **kwargs: Any) -> M:
             f"torchsurgery.patch: the module is already patched with {patch_cls.__qualname__}; "
             "unpatch it first to apply it again"
         )
+    _check_plain_weights(module, patch_cls)
     new_cls = _compose(patch_cls, before)  # may raise TypeError (MRO) before any change
     state = _undo.snapshot(module)
     logs = [(m, _undo.records(m)) for m, _ in state.modules]

@@ -69,6 +69,7 @@ from torchsurgery._checkpoint import CheckpointError, Entry, Source, Stash, open
 from torchsurgery._names import near_matches
 from torchsurgery._swap import swap_blocker, wrap_like
 from torchsurgery._validate import check_device, check_dtype
+from torchsurgery.offloading.tensor import OffloadedTensor
 
 __all__ = ["swap_on_conversion", "convert_", "load_", "LoadResult", "skeleton", "CheckpointError"]
 
@@ -688,8 +689,10 @@ def _load(
         floating = t.is_floating_point() or t.is_complex()
         target_device = device or (torch.device("cpu") if t.is_meta else t.device)
         target_dtype = dtype if dtype is not None and floating else t.dtype
-        plain = type(t) in (torch.Tensor, nn.Parameter)
-        if plain and not assign and not t.is_meta and t.device == target_device and t.dtype == target_dtype:
+        # plain tensors, and offloaded weights (written through copy_ into their stored values,
+        # which is where their forwards read)
+        in_place_kind = type(t) in (torch.Tensor, nn.Parameter, OffloadedTensor)
+        if in_place_kind and not assign and not t.is_meta and t.device == target_device and t.dtype == target_dtype:
             in_place.append((t, key))
         else:
             # assign=True without a dtype keeps the checkpoint's dtype
@@ -703,6 +706,10 @@ def _load(
         previous = stash.keep() if undoable else []
         for run in _in_chunks(in_place, [stored[key].dtype.itemsize * t.numel() for t, key in in_place]):
             reader.read_many([(key, t.detach()) for t, key in run])
+            for t, _ in run:
+                # the bytes went straight into memory: count it as the in-place write it is, so
+                # whoever keeps a copy by version (an offload's streamed groups) sees the change
+                torch.autograd.graph.increment_version(t)
         swaps = [
             _Swap(item.name, item.tensor, _replacement(item.tensor, value, assign), item.device, item.dtype)
             for item, value in zip(fresh, values, strict=True)

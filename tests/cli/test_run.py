@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torchsurgery
+from torchsurgery.offloading import stored_values
 
 pytest.importorskip("transformers")
 
@@ -48,8 +49,8 @@ def test_storage_dtype_streams_blocks_in_bf16(call: Callable[..., Any]) -> None:
     document = _run(call, "--storage-dtype", "bf16", "--device", "cpu")
     model, expected = _reference()
     with torchsurgery.offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32) as handle:
-        narrow = sum(p.numel() * 2 for p in model.parameters() if p.dtype == torch.bfloat16)
-        kept = sum(p.numel() * 4 for p in model.parameters() if p.dtype == torch.float32)  # norms, embeddings
+        narrow = sum(p.numel() * 2 for p in model.parameters() if stored_values(p).dtype == torch.bfloat16)
+        kept = sum(p.numel() * 4 for p in model.parameters() if stored_values(p).dtype == torch.float32)  # norms, embeddings
         groups = handle.stats().streamed_groups
     offloaded = document["offload"]
     assert offloaded["storage_dtype"] == "bfloat16" and offloaded["groups"] == "blocks" and offloaded["prefetch"] == 1

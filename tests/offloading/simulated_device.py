@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from torchsurgery.offloading.device import OffloadDevice
@@ -137,7 +137,9 @@ class _Reads(TorchDispatchMode):
         sim = self.sim
         if not func.is_view:  # taking a view reads nothing
             for value in tree_flatten((args, kwargs or {}))[0]:
-                if isinstance(value, torch.Tensor) and value.device.type == "cpu" and _storage(value) in sim._device:
+                if not isinstance(value, torch.Tensor) or is_traceable_wrapper_subclass(value):
+                    continue  # a wrapper (an offloaded host weight) has no memory of its own
+                if value.device.type == "cpu" and _storage(value) in sim._device:
                     sim._last_read[_storage(value)] = sim._step()
         return func(*args, **(kwargs or {}))
 

@@ -17,6 +17,7 @@ from torch import nn
 
 import torchsurgery
 from torchsurgery import Residency, offload
+from torchsurgery.offloading import stored_values
 from torchsurgery.offloading.grouping import find_groups
 
 
@@ -68,9 +69,10 @@ def test_bf16_storage_fp32_compute_matches_a_bf16_rounded_reference(make: Any) -
         ids = identity_map(model)
         before = sum(p.numel() * p.element_size() for p in model.parameters())
         handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
-        stored = sum(p.numel() * p.element_size() for p in model.parameters())
+        kept = sum(stored_values(p).numel() * stored_values(p).element_size() for p in model.parameters())
         got = model(x)
-    assert stored < 0.6 * before  # about half: everything but norms and embeddings is bf16
+    assert kept < 0.6 * before  # about half: everything but norms and embeddings is bf16
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # each reads as it computes
     exp = expected.logits if hasattr(expected, "logits") else expected
     out = got.logits if hasattr(got, "logits") else got
     assert out.dtype == torch.float32
@@ -137,8 +139,9 @@ def test_gradients_reach_narrow_stored_weights() -> None:
     handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
     model(torch.randn(4, 32)).sum().backward()
     lin = model[1][0][0]
-    assert lin.weight.dtype == torch.bfloat16 and lin.weight.grad is not None
-    assert lin.weight.grad.dtype == torch.bfloat16 and lin.weight.grad.abs().sum() > 0
+    assert (lin.weight.dtype, stored_values(lin.weight).dtype) == (torch.float32, torch.bfloat16)
+    assert lin.weight.grad is not None and lin.weight.grad.dtype == torch.float32  # as for an fp32 weight
+    assert lin.weight.grad.abs().sum() > 0
     handle.remove()
 
 
@@ -155,8 +158,8 @@ def test_budget_keeps_groups_resident_in_order() -> None:
     handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups="leaves", budget=budget)
     s = handle.stats()
     assert s.resident_groups[:2] == ["0", "1.0.0"]
-    assert model[1][0][0].weight.dtype == torch.float32  # resident: kept in the compute dtype
-    assert model[1][3][2].weight.dtype == torch.bfloat16
+    assert type(model[1][0][0].weight) is nn.Parameter  # resident: kept in the compute dtype
+    assert stored_values(model[1][3][2].weight).dtype == torch.bfloat16
     with torch.no_grad():
         model(torch.randn(2, 16))
     s = handle.stats()
@@ -280,7 +283,7 @@ def test_transfer_failure_and_interrupt_leave_the_model_usable(monkeypatch: pyte
         model(x)
     h.remove()
     # the stored parameters are back in their modules and the model still computes correctly
-    assert all(isinstance(p, nn.Parameter) and p.dtype == torch.float16 for p in model.parameters())
+    assert all(isinstance(p, nn.Parameter) and stored_values(p).dtype == torch.float16 for p in model.parameters())
     with torch.no_grad():
         torch.testing.assert_close(model(x), expected, rtol=5e-3, atol=5e-3)
     handle.remove()
@@ -470,8 +473,8 @@ def test_ring_streams_packed_groups_exactly_with_prefetch_and_out_of_order_runs(
     assert {p.residency for p in handle.plan.params} == {Residency.STREAMED}
     for group in handle.plan.groups:  # one flat buffer per group is the weights' only host copy
         params = list(model.get_submodule(group.name).parameters())
-        assert len({p.untyped_storage().data_ptr() for p in params}) == 1
-        assert all(p.dtype == torch.float64 for p in params)
+        assert len({stored_values(p).untyped_storage().data_ptr() for p in params}) == 1
+        assert all(stored_values(p).dtype == torch.float64 and p.dtype == torch.float32 for p in params)
     with torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
@@ -481,7 +484,7 @@ def test_ring_streams_packed_groups_exactly_with_prefetch_and_out_of_order_runs(
         model.reverse = False
         torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
     model(x).sum().backward()  # with gradients the ring is bypassed; gradients reach the stored weights
-    assert all(p.grad is not None and p.grad.dtype == torch.float64 for p in model.parameters())
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())  # as computed
     handle.remove()
     assert identity_map(model) == ids
     assert all(p.untyped_storage().nbytes() == p.numel() * 4 for p in model.parameters())  # standalone again

@@ -11,7 +11,8 @@ from simulated_device import SimulatedDevice
 from torch import nn
 
 import torchsurgery
-from torchsurgery import Residency, offload, plan_offload
+from torchsurgery import Residency, offload
+from torchsurgery.offloading import plan_offload, stored_values
 
 
 class _Tied(nn.Module):
@@ -77,8 +78,9 @@ def test_each_residency_is_where_the_weights_then_are() -> None:
     assert residency["2.weight"] is Residency.STREAMED  # a conv is widened through the ring
     with offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32):
         for p in plan.params:
-            assert p.lookup(model).dtype == p.storage_dtype
-        assert model[1][0].weight.untyped_storage().nbytes() == 64 * 2  # stored narrow: half the bytes
+            assert stored_values(p.lookup(model)).dtype == p.storage_dtype
+            assert p.lookup(model).dtype == p.compute_dtype  # and reads as it computes
+        assert model[1][0].weight.stored.untyped_storage().nbytes() == 64 * 2  # stored narrow: half the bytes
     with SimulatedDevice(seed=0) as sim:
         on_device = plan_offload(model, sim, budget=10_000)
         assert {p.residency for p in on_device.params} == {Residency.RESIDENT}  # the model fits: kept whole

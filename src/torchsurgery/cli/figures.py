@@ -22,9 +22,11 @@ import torch
 from torch import nn
 
 import torchsurgery
+from torchsurgery.offloading import stored_values
 
 
 def _ready(p: torch.Tensor, device: torch.device, compute: torch.dtype) -> bool:
+    p = stored_values(p)  # an offloaded weight reads as its compute dtype; what counts is how it is kept
     if p.is_meta or p.device.type != device.type:
         return False
     if device.index is not None and p.device.index != device.index:
@@ -56,7 +58,7 @@ def figures(
     """
     held = resident = streamed = 0
     for p in model.parameters():
-        size = p.numel() * p.element_size()
+        size = stored_values(p).nbytes
         held += 0 if p.is_meta else size
         if _ready(p, device, compute):
             resident += size

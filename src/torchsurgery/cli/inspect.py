@@ -13,6 +13,7 @@ from torchsurgery._validate import dtype_name
 from torchsurgery.cli import models
 from torchsurgery.cli.errors import CliError
 from torchsurgery.cli.output import Table, emit, human_bytes
+from torchsurgery.offloading import stored_values
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
@@ -61,7 +62,7 @@ def module_rows(model: nn.Module, depth: int | None, pattern: str | None) -> lis
                 "level": level,
                 "type": type(module).__name__,
                 "params": sum(p.numel() for p in module.parameters()),
-                "bytes": sum(t.numel() * t.element_size() for t in tensors),
+                "bytes": sum(stored_values(t).nbytes for t in tensors),
                 "dtypes": sorted({dtype_name(t.dtype) for t in tensors}),
                 "where": sorted({str(t.device) for t in tensors}),
                 "surgery": done,

@@ -8,6 +8,7 @@ from torchsurgery.offloading.dynamic_swap import DynamicSwapInstaller
 from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle, OffloadStats, offload
 from torchsurgery.offloading.plan import GroupPlan, OffloadPlan, ParamPlan, Residency, plan_offload
 from torchsurgery.offloading.pool import DevicePool, PoolStats
+from torchsurgery.offloading.tensor import OffloadedTensor, stored_values
 
 __all__ = [
     "DynamicSwapInstaller",
@@ -20,6 +21,8 @@ __all__ = [
     "OffloadHandle",
     "OffloadStats",
     "OffloadDevice",
+    "OffloadedTensor",
+    "stored_values",
     "DEFAULT_SKIP",
     "DevicePool",
     "PoolStats",

@@ -13,8 +13,13 @@ converted with ``Tensor.to(**kwargs)``. Unlike the original:
   still gets its gradient);
 * the class is the patch's one cached class per original class, so installed modules
   pickle, compile once per layer type, and uninstall to exactly their original class,
-  also after installing twice or on top of other patches;
-* ``parameters()``, ``state_dict()`` and ``named_buffers()`` show the stored tensors;
+  also after installing twice or on top of other patches; ``forward`` keeps its
+  signature (``inspect.signature``), so ``generate()`` passes what it would pass;
+* given a ``dtype``, the stored floating weights read as that dtype everywhere
+  (``parameters()``, ``model.dtype``, code outside forwards): each becomes an
+  :class:`~torchsurgery.offloading.tensor.OffloadedTensor` (the same object) keeping its
+  values as they were stored, and ``nn.Linear`` products read them without widening;
+  ``state_dict()`` holds the stored values, as the original installer's does;
 * as with ``Module.to``, a ``dtype`` converts floating tensors only (integer buffers such
   as position ids keep theirs).
 """
@@ -27,6 +32,8 @@ import torch
 from torch import nn
 
 from torchsurgery import _undo
+from torchsurgery._swap import swap_in
+from torchsurgery.offloading.tensor import offloaded_like, plain_reader, stored_state
 from torchsurgery.patching import Patch, is_patched, patch, unpatch
 
 __all__ = ["DynamicSwapInstaller"]
@@ -40,6 +47,24 @@ class _DynamicSwap(Patch, nn.Module):
 
     def __patch_init__(self, **to_kwargs: Any) -> None:
         self.__dict__[_KWARGS] = to_kwargs
+        dtype = to_kwargs.get("dtype")
+        if not isinstance(dtype, torch.dtype):
+            return
+        # the stored weights read as the dtype they compute in (swapped objects, values as
+        # stored), and state_dict() shows them as stored; unpatch undoes both, as it undoes
+        # everything this method changes
+        self.register_state_dict_post_hook(stored_state)
+        for tensors in (self._parameters, self._buffers):
+            for name, t in tensors.items():
+                if t is not None and type(t) in (torch.Tensor, nn.Parameter) and t.is_floating_point() and t.dtype != dtype:
+                    reader = plain_reader(self)
+                    if reader is not None:
+                        raise TypeError(
+                            f"torchsurgery.DynamicSwapInstaller: cannot keep {name!r} of this {type(self).__name__} in "
+                            f"{t.dtype} while it reads as {dtype}: its patch {reader.__qualname__} reads weight memory "
+                            "directly (__patch_needs_plain_weights__); install without dtype=, or convert the module first"
+                        )
+                    swap_in(t, offloaded_like(t, t.detach(), dtype))
 
     def __getattr__(self, name: str) -> Any:
         d = self.__dict__
@@ -87,11 +112,11 @@ class DynamicSwapInstaller:
         >>> torchsurgery.DynamicSwapInstaller.install_model(model, dtype=torch.float32)
         >>> model(torch.ones(1, 4)).dtype, model[0].weight.dtype
         (torch.float32, torch.float32)
-        >>> next(model.parameters()).dtype  # the stored weight is untouched
-        torch.bfloat16
+        >>> next(model.parameters()).dtype, next(model.parameters()).stored.dtype  # kept as stored
+        (torch.float32, torch.bfloat16)
         >>> torchsurgery.DynamicSwapInstaller.uninstall_model(model)
-        >>> type(model[0]) is nn.Linear
-        True
+        >>> type(model[0]) is nn.Linear, next(model.parameters()).dtype
+        (True, torch.bfloat16)
     """
 
     @staticmethod

@@ -14,8 +14,11 @@ Mechanics, chosen so that nothing about the model's identity changes:
   are views into, and its root module gets a patch whose forward brings the group in
   through a ring of device buffers (:mod:`torchsurgery.offloading.streams`) and puts the
   stored parameters back in a ``finally``, also on ``KeyboardInterrupt``;
-* on a CPU, ``nn.Linear`` (and transformers ``Conv1D``) layers stored narrower than they
-  compute read the narrow weight directly (:mod:`torchsurgery.offloading.narrow`).
+* a weight stored in another dtype than it computes in becomes an
+  :class:`~torchsurgery.offloading.tensor.OffloadedTensor` (the same object): it reads as
+  the compute dtype to every program, and on a CPU ``nn.Linear`` (and transformers
+  ``Conv1D``) products read its narrow values directly, whatever the layer's ``forward``
+  (patched or not) is.
 
 :func:`offload` asks :func:`~torchsurgery.offloading.plan.plan_offload` for a plan (groups,
 residency, dtypes, checkpoint keys; nothing changes yet), then the :class:`OffloadHandle`
@@ -37,9 +40,9 @@ from torch import nn
 
 from torchsurgery import _undo
 from torchsurgery._checkpoint import SafetensorsSource, open_source
-from torchsurgery._swap import swap_blocker, wrap_like
+from torchsurgery._swap import swap_blocker, swap_in, wrap_like
 from torchsurgery.offloading.device import OffloadDevice
-from torchsurgery.offloading.narrow import _NarrowMatmul, _Scratch, _Shadows
+from torchsurgery.offloading.narrow import Scratch
 from torchsurgery.offloading.packing import FlatLayout, pack, unpack
 from torchsurgery.offloading.plan import (
     DEFAULT_SKIP,
@@ -49,6 +52,7 @@ from torchsurgery.offloading.plan import (
     Residency,
     _param,
     plan_offload,
+    reads_as_computed,
 )
 from torchsurgery.offloading.planner import plan_residency
 from torchsurgery.offloading.stats import OffloadStats
@@ -58,6 +62,11 @@ from torchsurgery.offloading.streams import (
     _GroupStreamer,
     _StreamedGroup,
     _Streaming,
+)
+from torchsurgery.offloading.tensor import (
+    ReadContext,
+    offloaded_like,
+    stored_state,
 )
 from torchsurgery.patching import is_patched, patch, unpatch
 
@@ -107,12 +116,7 @@ def _swap_to(
     data = (tensor if data is None else data).detach().to(device=device, dtype=dtype, copy=True)
     if pin is not None and data.device.type == "cpu":
         data = pin.pin(data)
-    if type(tensor) in (torch.Tensor, nn.Parameter) and weakref.getweakrefs(tensor):
-        # e.g. torch.compile's guards hold weak references, which swap_tensors refuses;
-        # for plain tensors, setting .data keeps the object just as well
-        tensor.data = data
-        return
-    torch.utils.swap_tensors(tensor, wrap_like(tensor, data))
+    swap_in(tensor, wrap_like(tensor, data))
 
 
 class OffloadHandle:
@@ -134,8 +138,8 @@ class OffloadHandle:
         >>> model = nn.Sequential(nn.Linear(4, 4))
         >>> weight = model[0].weight
         >>> handle = torchsurgery.offload(model, storage_dtype=torch.float16, dtype=torch.float32)
-        >>> handle.active, weight.dtype, handle.plan.params[0].residency.value
-        (True, torch.float16, 'narrow')
+        >>> handle.active, weight.dtype, weight.stored.dtype, handle.plan.params[0].residency.value
+        (True, torch.float32, torch.float16, 'narrow')
         >>> handle.remove() is model, model[0].weight is weight, weight.dtype
         (True, True, torch.float32)
     """
@@ -151,8 +155,7 @@ class OffloadHandle:
         self._originals: dict[int, _Original] = {}  # the handle holds these tensors: ids stay theirs
         self._reader: SafetensorsSource | None = None
         self._hooks: list[Any] = []
-        self._scratch = _Scratch()
-        self._shadows = _Shadows()
+        self._reads = ReadContext(self._stats, Scratch())
         self._hold: _undo.Hold | None = None
         self._record: OffloadRecord | None = None
         self._modules: dict[str, nn.Module] = {}  # by qualified name, while installing
@@ -179,7 +182,7 @@ class OffloadHandle:
             execution_order=order,
             group_costs=costs,
             link_bytes_per_s=bandwidth if costs else 0.0,
-            widened_bytes=self._scratch.nbytes(),
+            widened_bytes=self._reads.scratch.nbytes(),
         )
 
     @property
@@ -208,6 +211,7 @@ class OffloadHandle:
                 if not group.resident:
                     self._stream(group)
             self._streaming.start()
+            self._read_as_computed()
         except BaseException:
             self._record = OffloadRecord(self)
             _undo.push(self.model, self._record)
@@ -241,13 +245,12 @@ class OffloadHandle:
                 if b is not None and b.device != target and id(b) not in seen:
                     seen.add(id(b))
                     moves.append((bname, b, target, b.dtype, False))
-        for name, tensor, to, dtype, _ in moves:
-            if tensor.device != to or tensor.dtype != dtype:
-                if type(tensor) in (torch.Tensor, nn.Parameter) and tensor._use_count() == 1:  # type: ignore[attr-defined]
-                    continue  # _swap_to copes with weak references to plain tensors
-                problem = swap_blocker(name, tensor, None, _WHAT)
-                if problem:
-                    raise RuntimeError(problem)
+        swapped = [(name, t) for name, t, to, dtype, _ in moves if t.device != to or t.dtype != dtype]
+        swapped += [(p.name, _param(self._modules, p)) for p in filter(reads_as_computed, self.plan.params)]
+        for name, tensor in swapped:
+            problem = swap_blocker(name, tensor, None, _WHAT, weak_references_ok=True)
+            if problem:
+                raise RuntimeError(problem)
         for p, tensor, to, dtype, _ in self._conversions():
             if tensor.is_meta and p.file_key is not None:  # resident, its values only in the file
                 assert self._reader is not None
@@ -269,9 +272,7 @@ class OffloadHandle:
         for p in group.params:
             owner = self._modules[p.module]
             entry = (owner, p.attr, _param(self._modules, p), p.compute_dtype)
-            if p.residency is Residency.NARROW:
-                self._read_narrow(owner, group, p)
-            elif p.residency in (Residency.STREAMED, Residency.FILE):
+            if p.residency in (Residency.STREAMED, Residency.FILE):
                 packable.append(entry)
             elif p.residency is Residency.CONVERTED:
                 others.append(entry)
@@ -284,16 +285,21 @@ class OffloadHandle:
         _undo.records(module)[-1].internal = True
         self._patched.append(module)
 
-    def _read_narrow(self, owner: nn.Module, group: GroupPlan, p: ParamPlan) -> None:
-        """Patch ``owner`` (a CPU matmul layer) to compute from its narrow weight."""
-        if is_patched(owner, _NarrowMatmul):
-            return
-        for q in group.params:
-            if q.module == p.module and q.shadow_dtype is not None:
-                self._shadows.add(_param(self._modules, q), q.shadow_dtype)
-        patch(owner, _NarrowMatmul, p.compute_dtype, self._stats, self._scratch, self._shadows)
-        _undo.records(owner)[-1].internal = True
-        self._patched.append(owner)
+    def _read_as_computed(self) -> None:
+        """Weights kept in another dtype than they compute in become OffloadedTensors (same objects).
+
+        They then read as the compute dtype everywhere (``weight.dtype``, ``model.dtype``,
+        code inside and outside forwards), and ``state_dict()`` shows their stored values.
+        """
+        owners: dict[int, nn.Module] = {}
+        for p in filter(reads_as_computed, self.plan.params):
+            tensor = _param(self._modules, p)
+            self._remember(tensor)
+            swap_in(tensor, offloaded_like(tensor, tensor.detach(), p.compute_dtype, reads=self._reads, shadow_dtype=p.shadow_dtype))
+            owner = self._modules[p.module]
+            owners[id(owner)] = owner
+        for owner in owners.values():
+            self._hooks.append(owner.register_state_dict_post_hook(stored_state))
 
     def _pack(self, group: GroupPlan, entries: list[_Entry]) -> PackedGroup:
         """The group's streamed weights in one flat host buffer (their only host copy), or left in the file."""
@@ -305,8 +311,9 @@ class OffloadHandle:
             layout = FlatLayout.of(params, [p.storage_dtype for p in planned])
             for param, p in zip(params, planned, strict=True):
                 self._remember(param, p.file_key)
-                if not param.is_meta:
-                    torch.utils.swap_tensors(param, wrap_like(param, torch.empty_like(param, device="meta")))
+                if not param.is_meta or param.dtype != p.compute_dtype:  # no values; reads as it computes
+                    meta = torch.empty_like(param, device="meta", dtype=p.compute_dtype)
+                    swap_in(param, wrap_like(param, meta))
             packed = PackedGroup(group.name, layout, None, self._reader, keys)
         else:
             layout = FlatLayout.of(params)
@@ -388,13 +395,11 @@ class OffloadHandle:
             hook.remove()
         self._hooks.clear()
         for module in reversed(self._patched):
-            for kind in (_NarrowMatmul, _StreamedGroup):
-                if is_patched(module, kind):
-                    unpatch(module, kind, _internal=True)
+            if is_patched(module, _StreamedGroup):
+                unpatch(module, _StreamedGroup, _internal=True)
         self._patched.clear()
         self._restore_tensors()
-        self._scratch.clear()
-        self._shadows = _Shadows()
+        self._reads.scratch.clear()
         self._streaming.close()
         if self._hold is not None:
             _undo.release(self._hold)
@@ -410,7 +415,7 @@ class OffloadHandle:
                 # its values are in the checkpoint file it was streamed from
                 assert self._reader is not None and o.file_key is not None
                 value = self._reader.read(o.file_key).to(device=o.device, dtype=o.dtype)
-                torch.utils.swap_tensors(o.tensor, wrap_like(o.tensor, value))
+                swap_in(o.tensor, wrap_like(o.tensor, value))
             elif not (o.tensor.is_meta and o.device.type == "meta"):
                 _swap_to(o.tensor, o.device, o.dtype)
         self._originals.clear()
@@ -471,7 +476,8 @@ def offload(
         installing it.
 
     Raises:
-        TypeError: an argument of the wrong kind.
+        TypeError: an argument of the wrong kind, or a module to keep in another dtype carries
+            a patch that reads weight memory directly (``__patch_needs_plain_weights__``).
         ValueError: a device that does not exist, ``pin_memory=True`` where host memory
             cannot be pinned, a budget below the largest group, an unknown group name.
         RuntimeError: the model is already offloaded (by torchsurgery, accelerate or diffusers).
@@ -484,8 +490,8 @@ def offload(
         >>> x = torch.randn(2, 8)
         >>> expected = model(x).detach()
         >>> with torchsurgery.offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32) as handle:
-        ...     torch.allclose(model(x), expected, atol=0.05), model[0].weight.dtype
-        (True, torch.bfloat16)
+        ...     torch.allclose(model(x), expected, atol=0.05), model[0].weight.dtype, model[0].weight.stored.dtype
+        (True, torch.float32, torch.bfloat16)
         >>> model[0].weight.dtype
         torch.float32
     """

@@ -1,25 +1,24 @@
-"""Linear layers whose stored weight is narrower than the dtype they compute in (CPU).
+"""Products with a weight stored narrower than the dtype they compute in (CPU).
 
-For a few rows (a decoding step) the product is taken straight from the narrow weight,
-widened in registers: one pass over half the bytes (a quarter for fp8), which on a
-memory-bound step beats the wide model itself. Three paths, each falling back to the
-next for a (layout, rows, dtype, shape) it cannot serve:
+:class:`~torchsurgery.offloading.tensor.OffloadedTensor` calls :func:`narrow_product` for
+``F.linear`` and ``torch.addmm`` without gradients. For a few rows (a decoding step) the
+product is taken straight from the narrow weight, widened in registers: one pass over half
+the bytes (a quarter for fp8), which on a memory-bound step beats the wide model itself.
+Three paths, each falling back to the next for a (layout, rows, dtype, shape) it cannot serve:
 
 1. the native kernel (:mod:`torchsurgery.offloading.narrow_matvec`): fp32 compute, bf16,
    fp16 or fp8 storage, 1 to 8 rows, both weight layouts; built once per machine;
 2. kernels compiled by ``torch.compile`` with symbolic weight shapes, one per (layout,
    row count, dtypes), so their number does not grow with the number of layer shapes;
    their body never runs eagerly (that would build a rows x out x in temporary);
-3. the cast path (more rows, small weights, training, or neither kernel available):
-   the weight is widened into a reused per-thread buffer (fresh allocations page-fault)
-   and multiplied.
+3. the cast path (more rows, small weights, or neither kernel available): the weight is
+   widened into a reused per-thread buffer (fresh allocations page-fault) and multiplied.
 
-transformers' ``Conv1D`` (weight stored ``[in, out]``) keeps its layout: both kernels
-have a variant that reads that layout front to back. With a master copy, forwards
-without gradients read a narrow copy refreshed whenever the master parameter changes.
+transformers' ``Conv1D`` (weight stored ``[in, out]``, multiplied with ``torch.addmm``)
+keeps its layout: both kernels have a variant that reads that layout front to back.
 
-Concurrent forwards from several threads are safe: kernels are shared read-only, each
-thread widens into its own buffer, and narrow copies are refreshed under a lock.
+Concurrent forwards from several threads are safe: kernels are shared read-only and each
+thread widens into its own buffer.
 """
 
 from __future__ import annotations
@@ -29,15 +28,12 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from torchsurgery.offloading.narrow_matvec import NATIVE_DTYPES, NATIVE_MAX_ROWS, narrow_matvec
-from torchsurgery.offloading.stats import OffloadStats
-from torchsurgery.patching import Patch
 
 _FUSED_MIN_WEIGHT = 1 << 18  # below this a fused kernel does not pay for itself
 _FUSED_MAX_ROWS = 4
@@ -119,7 +115,7 @@ class _FusedKernels:
 _fused = _FusedKernels()
 
 
-class _Scratch:
+class Scratch:
     """Reused full-width copies of narrow weights: one flat buffer per thread.
 
     A buffer grows to the largest weight its thread has widened and is reused for every
@@ -160,37 +156,6 @@ class _Scratch:
         self.__init__()  # type: ignore[misc]
 
 
-class _Shadows:
-    """Narrow copies of master parameters, refreshed when the master changes (its version)."""
-
-    def __init__(self) -> None:
-        self.entries: dict[int, list[Any]] = {}
-        self._lock = threading.Lock()
-
-    def add(self, param: torch.Tensor, dtype: torch.dtype) -> None:
-        if id(param) not in self.entries:
-            self.entries[id(param)] = [param.detach().to(dtype), param._version]
-
-    def narrow(self, param: torch.Tensor) -> torch.Tensor:
-        entry = self.entries.get(id(param))
-        if entry is None:
-            return param
-        if entry[1] != param._version:  # an optimizer step (or any in-place write) since
-            with self._lock:  # one thread refreshes; the others wait for the fresh copy
-                if entry[1] != param._version:
-                    entry[0].copy_(param.detach())
-                    entry[1] = param._version
-        copy: torch.Tensor = entry[0]
-        return copy
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"entries": self.entries}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.entries = state["entries"]
-        self._lock = threading.Lock()
-
-
 def _is_matmul_layer(module: nn.Module) -> bool:
     """nn.Linear, or a transformers-style Conv1D (weight stored [in, out], attribute ``nf``)."""
     if isinstance(module, nn.Linear):
@@ -227,55 +192,32 @@ def _few_rows(
     return None
 
 
-@dataclass
-class _NarrowState:
-    """What a narrow layer's forward needs, kept in the module's ``__dict__``."""
+def narrow_product(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool, scratch: Scratch | None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` (``x @ weight + bias`` when ``transposed``) in ``x``'s dtype, without gradients.
 
-    compute_dtype: torch.dtype
-    stats: OffloadStats
-    scratch: _Scratch
-    shadows: _Shadows
-    transposed: bool  # weight stored [in, out] (Conv1D)
+    ``weight`` is 2-d in any dtype (narrower than ``x``'s, or the same); ``x`` keeps its
+    leading dimensions, and so does the result. A weight widened for the cast path goes
+    into ``scratch`` (or a fresh tensor without one).
 
-
-class _NarrowMatmul(Patch, nn.Module):
-    """A Linear (or Conv1D) whose stored weight is narrower than the dtype it computes in."""
-
-    def __patch_init__(
-        self, compute_dtype: torch.dtype, stats: OffloadStats, scratch: _Scratch, shadows: _Shadows
-    ) -> None:
-        self.__dict__["_offload_narrow"] = _NarrowState(
-            compute_dtype, stats, scratch, shadows, transposed=not isinstance(self, nn.Linear)
-        )
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        state: _NarrowState = self.__dict__["_offload_narrow"]
-        dtype, stats, transposed = state.compute_dtype, state.stats, state.transposed
-        weight: torch.Tensor = self._parameters["weight"]  # type: ignore[assignment]
-        bias: torch.Tensor | None = self._parameters.get("bias")
-        x = input if input.dtype == dtype else input.to(dtype)
-        rows = x.numel() // max(1, x.shape[-1])
-        stats.bytes_moved += weight.numel() * weight.element_size()
-        stats.transfers += 1
-        stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + weight.numel() * dtype.itemsize)
-        needs_grad = torch.is_grad_enabled() and (
-            weight.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)
-        )
-        if needs_grad or torch.compiler.is_compiling():
-            # autograd keeps the widened weight until backward: a fresh one; inside a
-            # compiled model the compiler fuses the cast into its own kernels
-            wide = weight.to(dtype)
-            wide_bias = bias.to(dtype) if bias is not None else None
-        else:  # with a master copy, forwards without gradients read the narrow copy
-            weight = state.shadows.narrow(weight)
-            bias = state.shadows.narrow(bias) if bias is not None else None
-            if 0 < rows <= NATIVE_MAX_ROWS:
-                out = _few_rows(x, rows, weight, bias, transposed)
-                if out is not None:
-                    return out
-            wide = state.scratch.widen(weight, dtype)
-            wide_bias = bias.to(dtype) if bias is not None else None
-        x2d = x.reshape(rows, x.shape[-1])
-        matrix = wide if transposed else wide.t()
-        out = x2d @ matrix if wide_bias is None else torch.addmm(wide_bias, x2d, matrix)
-        return out.reshape(*x.shape[:-1], matrix.shape[1])
+    Example:
+        >>> import torch
+        >>> from torchsurgery.offloading.narrow import Scratch, narrow_product
+        >>> w = torch.eye(3, dtype=torch.bfloat16)
+        >>> narrow_product(torch.ones(2, 3), w, None, False, Scratch()).tolist()
+        [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+    """
+    dtype = x.dtype
+    rows = x.numel() // max(1, x.shape[-1])
+    if weight.dtype != dtype:
+        if 0 < rows <= NATIVE_MAX_ROWS:
+            out = _few_rows(x, rows, weight, bias, transposed)
+            if out is not None:
+                return out
+        weight = scratch.widen(weight, dtype) if scratch is not None else weight.to(dtype)
+    wide_bias = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
+    x2d = x.reshape(rows, x.shape[-1])
+    matrix = weight if transposed else weight.t()
+    out = x2d @ matrix if wide_bias is None else torch.addmm(wide_bias, x2d, matrix)
+    return out.reshape(*x.shape[:-1], matrix.shape[1])

@@ -30,8 +30,9 @@ from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, BudgetErr
 from torchsurgery.offloading.device import OffloadDevice, resolve_device
 from torchsurgery.offloading.grouping import find_groups
 from torchsurgery.offloading.narrow import _is_matmul_layer
+from torchsurgery.offloading.tensor import plain_reader
 
-__all__ = ["plan_offload", "OffloadPlan", "GroupPlan", "ParamPlan", "Residency", "DEFAULT_SKIP"]
+__all__ = ["plan_offload", "OffloadPlan", "GroupPlan", "ParamPlan", "Residency", "DEFAULT_SKIP", "reads_as_computed"]
 
 _WHAT = "torchsurgery.offload"
 
@@ -363,6 +364,43 @@ def _route(named: dict[str, nn.Module], groups: list[GroupPlan], options: _Optio
                 where[p.name] = (p.residency, group.name)
 
 
+def reads_as_computed(p: ParamPlan) -> bool:
+    """Whether ``p`` becomes an :class:`~torchsurgery.offloading.tensor.OffloadedTensor` (under its first name).
+
+    Weights kept in host memory in another dtype than they compute in (or next to a narrow
+    shadow) do, so that they read as the compute dtype; the others already do.
+    """
+    return (
+        p.tied_to is None
+        and p.residency in (Residency.NARROW, Residency.STREAMED)
+        and (p.storage_dtype != p.compute_dtype or p.shadow_dtype is not None)
+    )
+
+
+def _check_plain_readers(named: dict[str, nn.Module], groups: list[GroupPlan]) -> None:
+    """Refuse to keep narrow the weights of a module whose patch reads weight memory directly."""
+    wrapped = {id(_param(named, p)): p.name for g in groups for p in g.params if reads_as_computed(p)}
+    for qual, module in named.items():
+        reader = plain_reader(module)
+        found = next((wrapped[id(t)] for t in module.parameters() if id(t) in wrapped), None) if reader else None
+        if reader is not None and found is not None:
+            raise TypeError(
+                f"{_WHAT}: {qual or '<root>'} carries the patch {reader.__qualname__}, which reads weight memory "
+                f"directly (__patch_needs_plain_weights__), so {found!r} cannot be kept in another dtype than it "
+                "computes in; leave the module out (skip=...), offload without storage_dtype, or unpatch it first"
+            )
+
+
+def _check_values(named: dict[str, nn.Module], groups: list[GroupPlan]) -> None:
+    """Refuse weights without values (on the meta device) when there is no checkpoint to read them from."""
+    empty = [p.name for g in groups for p in g.params if _param(named, p).is_meta]
+    if empty:
+        raise ValueError(
+            f"{_WHAT}: {len(empty)} weights are on the meta device (no values), e.g. {empty[:3]}; "
+            "stream them from their checkpoint with storage='model.safetensors', or load them first"
+        )
+
+
 def _check_budget_holds_largest(budget: int, groups: list[GroupPlan], finer: bool) -> None:
     """Refuse a budget that cannot hold even the largest group."""
     big = max(groups, key=lambda g: g.nbytes)
@@ -463,7 +501,8 @@ def plan_offload(
         shadow dtypes, the residency and the checkpoint key; ``print()`` it for a table.
 
     Raises:
-        TypeError: an argument of the wrong kind.
+        TypeError: an argument of the wrong kind, or a module to keep in another dtype carries
+            a patch that reads weight memory directly (``__patch_needs_plain_weights__``).
         ValueError: a device that does not exist, ``pin_memory=True`` where host memory
             cannot be pinned, a budget below the largest group, an unknown group name,
             weights without values and no checkpoint, a checkpoint lacking weights.
@@ -489,15 +528,11 @@ def plan_offload(
     if not plan:
         raise ValueError(f"{_WHAT}: the model has no parameters to offload")
     if storage is None:
-        empty = [p.name for g in plan for p in g.params if _param(named, p).is_meta]
-        if empty:
-            raise ValueError(
-                f"{_WHAT}: {len(empty)} weights are on the meta device (no values), e.g. {empty[:3]}; "
-                "stream them from their checkpoint with storage='model.safetensors', or load them first"
-            )
+        _check_values(named, plan)
     from_file = storage is not None
     budget, measured = _choose_residency(named, plan, options)
     _route(named, plan, options, from_file)
+    _check_plain_readers(named, plan)
     if storage is not None:
         _file_keys(model, named, plan, storage)
     seam = options.device

@@ -209,7 +209,8 @@ class DevicePool:
         >>> a = pool.add(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), name="a", storage_dtype=torch.bfloat16, dtype=torch.float32)
         >>> b = pool.add(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), name="b", storage_dtype=torch.bfloat16, dtype=torch.float32)
         >>> _ = pool.load(a), pool.load(b)  # b does not fit next to a: a goes back to the host
-        >>> pool.state(a), pool.state(b), a[3].weight.dtype, b[3].weight.dtype
+        >>> from torchsurgery.offloading import stored_values
+        >>> pool.state(a), pool.state(b), stored_values(a[3].weight).dtype, stored_values(b[3].weight).dtype
         ('host', 'partial', torch.float32, torch.bfloat16)
         >>> _ = a(torch.ones(1, 8)), b(torch.ones(1, 8))
         >>> pool.close()

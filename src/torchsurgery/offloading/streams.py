@@ -44,6 +44,13 @@ class PackedGroup:
     source: Any = None  # a torchsurgery._checkpoint source when the weights stay in a file
     keys: tuple[str, ...] = ()
 
+    def version(self) -> int:
+        """Changes whenever the host weights are written in place (optimizer steps, edits, loads).
+
+        The parameters are views of :attr:`host`, and views share their base's version counter.
+        """
+        return self.host._version if self.host is not None else 0
+
     def fill(self, out: torch.Tensor) -> None:
         """Write the group's bytes into ``out`` (a CPU uint8 buffer) from memory or the file."""
         if self.host is not None:
@@ -80,6 +87,7 @@ class Ring:
         size = max((g.layout.nbytes for g in groups), default=0)
         self.buffers = [device.empty(size) for _ in range(max(1, slots))]
         self.holding: list[PackedGroup | None] = [None] * len(self.buffers)
+        self.copied: list[int] = [0] * len(self.buffers)  # the group's version when it was copied in
         self.ready: list[Any] = [None] * len(self.buffers)  # copy-done events
         self.released: list[Any] = [None] * len(self.buffers)  # last-use-done events
         self.copy_start: list[Any] = [None] * len(self.buffers)  # for timing the copies
@@ -94,6 +102,7 @@ class Ring:
         device = self.device
         buffer = self.buffers[slot]
         n = group.layout.nbytes
+        self.copied[slot] = group.version()
         if device.host_compute:  # the slot is host memory: fill it in place, no copy
             self.copy_start[slot] = device.record(self.side)
             group.fill(buffer)
@@ -118,6 +127,18 @@ class Ring:
             self.staged = self.ready[slot]
         self.holding[slot] = group
 
+    def _held(self, group: PackedGroup) -> int | None:
+        """A slot holding ``group`` as its host weights are now; slots holding an older copy are freed."""
+        found = None
+        for slot, held in enumerate(self.holding):
+            if held is not group or slot in self.in_use:
+                continue
+            if self.copied[slot] != group.version():
+                self.holding[slot] = None  # the weights changed since: copy them in again
+            elif found is None:
+                found = slot
+        return found
+
     def _free_slot(self, keep: set[int]) -> int | None:
         for slot in range(len(self.buffers)):
             if slot not in self.in_use and slot not in keep and self.holding[slot] is None:
@@ -137,7 +158,7 @@ class Ring:
             them in, or ``None`` when there was none to time).
         """
         device = self.device
-        slot = next((s for s, g in enumerate(self.holding) if g is group and s not in self.in_use), None)
+        slot = self._held(group)
         if slot is None:
             self.misses += 1
             # rather not evict a group copied ahead for the coming runs
@@ -162,7 +183,7 @@ class Ring:
         timing = (self.copy_start[slot], self.ready[slot])
         keep = {slot}
         for following in upcoming:
-            held = next((s for s, g in enumerate(self.holding) if g is following), None)
+            held = next((s for s, g in enumerate(self.holding) if g is following and self.copied[s] == following.version()), None)
             if held is not None:
                 keep.add(held)  # copied ahead already: not to be evicted by the next ones
                 continue
@@ -296,6 +317,8 @@ class _EndForward:
         self.after_first = after_first
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # compiled forwards read the stored weights in the graph: nothing streams
         self.order.end_forward()
         if self.after_first is not None:
             after, self.after_first = self.after_first, None
@@ -395,6 +418,10 @@ class _StreamedGroup(Patch, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         streamer: _GroupStreamer = self.__dict__["_offload_streamer"]
+        if streamer.streaming.device.host_compute and torch.compiler.is_compiling():
+            # compiled for the host: the graph reads the stored weights (OffloadedTensors,
+            # widened in the graph) itself, so fullgraph holds and no per-call state is traced
+            return super().forward(*args, **kwargs)
         streamer.bring_in()
         try:
             return super().forward(*args, **kwargs)

@@ -1,0 +1,464 @@
+"""``OffloadedTensor``: a weight that reads as the dtype it computes in, whatever it is stored in.
+
+An offloaded weight stored narrower than it computes (bf16 or fp8 values of an fp32
+model) must still *look* like the fp32 weight: programs read ``weight.dtype`` to cast
+their activations (T5's feed-forward, about a hundred diffusers pipelines through
+``unet.dtype``), PEFT creates adapters in the dtype it sees, transformers' ``model.dtype``
+is the first floating parameter's. So the parameter object itself becomes an
+:class:`OffloadedTensor` (through ``torch.utils.swap_tensors``, so its ``id``, the
+optimizers holding it and tied references stay valid): a wrapper tensor whose
+``dtype`` is the compute dtype and whose values live in :attr:`OffloadedTensor.stored`.
+
+What happens to it:
+
+* ``F.linear`` / ``torch.addmm`` without gradients (a decoding step, a prefill) read the
+  narrow values directly (:func:`~torchsurgery.offloading.narrow.narrow_product`: the native
+  kernel for a few rows, a reused widening buffer beyond), so nothing weight-sized is
+  allocated per call and the module's own ``forward`` runs, patched or not;
+* every other operation sees the widened values (``stored.to(dtype)``), so any layer,
+  any patch and any user code computes as with the plain weight; gradients come in the
+  compute dtype, as for the plain weight;
+* in-place writes (optimizer steps, ``load_state_dict``, ``weight[3] = 0``, also through a
+  view or ``.data``) land in the stored values, rounded to the storage dtype;
+* under ``torch.compile`` it is a traceable wrapper subclass (``__tensor_flatten__``):
+  the graph reads the stored values and widens them, nothing of the engine runs per call.
+
+With a master copy (``offload(master_dtype=...)``) :attr:`~OffloadedTensor.stored` holds
+the master values and a narrow shadow, refreshed whenever the master changes (its version
+counter), serves forwards without gradients; every forward that records gradients reads
+the master.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_map, tree_map_only
+
+from torchsurgery._swap import user_attributes
+from torchsurgery.offloading.narrow import Scratch, narrow_product
+from torchsurgery.offloading.stats import OffloadStats
+from torchsurgery.patching import Patch, patches
+
+__all__ = ["OffloadedTensor", "stored_values"]
+
+# keys of an OffloadedTensor's __dict__ that belong to it; the prefix keeps them out of the
+# user's attributes, which swaps carry along (torchsurgery._swap.user_attributes)
+_STORED, _READS, _SHADOW = "_torchsurgery_stored", "_torchsurgery_reads", "_torchsurgery_shadow"
+
+
+@dataclass(eq=False)
+class ReadContext:
+    """What narrow reads of one offload share: the statistics they count into, the widening buffers."""
+
+    stats: OffloadStats
+    scratch: Scratch
+
+    def count(self, weight: torch.Tensor, compute: torch.dtype) -> None:
+        """One read of ``weight`` (narrow) for a product in ``compute`` (eager forwards only)."""
+        stats = self.stats
+        stats.bytes_moved += weight.numel() * weight.element_size()
+        stats.transfers += 1
+        wide = stats.resident_bytes + weight.numel() * compute.itemsize
+        if wide > stats.peak_device_bytes:
+            stats.peak_device_bytes = wide
+
+
+class Shadow:
+    """A narrow copy of master values, refreshed when the master changes (its version counter).
+
+    Several threads may read it; one refreshes while the others wait for the fresh copy.
+    """
+
+    def __init__(self, master: torch.Tensor, dtype: torch.dtype) -> None:
+        self.copy = master.detach().to(dtype)
+        self.version = master._version
+        self._lock = threading.Lock()
+
+    def of(self, master: torch.Tensor) -> torch.Tensor:
+        """The narrow copy of ``master`` as it is now."""
+        if self.version != master._version:  # an optimizer step (or any in-place write) since
+            with self._lock:
+                if self.version != master._version:
+                    self.copy.copy_(master.detach())
+                    self.version = master._version
+        return self.copy
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"copy": self.copy, "version": self.version}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+class OffloadedTensor(torch.Tensor):
+    """A tensor whose ``dtype`` is what it computes in while its values are stored as :attr:`stored`.
+
+    Made by :func:`~torchsurgery.offload` (and by
+    :class:`~torchsurgery.DynamicSwapInstaller` given a ``dtype``) for the weights it stores
+    in another dtype; not constructed by users. ``isinstance(weight, nn.Parameter)`` holds
+    for parameters; ``state_dict()`` holds :attr:`stored` (see the offload docs).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> from torchsurgery.offloading import OffloadedTensor
+        >>> layer = nn.Linear(4, 4)
+        >>> handle = torchsurgery.offload(layer, storage_dtype=torch.bfloat16, dtype=torch.float32, groups=[""])
+        >>> weight = layer.weight
+        >>> isinstance(weight, OffloadedTensor), weight.dtype, weight.stored.dtype
+        (True, torch.float32, torch.bfloat16)
+        >>> (weight * 1).dtype, isinstance(weight, nn.Parameter)
+        (torch.float32, True)
+        >>> _ = handle.remove()
+        >>> type(layer.weight) is nn.Parameter
+        True
+    """
+
+    @staticmethod
+    def __new__(
+        cls,
+        stored: torch.Tensor,
+        dtype: torch.dtype,
+        *,
+        requires_grad: bool = False,
+        reads: ReadContext | None = None,
+        shadow: Shadow | None = None,
+    ) -> OffloadedTensor:
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            stored.shape,
+            strides=stored.stride(),
+            storage_offset=stored.storage_offset(),
+            dtype=dtype,
+            device=stored.device,
+            layout=stored.layout,
+            requires_grad=requires_grad,
+        )
+
+    def __init__(
+        self,
+        stored: torch.Tensor,
+        dtype: torch.dtype,
+        *,
+        requires_grad: bool = False,
+        reads: ReadContext | None = None,
+        shadow: Shadow | None = None,
+    ) -> None:
+        d = self.__dict__
+        d[_STORED] = stored.detach()
+        d[_READS] = reads
+        d[_SHADOW] = shadow
+
+    @property
+    def stored(self) -> torch.Tensor:
+        """The values as kept: in the storage dtype, or the master values (a plain tensor)."""
+        stored: torch.Tensor = self.__dict__[_STORED]
+        return stored
+
+    def _narrow(self) -> torch.Tensor:
+        """What a read without gradients uses: the shadow of the master values, or the stored ones."""
+        d = self.__dict__
+        shadow: Shadow | None = d[_SHADOW]
+        return d[_STORED] if shadow is None else shadow.of(d[_STORED])
+
+    def _rewrap(self, stored: torch.Tensor, *, shadow: Shadow | None = None) -> OffloadedTensor:
+        """Another view or alias of the same values, reading the same way."""
+        return OffloadedTensor(stored, self.dtype, reads=self.__dict__[_READS], shadow=shadow)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        wide = self.stored.to(self.dtype)
+        kind = "OffloadedParameter" if isinstance(self, nn.Parameter) else "OffloadedTensor"
+        return f"{kind}(stored as {self.stored.dtype}):\n{wide!r}"
+
+    # -------------------------------------------------------------- compile, copies
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype]]:
+        return [_STORED], (self.dtype,)
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], ctx: tuple[torch.dtype], outer_size: Any, outer_stride: Any
+    ) -> OffloadedTensor:
+        return OffloadedTensor(inner[_STORED], ctx[0])
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OffloadedTensor:
+        if id(self) in memo:
+            return memo[id(self)]
+        d = self.__dict__
+        new = OffloadedTensor(
+            copy.deepcopy(d[_STORED], memo),
+            self.dtype,
+            requires_grad=self.requires_grad,
+            reads=copy.deepcopy(d[_READS], memo),
+            shadow=copy.deepcopy(d[_SHADOW], memo),
+        )
+        new.__dict__.update(copy.deepcopy({k: v for k, v in d.items() if k not in (_STORED, _READS, _SHADOW)}, memo))
+        memo[id(self)] = new
+        return new
+
+    # -------------------------------------------------------------- operations
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        # compiled code must not run this (per-call Python state would become guards):
+        # there the product goes through __torch_dispatch__, widening in the graph
+        if not torch.compiler.is_compiling():
+            product = _PRODUCTS.get(func)
+            if product is not None:
+                out = product(*args, **kwargs)
+                if out is not None:
+                    return out
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(func, args, kwargs)
+        if func.is_view and func not in _REINTERPRETS:
+            return _view(func, args, kwargs)
+        if func._schema.is_mutable:
+            return _write(func, args, kwargs)
+        return func(*tree_map_only(OffloadedTensor, _wide, args), **tree_map_only(OffloadedTensor, _wide, kwargs))
+
+
+def _wide(t: OffloadedTensor) -> torch.Tensor:
+    """``t``'s values in its dtype: the stored tensor itself where it already is in it."""
+    stored = t.stored
+    return stored if stored.dtype == t.dtype else stored.to(t.dtype)
+
+
+# ------------------------------------------------------------------ fast products
+
+
+def _needs_graph(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _narrow_operand(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t._narrow() if isinstance(t, OffloadedTensor) else t
+
+
+def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as a plain tensor in its dtype for autograd: through one ``_to_copy`` where it needs a
+    gradient (no view of it stays in the graph, so the offload can be removed while outputs
+    live), else its values without a graph."""
+    if not isinstance(t, OffloadedTensor):
+        return t
+    if torch.is_grad_enabled() and t.requires_grad:
+        return torch.ops.aten._to_copy.default(t, dtype=t.dtype)
+    return _wide(t)
+
+
+def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor | None:
+    """``x @ W.T + b`` (``x @ W + b`` when ``transposed``) for an OffloadedTensor ``W``, or None: dispatch."""
+    if not (
+        type(x) is torch.Tensor
+        and isinstance(weight, OffloadedTensor)
+        and weight.dim() == 2
+        and x.dtype == weight.dtype
+        and x.device == weight.device
+        and x.dim() >= 1
+        and (bias is None or (isinstance(bias, torch.Tensor) and bias.dtype == weight.dtype))
+    ):
+        return None
+    d = weight.__dict__
+    reads: ReadContext | None = d[_READS]
+    # autograd (and, with a master copy, every forward that records gradients) reads the
+    # stored values whole; without gradients the narrow ones are read in place
+    whole = (d[_SHADOW] is not None and torch.is_grad_enabled()) or _needs_graph(x, weight, bias)
+    values = d[_STORED] if whole else weight._narrow()
+    if reads is not None:
+        reads.count(values, weight.dtype)
+    if whole:
+        w, b = _whole(weight), _whole(bias)
+        if transposed:
+            return torch.addmm(b, x, w) if b is not None else x @ w
+        return F.linear(x, w, b)
+    return narrow_product(x, values, _narrow_operand(bias), transposed, reads.scratch if reads is not None else None)
+
+
+def _linear(input: Any, weight: Any, bias: Any = None) -> torch.Tensor | None:
+    return _product(input, weight, bias, transposed=False)
+
+
+def _addmm(bias: Any, mat1: Any, mat2: Any, *, beta: float = 1, alpha: float = 1, out: Any = None) -> torch.Tensor | None:
+    # transformers' Conv1D: torch.addmm(bias, x, weight) with the weight stored [in, out]
+    if beta != 1 or alpha != 1 or out is not None or not isinstance(mat1, torch.Tensor) or mat1.dim() != 2:
+        return None
+    return _product(mat1, mat2, bias, transposed=True)
+
+
+_PRODUCTS: dict[Callable[..., Any], Callable[..., torch.Tensor | None]] = {F.linear: _linear, torch.addmm: _addmm}
+
+
+# ------------------------------------------------------------------ dispatch
+
+_aten = torch.ops.aten
+# views that reinterpret bytes: no view of the stored values can stand for them
+_REINTERPRETS = {_aten.view.dtype, _aten.view_as_real.default, _aten.view_as_complex.default}
+
+
+def _alias(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OffloadedTensor:
+    # detach (state_dict, .data, nn.Parameter) and alias: the same values, read the same way
+    t: OffloadedTensor = args[0]
+    return t._rewrap(func(t.stored), shadow=t.__dict__[_SHADOW])
+
+
+def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # a view of the stored values, so writes through it land in them (weight[3] = 0)
+    t: OffloadedTensor = args[0]
+    rest = tree_map_only(OffloadedTensor, _wide, args[1:])
+    out = func(t.stored, *rest, **tree_map_only(OffloadedTensor, _wide, kwargs))
+    return tree_map_only(torch.Tensor, t._rewrap, out)
+
+
+def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    dst, src = args[0], args[1]
+    src_values = src.stored if isinstance(src, OffloadedTensor) else src  # its values exactly, not widened
+    if isinstance(dst, OffloadedTensor):
+        dst.stored.copy_(src_values, **kwargs)  # rounded to the storage dtype, no widened copy
+        return dst
+    return dst.copy_(src_values, **kwargs)
+
+
+def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    t: OffloadedTensor = args[0]
+    if kwargs.get("dtype") is None:
+        kwargs = {**kwargs, "dtype": t.dtype}
+    return func(t.stored, **kwargs)
+
+
+def _like(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    # empty_like & co. read only the shape: no widened copy
+    t: OffloadedTensor = args[0]
+    if kwargs.get("dtype") is None:
+        kwargs = {**kwargs, "dtype": t.dtype}
+    return func(t.stored, *args[1:], **kwargs)
+
+
+def _written(schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[int]:
+    """ids of the OffloadedTensors a mutable op writes (its ``Tensor(a!)`` arguments)."""
+    ids: set[int] = set()
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, OffloadedTensor):
+                ids.add(id(t))
+    return ids
+
+
+def _write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # in-place ops and out= (optimizer steps, edits): computed in the compute dtype, the
+    # result stored back (rounded to the storage dtype); the op returns the tensors it wrote
+    written = _written(func._schema, args, kwargs)
+    targets: dict[int, tuple[OffloadedTensor, torch.Tensor]] = {}
+
+    def unwrap(t: OffloadedTensor) -> torch.Tensor:
+        if id(t) not in written:
+            return _wide(t)
+        stored = t.stored
+        # already in the compute dtype: written directly; else a widened copy, stored back after
+        plain = stored if stored.dtype == t.dtype else stored.to(t.dtype)
+        targets[id(plain)] = (t, plain)
+        return plain
+
+    out = func(*tree_map_only(OffloadedTensor, unwrap, args), **tree_map_only(OffloadedTensor, unwrap, kwargs))
+    for t, plain in targets.values():
+        if plain is not t.stored:
+            t.stored.copy_(plain)
+    return tree_map(lambda o: targets[id(o)][0] if isinstance(o, torch.Tensor) and id(o) in targets else o, out)
+
+
+_HANDLERS: dict[Any, Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = {
+    _aten.detach.default: _alias,
+    _aten.alias.default: _alias,
+    _aten.copy_.default: _copy,
+    _aten._to_copy.default: _to_copy,
+    **dict.fromkeys(
+        [_aten.empty_like.default, _aten.zeros_like.default, _aten.ones_like.default, _aten.full_like.default,
+         _aten.rand_like.default, _aten.randn_like.default],
+        _like,
+    ),
+}
+
+
+# ------------------------------------------------------------------ making and unmaking
+
+
+def stored_values(tensor: torch.Tensor) -> torch.Tensor:
+    """What ``tensor`` keeps in memory: an :class:`OffloadedTensor`'s :attr:`~OffloadedTensor.stored`, else itself.
+
+    For measuring what a model takes (``stored_values(p).nbytes``) and reading its raw values.
+
+    Example:
+        >>> import torch
+        >>> from torchsurgery.offloading import stored_values
+        >>> stored_values(torch.ones(2)).dtype
+        torch.float32
+    """
+    return tensor.stored if isinstance(tensor, OffloadedTensor) else tensor
+
+
+def plain_reader(module: nn.Module) -> type[Patch] | None:
+    """The patch of ``module`` that reads its weights' memory directly (it cannot serve an OffloadedTensor), if any."""
+    return next((p for p in patches(module) if p.__patch_needs_plain_weights__), None)
+
+
+def offloaded_like(
+    tensor: torch.Tensor,
+    stored: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    reads: ReadContext | None = None,
+    shadow_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The object to swap into ``tensor`` so that it reads as ``dtype`` with ``stored`` as its values.
+
+    A parameter stays a parameter (``isinstance``, ``requires_grad``); attributes the user
+    set on the tensor object are carried along.
+    """
+    shadow = Shadow(stored, shadow_dtype) if shadow_dtype is not None else None
+    new: torch.Tensor = OffloadedTensor(stored, dtype, reads=reads, shadow=shadow)
+    if isinstance(tensor, nn.Parameter):
+        new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+    elif tensor.requires_grad:
+        new.requires_grad_(True)
+    new.__dict__.update(user_attributes(tensor))
+    return new
+
+
+def stored_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """A ``state_dict`` post-hook: offloaded tensors appear as their stored values.
+
+    ``state_dict()`` is what programs save (``torch.save``, ``save_pretrained`` through
+    safetensors, which reads memory): it holds plain tensors aliasing what the model keeps,
+    so saving writes the compact values without widening the model in memory and loading
+    them back gives exactly those values. ``state_dict(keep_vars=True)`` keeps the objects.
+    """
+    d = module.__dict__
+    for name, value in itertools.chain(d["_parameters"].items(), d["_buffers"].items()):
+        entry = state_dict.get(prefix + name)
+        # with keep_vars=True the entry is the tensor object itself: left as it is
+        if isinstance(value, OffloadedTensor) and isinstance(entry, OffloadedTensor) and entry is not value:
+            state_dict[prefix + name] = value.stored
