@@ -257,7 +257,7 @@ def _narrow_operand(t: torch.Tensor | None) -> torch.Tensor | None:
     return t._narrow() if isinstance(t, OffloadedTensor) else t
 
 
-def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
+def _whole(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a plain tensor in its dtype for autograd: through one ``_to_copy`` where it needs a
     gradient (no view of it stays in the graph, so the offload can be removed while outputs
     live), else its values without a graph."""
@@ -289,7 +289,7 @@ def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor |
     if reads is not None:
         reads.count(values, weight.dtype)
     if whole:
-        w, b = _whole(weight), _whole(bias)
+        w, b = _whole(weight), None if bias is None else _whole(bias)
         if transposed:
             return torch.addmm(b, x, w) if b is not None else x @ w
         return F.linear(x, w, b)
