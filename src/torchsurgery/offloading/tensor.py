@@ -53,6 +53,7 @@ __all__ = ["OffloadedTensor", "stored_values"]
 # keys of an OffloadedTensor's __dict__ that belong to it; the prefix keeps them out of the
 # user's attributes, which swaps carry along (torchsurgery._swap.user_attributes)
 _STORED, _READS, _SHADOW = "_torchsurgery_stored", "_torchsurgery_reads", "_torchsurgery_shadow"
+_COUNTER = "_torchsurgery_counter"  # the stored tensor whose version counter counts writes (see _written_in_place)
 
 
 @dataclass(eq=False)
@@ -79,12 +80,14 @@ class Shadow:
     """
 
     def __init__(self, master: torch.Tensor, dtype: torch.dtype) -> None:
+        self.master = master
         self.copy = master.detach().to(dtype)
         self.version = master._version
         self._lock = threading.Lock()
 
-    def of(self, master: torch.Tensor) -> torch.Tensor:
-        """The narrow copy of ``master`` as it is now."""
+    def current(self) -> torch.Tensor:
+        """The narrow copy of the master values as they are now."""
+        master = self.master
         if self.version != master._version:  # an optimizer step (or any in-place write) since
             with self._lock:
                 if self.version != master._version:
@@ -93,7 +96,7 @@ class Shadow:
         return self.copy
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"copy": self.copy, "version": self.version}
+        return {"master": self.master, "copy": self.copy, "version": self.version}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -134,6 +137,7 @@ class OffloadedTensor(torch.Tensor):
         requires_grad: bool = False,
         reads: ReadContext | None = None,
         shadow: Shadow | None = None,
+        counter: torch.Tensor | None = None,
     ) -> OffloadedTensor:
         return torch.Tensor._make_wrapper_subclass(
             cls,
@@ -154,11 +158,15 @@ class OffloadedTensor(torch.Tensor):
         requires_grad: bool = False,
         reads: ReadContext | None = None,
         shadow: Shadow | None = None,
+        counter: torch.Tensor | None = None,
     ) -> None:
         d = self.__dict__
-        d[_STORED] = stored.detach()
+        d[_STORED] = stored  # a plain tensor needing no gradient (made so by the callers)
         d[_READS] = reads
         d[_SHADOW] = shadow
+        # views and aliases made in __torch_dispatch__ (below autograd) get version counters of
+        # their own: they count writes in the one of the tensor they came from
+        d[_COUNTER] = d[_STORED] if counter is None else counter
 
     @property
     def stored(self) -> torch.Tensor:
@@ -170,11 +178,12 @@ class OffloadedTensor(torch.Tensor):
         """What a read without gradients uses: the shadow of the master values, or the stored ones."""
         d = self.__dict__
         shadow: Shadow | None = d[_SHADOW]
-        return d[_STORED] if shadow is None else shadow.of(d[_STORED])
+        return d[_STORED] if shadow is None else shadow.current()
 
     def _rewrap(self, stored: torch.Tensor, *, shadow: Shadow | None = None) -> OffloadedTensor:
         """Another view or alias of the same values, reading the same way."""
-        return OffloadedTensor(stored, self.dtype, reads=self.__dict__[_READS], shadow=shadow)
+        d = self.__dict__
+        return OffloadedTensor(stored, self.dtype, reads=d[_READS], shadow=shadow, counter=d[_COUNTER])
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         wide = self.stored.to(self.dtype)
@@ -192,6 +201,11 @@ class OffloadedTensor(torch.Tensor):
     ) -> OffloadedTensor:
         return OffloadedTensor(inner[_STORED], ctx[0])
 
+    def _stable_hash_for_caching(self) -> str:
+        # the compiler's cache key for this input: what it reads as and how it is stored
+        stored = self.stored
+        return f"OffloadedTensor:{self.dtype}:{stored.dtype}:{tuple(stored.shape)}:{stored.stride()}"
+
     def __deepcopy__(self, memo: dict[int, Any]) -> OffloadedTensor:
         if id(self) in memo:
             return memo[id(self)]
@@ -203,7 +217,7 @@ class OffloadedTensor(torch.Tensor):
             reads=copy.deepcopy(d[_READS], memo),
             shadow=copy.deepcopy(d[_SHADOW], memo),
         )
-        new.__dict__.update(copy.deepcopy({k: v for k, v in d.items() if k not in (_STORED, _READS, _SHADOW)}, memo))
+        new.__dict__.update(copy.deepcopy({k: v for k, v in d.items() if k not in (_STORED, _READS, _SHADOW, _COUNTER)}, memo))
         memo[id(self)] = new
         return new
 
@@ -270,21 +284,15 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor | None:
     """``x @ W.T + b`` (``x @ W + b`` when ``transposed``) for an OffloadedTensor ``W``, or None: dispatch."""
-    if not (
-        type(x) is torch.Tensor
-        and isinstance(weight, OffloadedTensor)
-        and weight.dim() == 2
-        and x.dtype == weight.dtype
-        and x.device == weight.device
-        and x.dim() >= 1
-        and (bias is None or (isinstance(bias, torch.Tensor) and bias.dtype == weight.dtype))
-    ):
+    if not (type(x) is torch.Tensor and isinstance(weight, OffloadedTensor) and weight.dim() == 2 and x.dim() >= 1):
         return None
     d = weight.__dict__
     reads: ReadContext | None = d[_READS]
     # autograd (and, with a master copy, every forward that records gradients) reads the
-    # stored values whole; without gradients the narrow ones are read in place
-    whole = (d[_SHADOW] is not None and torch.is_grad_enabled()) or _needs_graph(x, weight, bias)
+    # stored values whole, and so do inputs the plain layer would refuse (it refuses them
+    # the same way); without gradients the narrow ones are read in place
+    fits = x.dtype == weight.dtype and x.device == weight.device and (bias is None or bias.dtype == weight.dtype)
+    whole = not fits or (d[_SHADOW] is not None and torch.is_grad_enabled()) or _needs_graph(x, weight, bias)
     values = d[_STORED] if whole else weight._narrow()
     if reads is not None:
         reads.count(values, weight.dtype)
@@ -320,7 +328,7 @@ _REINTERPRETS = {_aten.view.dtype, _aten.view_as_real.default, _aten.view_as_com
 def _alias(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OffloadedTensor:
     # detach (state_dict, .data, nn.Parameter) and alias: the same values, read the same way
     t: OffloadedTensor = args[0]
-    return t._rewrap(func(t.stored), shadow=t.__dict__[_SHADOW])
+    return t._rewrap(t.stored, shadow=t.__dict__[_SHADOW])  # the very tensor: its version counter too
 
 
 def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -336,6 +344,7 @@ def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     src_values = src.stored if isinstance(src, OffloadedTensor) else src  # its values exactly, not widened
     if isinstance(dst, OffloadedTensor):
         dst.stored.copy_(src_values, **kwargs)  # rounded to the storage dtype, no widened copy
+        _written_in_place(dst)
         return dst
     return dst.copy_(src_values, **kwargs)
 
@@ -353,6 +362,15 @@ def _like(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Ten
     if kwargs.get("dtype") is None:
         kwargs = {**kwargs, "dtype": t.dtype}
     return func(t.stored, *args[1:], **kwargs)
+
+
+def _written_in_place(t: OffloadedTensor) -> None:
+    """Count a write into ``t``'s stored values in their version counter (shared with their base).
+
+    Below autograd, where ``__torch_dispatch__`` runs, in-place ops do not count themselves;
+    copies kept by version (a master's shadow, a streamed group's slot) must see the change.
+    """
+    torch.autograd.graph.increment_version(t.__dict__[_COUNTER])
 
 
 def _written(schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[int]:
@@ -387,6 +405,7 @@ def _write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     for t, plain in targets.values():
         if plain is not t.stored:
             t.stored.copy_(plain)
+        _written_in_place(t)
     return tree_map(lambda o: targets[id(o)][0] if isinstance(o, torch.Tensor) and id(o) in targets else o, out)
 
 
@@ -438,8 +457,10 @@ def offloaded_like(
     A parameter stays a parameter (``isinstance``, ``requires_grad``); attributes the user
     set on the tensor object are carried along.
     """
-    shadow = Shadow(stored, shadow_dtype) if shadow_dtype is not None else None
-    new: torch.Tensor = OffloadedTensor(stored, dtype, reads=reads, shadow=shadow)
+    wrapper = OffloadedTensor(stored, dtype, reads=reads)
+    if shadow_dtype is not None:  # follows the very tensor the wrapper keeps (copies keep the link)
+        wrapper.__dict__[_SHADOW] = Shadow(wrapper.stored, shadow_dtype)
+    new: torch.Tensor = wrapper
     if isinstance(tensor, nn.Parameter):
         new = nn.Parameter(new, requires_grad=tensor.requires_grad)
     elif tensor.requires_grad:
