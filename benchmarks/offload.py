@@ -50,7 +50,7 @@ from torch import nn
 
 import torchsurgery
 from _machine import cpu_name
-from torchsurgery.offloading import narrow
+from torchsurgery.offloading import narrow, stored_values
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -184,11 +184,11 @@ def generate_fn(new_tokens: int = 32) -> Callable[[nn.Module], torch.Tensor]:
 def read_bytes(model: nn.Module) -> int:
     """Bytes of weights a one-token step reads: every parameter outside embeddings."""
     skipped = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skipped)
+    return sum(stored_values(p).nbytes for p in model.parameters() if id(p) not in skipped)
 
 
 def weight_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    return sum(stored_values(p).nbytes for p in model.parameters())
 
 
 class Bandwidth:

@@ -221,6 +221,58 @@ def test_training_through_streamed_groups_matches_the_resident_model() -> None:
         handle.remove()
 
 
+def _rounded_to(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """The values an offload stores ``model``'s weights with (``dtype``), in the plain model."""
+    if dtype is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(dtype))
+
+
+@pytest.mark.parametrize("storage_dtype", [None, torch.bfloat16], ids=["fp32", "bf16-storage"])
+@pytest.mark.parametrize("prefetch", [1, 3, 7])
+def test_groups_kept_in_the_ring_are_copied_again_when_their_host_weights_change(
+    prefetch: int, storage_dtype: torch.dtype | None
+) -> None:
+    # with 4 groups, a ring of prefetch + 1 slots keeps some (prefetch 3) or all (prefetch 7) of
+    # them from one forward to the next: optimizer steps, in-place edits and loads between
+    # forwards must reach those slots, and a forward after no change must copy nothing more
+    model = Blocks([8, 16, 8, 16])
+    _rounded_to(model, storage_dtype)
+    reference = copy.deepcopy(model)
+    y = torch.randn(3, 16)
+    with SimulatedDevice(seed=prefetch, lazy=True) as sim:
+        handle = offload(model, sim, dtype=torch.float32, storage_dtype=storage_dtype, skip=None, **stream_all(model, prefetch))
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+
+        def forward_matches() -> None:
+            with torch.no_grad():
+                exact(model(X), reference(X))
+
+        forward_matches()
+        for step in range(2):
+            for m, o in zip((model, reference), optimizers, strict=True):  # with gradients: beside the ring
+                o.zero_grad()
+                nn.functional.mse_loss(m(X), y).backward()
+                o.step()
+            _rounded_to(reference, storage_dtype)
+            forward_matches()
+            with torch.no_grad():
+                for m in (model, reference):
+                    m.blocks[step][0].weight[1:3] = 0.25  # an edit through a view
+                    m.blocks[3 - step][2].bias.mul_(-1)
+            forward_matches()
+        torchsurgery.load_(model, reference.state_dict())  # bytes written straight into memory
+        forward_matches()
+        copies = sim.copies
+        forward_matches()
+        again = sim.copies - copies
+        forward_matches()
+        assert sim.copies - copies == 2 * again  # no change: the same copies as any forward
+        assert again == (0 if prefetch + 1 >= 4 else again)  # every group kept in the ring: none
+        handle.remove()
+
+
 @pytest.mark.parametrize(
     "widths", [[4, 4, 4, 4, 256, 256, 256], [4, 128, 4, 4, 256, 256, 256], [64, 4, 256, 4, 256, 4, 256]]
 )

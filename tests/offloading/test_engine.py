@@ -19,6 +19,7 @@ import torchsurgery
 from torchsurgery import Residency, offload
 from torchsurgery.offloading import stored_values
 from torchsurgery.offloading.grouping import find_groups
+from torchsurgery.offloading.narrow_matvec import narrow_matvec
 
 
 def train_side_by_side(
@@ -396,6 +397,118 @@ def test_torch_compile_around_an_offloaded_model_and_remove_after() -> None:
     handle.remove()  # compile's guards hold weak references to the weights: still undone
     assert identity_map(model) == ids
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(
+    ("make", "backend"), [(mlp, "inductor"), (tiny_llama, "aot_eager")], ids=["mlp-inductor", "llama-aot_eager"]
+)
+def test_an_offloaded_model_compiles_once_with_fullgraph_like_the_plain_model(make: Any, backend: str) -> None:
+    from torch._dynamo.utils import counters
+
+    model = make()
+    x = IDS if make is not mlp else torch.randn(3, 32)
+    outputs = {}
+    with torch.no_grad():
+        for name in ("plain", "offloaded"):
+            # norms are stored narrow too (skip=None): they stream through the engine's groups
+            handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, skip=None) if name == "offloaded" else None
+            eager = model(x)
+            counted = handle.stats() if handle is not None else None
+            torch._dynamo.reset()
+            counters.clear()
+            compiled = torch.compile(model, backend=backend, fullgraph=True)  # a graph break would raise
+            with torch._dynamo.config.patch(error_on_recompile=True):  # so would a recompile
+                runs = [compiled(x) for _ in range(3)]
+            assert counters["stats"]["unique_graphs"] == 1, name  # compiled once for the three calls
+            outputs[name] = [getattr(o, "logits", o) for o in (eager, *runs)]
+            if handle is not None:
+                # nothing of the engine ran while compiling or in the compiled code: no statistics
+                # counted, no kernel tried on the compiler's fake tensors
+                assert handle.stats().transfers == counted.transfers and not narrow_matvec.failed
+                handle.remove()
+    eager, *runs = outputs["offloaded"]
+    for run in runs:
+        torch.testing.assert_close(run, eager, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+
+
+def test_compiling_before_the_first_eager_forward_leaves_the_budget_planning_to_it() -> None:
+    # with a budget, the first eager forward measures the streamed groups and plans residency
+    # from them: a compiled forward first must neither run that nor break the graph for it
+    model = _Conv(blocks=4)
+    x = torch.randn(2, 4, 8)
+    sizes = [sum(p.numel() * 4 for p in block.parameters()) for block in model.blocks]
+    handle = offload(model, storage_dtype=torch.float64, dtype=torch.float32, budget=3 * max(sizes))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        first = [compiled(x) for _ in range(2)]
+    assert handle.stats().resident_groups == []  # nothing planned from compiled forwards
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), first[0], rtol=1e-6, atol=1e-6)
+    assert handle.stats().resident_groups != []  # planned from the first eager forward
+    handle.remove()
+    torch._dynamo.reset()
+
+
+class _Halved(torchsurgery.Patch, nn.Linear):
+    """Its own forward, reading the layer's weights through the usual call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 0.5
+
+
+@pytest.mark.parametrize("patch_first", [True, False], ids=["patch_then_offload", "offload_then_patch"])
+def test_a_patched_layer_stored_narrow_runs_its_patch(patch_first: bool) -> None:
+    model = mlp(2)
+    x = torch.randn(3, 32)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in reference.modules():
+            if isinstance(m, nn.Linear):
+                for p in m.parameters():
+                    p.copy_(p.bfloat16().float())
+    torchsurgery.patch(reference[1][0][0], _Halved)
+    if patch_first:
+        torchsurgery.patch(model[1][0][0], _Halved)
+    handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
+    if not patch_first:
+        torchsurgery.patch(model[1][0][0], _Halved)
+    for rows in (1, 3, 20):  # the native kernel, and the widening buffer
+        with torch.no_grad():
+            torch.testing.assert_close(model(x[:1].expand(rows, -1)), reference(x[:1].expand(rows, -1)), rtol=1e-5, atol=1e-6)
+    torchsurgery.restore(model)
+    assert not torchsurgery.is_patched(model[1][0][0]) and not handle.active
+
+
+class _RawKernel(torchsurgery.Patch, nn.Linear):
+    """Stands for a custom kernel that reads the weight's memory itself."""
+
+    __patch_needs_plain_weights__ = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ torch.from_numpy(self.weight.detach().numpy()).t()
+
+
+def test_a_patch_that_cannot_serve_narrow_weights_is_refused_in_either_order() -> None:
+    model = mlp(2)
+    torchsurgery.patch(model[1][0][2], _RawKernel)
+    before = identity_map(model), torchsurgery.surgery_log(model)
+    with pytest.raises(TypeError, match=r"1\.0\.2 carries the patch _RawKernel, which reads weight memory directly.*'1\.0\.2\.weight'"):
+        offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
+    assert (identity_map(model), torchsurgery.surgery_log(model)) == before  # nothing changed
+    handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, skip=lambda m, n: n == "1.0.2")
+    assert type(model[1][0][2].weight) is nn.Parameter  # left out: kept plain, the patch works
+    with torch.no_grad():
+        model(torch.randn(2, 32))
+    handle.remove()
+    torchsurgery.unpatch(model[1][0][2])
+    handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
+    before = identity_map(model), torchsurgery.surgery_log(model)
+    with pytest.raises(TypeError, match="_RawKernel reads weight memory directly.*'weight' is a OffloadedTensor"):
+        torchsurgery.patch(model[1][0][2], _RawKernel)
+    assert (identity_map(model), torchsurgery.surgery_log(model)) == before
+    handle.remove()
 
 
 def test_fused_narrow_kernel_matches_casting() -> None:

@@ -78,6 +78,9 @@ def test_narrow_path_matches_fp32_for_many_shapes_and_rows(transposed: bool, tie
             torch.testing.assert_close(got, reference(x, weight, bias, transposed), rtol=1e-4, atol=1e-4)
             if rows <= kernel_rows:  # served by a kernel, not by widening the weight
                 assert handle.stats().widened_bytes == 0, (out, inp, rows)
+        # every product read the narrow weight in place (counted where the layer's F.linear or
+        # addmm was served), none went through a widened copy of it
+        assert handle.stats().transfers == 8 and handle.stats().bytes_moved == 8 * weight.stored.nbytes
         handle.remove()
     assert not _fused.failed
 

@@ -322,7 +322,7 @@ class OffloadHandle:
             for param, view in zip(params, unpack(host, layout), strict=True):
                 self._remember(param)
                 param.data = view
-            packed = PackedGroup(group.name, layout, host)
+            packed = PackedGroup(group.name, layout, host, tensors=tuple(params))
         self._streaming.add(packed)
         return packed
 

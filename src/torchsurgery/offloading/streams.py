@@ -31,6 +31,7 @@ from torchsurgery.offloading.order import OrderRecorder
 from torchsurgery.offloading.packing import FlatLayout, unpack
 from torchsurgery.offloading.planner import GroupCost, stall_hint
 from torchsurgery.offloading.stats import OffloadStats
+from torchsurgery.offloading.tensor import stored_values
 from torchsurgery.patching import Patch
 
 
@@ -43,13 +44,15 @@ class PackedGroup:
     host: torch.Tensor | None
     source: Any = None  # a torchsurgery._checkpoint source when the weights stay in a file
     keys: tuple[str, ...] = ()
+    tensors: tuple[torch.Tensor, ...] = ()  # the parameters whose bytes :attr:`host` holds
 
     def version(self) -> int:
-        """Changes whenever the host weights are written in place (optimizer steps, edits, loads).
+        """Grows whenever one of the group's weights is written in place (optimizer steps, edits, loads).
 
-        The parameters are views of :attr:`host`, and views share their base's version counter.
+        The sum of the parameters' version counters (an offloaded weight counts in the one of
+        its stored values, which also sees writes through ``.data``).
         """
-        return self.host._version if self.host is not None else 0
+        return sum(stored_values(t)._version for t in self.tensors)
 
     def fill(self, out: torch.Tensor) -> None:
         """Write the group's bytes into ``out`` (a CPU uint8 buffer) from memory or the file."""

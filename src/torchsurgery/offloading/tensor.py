@@ -228,14 +228,11 @@ class OffloadedTensor(torch.Tensor):
         cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        # compiled code must not run this (per-call Python state would become guards):
-        # there the product goes through __torch_dispatch__, widening in the graph
-        if not torch.compiler.is_compiling():
-            product = _PRODUCTS.get(func)
-            if product is not None:
-                out = product(*args, **kwargs)
-                if out is not None:
-                    return out
+        product = _PRODUCTS.get(func)
+        if product is not None:
+            out = product(*args, **kwargs)
+            if out is not None:
+                return out
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -283,7 +280,12 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor | None:
-    """``x @ W.T + b`` (``x @ W + b`` when ``transposed``) for an OffloadedTensor ``W``, or None: dispatch."""
+    """``x @ W.T + b`` (``x @ W + b`` when ``transposed``) for an OffloadedTensor ``W``, or None: dispatch.
+
+    Only for a plain input: while ``torch.compile`` traces, inputs are the compiler's own
+    tensors, so the product goes through ``__torch_dispatch__`` and widens in the graph, and
+    nothing here (statistics, kernel choice) runs in compiled code.
+    """
     if not (type(x) is torch.Tensor and isinstance(weight, OffloadedTensor) and weight.dim() == 2 and x.dim() >= 1):
         return None
     d = weight.__dict__

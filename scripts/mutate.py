@@ -1,0 +1,162 @@
+"""Mutation check: take out what makes a feature work, one line at a time, and see a named test fail.
+
+Each mutation replaces one exact piece of source (it must occur exactly once) and names the
+tests that must then fail. For each, the script edits the file in the working tree, runs
+those tests, and puts the file back (also on Ctrl-C). It prints one row per mutation and
+exits 1 if any mutation survives (its tests still pass) or no longer applies (the source
+moved: update the mutation).
+
+Run: .venv/bin/python scripts/mutate.py [--only SUBSTRING] [--list]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTATIONS = [
+    Mutation(
+        "a ring slot is reused only while its group's weights are unchanged",
+        "src/torchsurgery/offloading/streams.py",
+        "if self.copied[slot] != group.version():", "if False:",
+        ("tests/offloading/test_device.py::test_groups_kept_in_the_ring_are_copied_again_when_their_host_weights_change",),
+    ),
+    Mutation(
+        "load_ counts the bytes it writes straight into memory as an in-place write",
+        "src/torchsurgery/tensors.py",
+        "                torch.autograd.graph.increment_version(t)\n", "",
+        ("tests/offloading/test_device.py::test_groups_kept_in_the_ring_are_copied_again_when_their_host_weights_change",),
+    ),
+    Mutation(
+        "writes through an OffloadedTensor are counted in its values' version counter",
+        "src/torchsurgery/offloading/tensor.py",
+        "    torch.autograd.graph.increment_version(t.__dict__[_COUNTER])", "    pass",
+        ("tests/offloading/test_tensor.py::test_writes_land_in_the_stored_values_through_views_data_and_optimizers",
+         "tests/offloading/test_tensor.py::test_a_master_copy_serves_gradients_and_a_refreshed_shadow_serves_inference"),
+    ),
+    Mutation(
+        "every forward that records gradients reads the master values",
+        "src/torchsurgery/offloading/tensor.py",
+        "whole = not fits or (d[_SHADOW] is not None and torch.is_grad_enabled()) or", "whole = not fits or",
+        ("tests/test_invisible_surgery.py::test_peft_lora_trains_through_an_offload_with_an_fp32_master_as_in_fp32",),
+    ),
+    Mutation(
+        "weights stored narrow read as the compute dtype",
+        "src/torchsurgery/offloading/engine.py",
+        "for p in filter(reads_as_computed, self.plan.params):\n            tensor = _param(self._modules, p)\n            self._remember",
+        "for p in []:\n            tensor = _param(self._modules, p)\n            self._remember",
+        ("tests/test_invisible_surgery.py::test_stable_diffusion_with_an_offloaded_unet_equals_diffusers_layerwise_casting",
+         "tests/test_invisible_surgery.py::test_generate_and_what_programs_read_are_those_of_the_plain_model[t5-offload]"),
+    ),
+    Mutation(
+        "a patch that passes its arguments on shows the signature of the forward it passes to",
+        "src/torchsurgery/patching.py",
+        "forward = _passing_on(patch_cls)", "forward = None",
+        ("tests/test_invisible_surgery.py::test_generate_passes_logits_to_keep_through_a_class_swap",),
+    ),
+    Mutation(
+        "streamed groups compiled for the host read their weights in the graph",
+        "src/torchsurgery/offloading/streams.py",
+        "if streamer.streaming.device.host_compute and torch.compiler.is_compiling():", "if False:",
+        ("tests/offloading/test_engine.py::test_an_offloaded_model_compiles_once_with_fullgraph_like_the_plain_model",),
+    ),
+    Mutation(
+        "products are taken from the narrow values for plain inputs only (not the compiler's)",
+        "src/torchsurgery/offloading/tensor.py",
+        "    if not (type(x) is torch.Tensor and isinstance(weight, OffloadedTensor)",
+        "    if not (isinstance(x, torch.Tensor) and isinstance(weight, OffloadedTensor)",
+        ("tests/offloading/test_engine.py::test_an_offloaded_model_compiles_once_with_fullgraph_like_the_plain_model",),
+    ),
+    Mutation(
+        "the end-of-forward hook records nothing inside compiled code",
+        "src/torchsurgery/offloading/streams.py",
+        "        if torch.compiler.is_compiling():\n            return  # compiled forwards", "        if False:\n            return  # compiled forwards",
+        ("tests/offloading/test_engine.py::test_compiling_before_the_first_eager_forward_leaves_the_budget_planning_to_it",),
+    ),
+    Mutation(
+        "state_dict() holds the stored values",
+        "src/torchsurgery/offloading/engine.py",
+        "            self._hooks.append(owner.register_state_dict_post_hook(stored_state))\n", "",
+        ("tests/offloading/test_tensor.py::test_state_dict_holds_the_stored_values_and_loads_back_exactly",),
+    ),
+    Mutation(
+        "a patch that reads weight memory directly keeps its module from narrow storage",
+        "src/torchsurgery/offloading/plan.py",
+        "    _check_plain_readers(named, plan)\n", "",
+        ("tests/offloading/test_engine.py::test_a_patch_that_cannot_serve_narrow_weights_is_refused_in_either_order",),
+    ),
+    Mutation(
+        "products without gradients read the narrow values in place",
+        "src/torchsurgery/offloading/tensor.py",
+        "_PRODUCTS: dict[Callable[..., Any], Callable[..., torch.Tensor | None]] = {F.linear: _linear, torch.addmm: _addmm}",
+        "_PRODUCTS: dict[Callable[..., Any], Callable[..., torch.Tensor | None]] = {}",
+        ("tests/offloading/test_narrow.py::test_narrow_path_matches_fp32_for_many_shapes_and_rows",),
+    ),
+    Mutation(
+        "unpatch swaps a tensor its patch converted back",
+        "src/torchsurgery/_undo.py",
+        "            if type(tensor) is kind:", "            if True:",
+        ("tests/offloading/test_tensor.py::test_the_undo_log_swaps_a_patchs_converted_weights_back",),
+    ),
+    Mutation(
+        "a gradient goes along a swap",
+        "src/torchsurgery/_swap.py",
+        "        replacement.grad = grad.to(device=replacement.device, dtype=replacement.dtype)", "        pass",
+        ("tests/offloading/test_dynamic_swap.py::test_training_through_it_updates_the_stored_weights",),
+    ),
+]
+
+
+def run(mutation: Mutation) -> tuple[str, float]:
+    """Apply, test, restore: 'caught', 'SURVIVED' or 'STALE' (the source no longer matches)."""
+    path = ROOT / mutation.path
+    source = path.read_text(encoding="utf-8")
+    if source.count(mutation.old) != 1:
+        return "STALE", 0.0
+    start = time.perf_counter()
+    try:
+        path.write_text(source.replace(mutation.old, mutation.new), encoding="utf-8")
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutation.tests],
+            cwd=ROOT, capture_output=True, text=True,
+        )
+    finally:
+        path.write_text(source, encoding="utf-8")
+    return ("caught" if done.returncode != 0 else "SURVIVED"), time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="run the mutations whose name contains this")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if args.only in m.name]
+    failed = False
+    for m in chosen:
+        if args.list:
+            print(f"{m.name}: {m.path} -> {', '.join(m.tests)}")
+            continue
+        verdict, seconds = run(m)
+        failed |= verdict != "caught"
+        print(f"{verdict:9} {seconds:6.1f}s  {m.name}  ({m.path}; {', '.join(t.rsplit('::', 1)[-1] for t in m.tests)})", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
