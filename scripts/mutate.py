@@ -71,10 +71,11 @@ MUTATIONS = [
         ("tests/test_invisible_surgery.py::test_generate_passes_logits_to_keep_through_a_class_swap",),
     ),
     Mutation(
-        "streamed groups compiled for the host read their weights in the graph",
+        "a compiled streamed group brings its weights in inside the graph",
         "src/torchsurgery/offloading/streams.py",
-        "if streamer.streaming.device.host_compute and torch.compiler.is_compiling():", "if False:",
-        ("tests/offloading/test_engine.py::test_an_offloaded_model_compiles_once_with_fullgraph_like_the_plain_model",),
+        "if torch.compiler.is_compiling() and streamer.traceable:", "if False:",
+        ("tests/offloading/test_engine.py::test_an_offloaded_model_compiles_once_with_fullgraph_like_the_plain_model",
+         "tests/offloading/test_device.py::test_a_model_streamed_to_a_device_compiles_once_with_fullgraph"),
     ),
     Mutation(
         "products are taken from the narrow values for plain inputs only (not the compiler's)",

@@ -221,6 +221,32 @@ def test_training_through_streamed_groups_matches_the_resident_model() -> None:
         handle.remove()
 
 
+@pytest.mark.parametrize("storage_dtype", [None, torch.bfloat16], ids=["fp32", "bf16-storage"])
+def test_a_model_streamed_to_a_device_compiles_once_with_fullgraph(storage_dtype: torch.dtype | None) -> None:
+    from torch._dynamo.utils import counters
+
+    model = Blocks([8, 16, 8, 16])
+    # not entered as a context: its read-tracking dispatch mode would keep Dynamo out
+    sim = SimulatedDevice(seed=3)
+    try:
+        with torch.no_grad():
+            handle = offload(model, sim, dtype=torch.float32, storage_dtype=storage_dtype, skip=None, **stream_all(model, 2))
+            eager = model(X)
+            torch._dynamo.reset()
+            counters.clear()
+            compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # a transfer outside the graph would raise
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                runs = [compiled(X) for _ in range(3)]
+            assert counters["stats"]["unique_graphs"] == 1
+            for run in runs:
+                exact(run, eager)
+            exact(model(X), eager)  # eager again: through the ring
+            handle.remove()
+    finally:
+        sim.close()
+        torch._dynamo.reset()
+
+
 def _rounded_to(model: nn.Module, dtype: torch.dtype | None) -> None:
     """The values an offload stores ``model``'s weights with (``dtype``), in the plain model."""
     if dtype is not None:

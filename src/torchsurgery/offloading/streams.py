@@ -348,6 +348,8 @@ class _GroupStreamer:
         self.depth = 0
         self.slot: int | None = None
         self.measure: _Measure | None = None
+        # weights read from a checkpoint file cannot come in inside a compiled graph
+        self.traceable = packed is None or packed.host is not None
 
     @torch.compiler.disable  # transfers stay outside compiled regions; the group's compute compiles
     def bring_in(self) -> None:
@@ -421,10 +423,19 @@ class _StreamedGroup(Patch, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         streamer: _GroupStreamer = self.__dict__["_offload_streamer"]
-        if streamer.streaming.device.host_compute and torch.compiler.is_compiling():
-            # compiled for the host: the graph reads the stored weights (OffloadedTensors,
-            # widened in the graph) itself, so fullgraph holds and no per-call state is traced
-            return super().forward(*args, **kwargs)
+        if torch.compiler.is_compiling() and streamer.traceable:
+            # compiled: bringing the weights in is part of the graph (a copy and a cast per
+            # weight, no ring, no prefetch, no per-call Python state), so fullgraph holds; on a
+            # CPU the copy is nothing and the cast reads the stored values in the graph
+            entries = streamer.packed_entries + streamer.other_entries
+            device = streamer.streaming.device.device
+            for owner, pname, p, dtype in entries:
+                owner._parameters[pname] = p.to(device=device, dtype=dtype)  # type: ignore[assignment]
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                for owner, pname, p, _ in entries:
+                    owner._parameters[pname] = p
         streamer.bring_in()
         try:
             return super().forward(*args, **kwargs)
