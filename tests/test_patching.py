@@ -729,3 +729,36 @@ def test_a_patch_applying_another_patch_to_its_own_module_is_refused() -> None:
         torchsurgery.patch(layer, PatchesItself)
     assert fingerprint(layer) == before and torchsurgery.patches(layer) == [Scaled]
     assert type(torchsurgery.unpatch(layer)) is nn.Linear
+
+
+def test_unpatch_while_another_thread_runs_the_patched_forward_is_refused_and_that_forward_completes() -> None:
+    import threading
+
+    class Slow(Patch, nn.Linear):
+        def __patch_init__(self) -> None:
+            self.inside, self.go = threading.Event(), threading.Event()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.inside.set()
+            assert self.go.wait(timeout=60)
+            return super().forward(x) * 2  # super() needs the patch still in place
+
+    layer = nn.Linear(3, 3)
+    x = torch.randn(1, 3)
+    expected = layer(x) * 2
+    torchsurgery.patch(layer, Slow)
+    results: list[torch.Tensor] = []
+    thread = threading.Thread(target=lambda: results.append(layer(x)))
+    thread.start()
+    try:
+        assert layer.inside.wait(timeout=60)
+        for attempt in (lambda: torchsurgery.unpatch(layer), lambda: torchsurgery.patch(layer, Frozen)):
+            with pytest.raises(RuntimeError, match=r"<root> \(Linear, in thread .*\) is running a forward now"):
+                attempt()
+        assert torchsurgery.patches(layer) == [Slow]  # nothing changed under the running forward
+    finally:
+        layer.go.set()
+        thread.join(timeout=60)
+    torch.testing.assert_close(results[0], expected)
+    torchsurgery.unpatch(layer)  # once it returned
+    assert type(layer) is nn.Linear

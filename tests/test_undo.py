@@ -2,17 +2,26 @@
 
 The state machine builds a random module tree (nested Sequential / ModuleList / ModuleDict,
 tied weights, buffers, a Parameter subclass, modules returning tuples and dicts), applies
-random surgery to it (patches, offload, FlexModel, dynamic swap, conversions there and
-back, loads), checks after every step that the model computes what the applied surgery
-should give (against an independent reference forward), and at the end undoes everything
-with ``torchsurgery.restore`` and compares with a snapshot taken at the start.
+random surgery to it (patches, offload, offload streamed from a checkpoint file, FlexModel,
+dynamic swap, conversions there and back, loads), checks after every step that the model
+computes what the applied surgery should give (against an independent reference forward),
+copies the model as it stands (``deepcopy``, ``pickle``, ``torch.save``/``torch.load`` with
+the original dropped) and checks that the copy computes the same and restores to the
+model's start, and at the end undoes everything with ``torchsurgery.restore`` and compares
+with a snapshot taken at the start, bitwise.
 
-300 examples run by default (about 20-30 s); ``TORCHSURGERY_HYPOTHESIS_EXAMPLES=5000`` is the long run.
+300 examples run by default (about 30-60 s); ``make soak`` is the long run (5,000,
+``TORCHSURGERY_HYPOTHESIS_EXAMPLES=5000``).
 """
 
 from __future__ import annotations
 
+import copy
+import io
 import os
+import pickle
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -151,29 +160,33 @@ class Broken(Patch, nn.Module):
 EFFECTS = {Scale: lambda y: y * 1.5, Shift: lambda y: y + 0.25, Freeze: lambda y: y}
 
 
-def reference_forward(module: nn.Module, x: torch.Tensor) -> Any:
-    """The model's forward written independently of any surgery, applying patch effects."""
+def reference_forward(module: nn.Module, x: torch.Tensor, in_file: dict[int, torch.Tensor] | None = None) -> Any:
+    """The model's forward written independently of any surgery, applying patch effects.
+
+    ``in_file``: the values of weights an offload streams from a file (they are ``meta``), by object.
+    """
     if isinstance(module, Leaf):
         # weights may sit in a wider storage dtype while offloaded: compute in x's dtype
-        y = F.linear(x, module.weight.to(x.dtype), module.bias.to(x.dtype)) + module.offset.to(x.dtype)
+        weight, bias = ((in_file or {}).get(id(t), t) for t in (module.weight, module.bias))
+        y = F.linear(x, weight.to(x.dtype), bias.to(x.dtype)) + module.offset.to(x.dtype)
         for p in torchsurgery.patches(module):
             y = EFFECTS.get(p, lambda t: t)(y)  # patches of other pillars change no values
         return y
     if isinstance(module, TupleOut):
-        y = _first(reference_forward(module.inner, x))
+        y = _first(reference_forward(module.inner, x, in_file))
         return y, y.sum()
     if isinstance(module, DictOut):
-        return {k: reference_forward(m, x) for k, m in module.branches.items()}
+        return {k: reference_forward(m, x, in_file) for k, m in module.branches.items()}
     if isinstance(module, ListSum):
         for m in module.items:
-            x = _first(reference_forward(m, x))
+            x = _first(reference_forward(m, x, in_file))
         return x
     if isinstance(module, nn.Sequential):
         for m in module:
-            x = _first(reference_forward(m, x))
+            x = _first(reference_forward(m, x, in_file))
         return x
     if isinstance(module, Root):
-        return _first(reference_forward(module.body, x))
+        return _first(reference_forward(module.body, x, in_file))
     raise AssertionError(f"unknown module {type(module)}")
 
 
@@ -210,6 +223,13 @@ def fingerprint(model: nn.Module) -> dict[str, Any]:
     return out
 
 
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, or both without values (weights an offload streams from a file are meta)."""
+    if a.is_meta or b.is_meta:
+        return a.is_meta and b.is_meta and (a.shape, a.dtype) == (b.shape, b.dtype)
+    return torch.equal(a, b)
+
+
 def state_values(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
 
@@ -224,6 +244,8 @@ class SurgeryMachine(RuleBasedStateMachine):
         self.leaves = [m for m in self.model.modules() if isinstance(m, Leaf)]
         self.x = torch.randn(2, DIM)
         self.handle: Any = None
+        self.from_file = False
+        self.in_file: dict[int, torch.Tensor] = {}
         self.flex: Any = None
         self.captured: dict[str, list[torch.Tensor]] = {}
         self.start = fingerprint(self.model)
@@ -250,7 +272,7 @@ class SurgeryMachine(RuleBasedStateMachine):
         now = state_values(self.model)
         assert now.keys() == values.keys()
         for k in now:
-            assert torch.equal(now[k], values[k]), k
+            assert same_values(now[k], values[k]), k
 
     @precondition(lambda self: any(torchsurgery.is_patched(m) for m in self.leaves))
     @rule(which=st.integers(0, 100), pick=st.integers(0, 3))
@@ -286,6 +308,8 @@ class SurgeryMachine(RuleBasedStateMachine):
         assert self.handle is not None
         self.handle.remove()
         self.handle = None
+        self.from_file = False
+        self.in_file = {}
 
     @precondition(lambda self: self.flex is None)
     @rule(pattern=st.sampled_from(["**", "body.*", "body"]), fail=st.booleans())
@@ -303,7 +327,7 @@ class SurgeryMachine(RuleBasedStateMachine):
 
             self.flex.register_forward_hook(torchsurgery.HookFunction("body", editing_function=broken))
             before = fingerprint(self.model)
-            with pytest.raises(RuntimeError, match="injected failure"):
+            with pytest.raises(RuntimeError, match="injected failure"), torch.no_grad():
                 self.flex(self.x)
             assert fingerprint(self.model) == before
             self.flex.restore()
@@ -337,13 +361,70 @@ class SurgeryMachine(RuleBasedStateMachine):
     def load_own_state(self) -> None:
         ids = {n: id(t) for n, t in self.model.state_dict(keep_vars=True).items()}
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        torchsurgery.load_(self.model, state)
+        if self.from_file:
+            # the weights are streamed from the file: a load would not reach the forwards
+            with pytest.raises(RuntimeError, match="streamed by an active offload from its checkpoint file"):
+                torchsurgery.load_(self.model, state)
+        else:
+            torchsurgery.load_(self.model, state)
         assert {n: id(t) for n, t in self.model.state_dict(keep_vars=True).items()} == ids
+
+    @precondition(lambda self: self.handle is None)
+    @rule(stale=st.booleans())
+    def offload_from_a_checkpoint_file(self, stale: bool) -> None:
+        # the model's own weights saved to a file, then streamed from it (they become meta)
+        path = Path(tempfile.mkdtemp()) / "model.safetensors"
+        state = {k: v.detach().clone().contiguous() for k, v in self.model.state_dict().items()}
+        if stale:  # another file: refused, since remove() would give its values back instead
+            state = {k: v + 1 if v.is_floating_point() else v for k, v in state.items()}
+        from safetensors.torch import save_file
+
+        save_file(state, str(path))
+        before = fingerprint(self.model)
+        if stale:
+            with pytest.raises(ValueError, match="holds other values than the model"):
+                torchsurgery.offload(self.model, storage=path, groups="leaves")
+            assert fingerprint(self.model) == before
+            return
+        tensors = dict(self.model.state_dict(keep_vars=True))
+        self.handle = torchsurgery.offload(self.model, storage=path, groups="leaves")
+        self.from_file = True
+        self.in_file = {id(tensors[k]): state[k] for k in state if tensors[k].is_meta}
+
+    @rule(kind=st.sampled_from(["deepcopy", "pickle", "torch.save"]))
+    def copies_compute_the_same_and_restore_to_the_start(self, kind: str) -> None:
+        with torch.no_grad():
+            expected = self.model(self.x)
+        if kind == "deepcopy":
+            twin = copy.deepcopy(self.model)
+        elif kind == "pickle":
+            twin = pickle.loads(pickle.dumps(self.model))
+        else:
+            buffer = io.BytesIO()
+            torch.save(self.model, buffer)
+            twin = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+        with torch.no_grad():
+            torch.testing.assert_close(twin(self.x), expected, rtol=0, atol=0)
+        assert [e.kind for e in torchsurgery.surgery_log(twin)] == [e.kind for e in torchsurgery.surgery_log(self.model)]
+        torchsurgery.restore(twin)
+        assert torchsurgery.surgery_log(twin) == []
+        assert {n: (type(m), sorted(m.__dict__)) for n, m in twin.named_modules()} == {
+            n: (cls, keys) for n, (cls, keys, *_) in self.start.items()
+        }
+        now = state_values(twin)
+        for k in now:
+            assert torch.equal(now[k], self.values[k]), k  # bitwise what the original restores to
+        with torch.no_grad():
+            torch.testing.assert_close(twin(self.x), self.expected_output, rtol=0, atol=0)
+        with torch.no_grad():  # the original is untouched by its copy's restore
+            torch.testing.assert_close(self.model(self.x), expected, rtol=0, atol=0)
 
     @rule()
     def restore_everything(self) -> None:
         torchsurgery.restore(self.model)
         self.handle = self.flex = None
+        self.from_file = False
+        self.in_file = {}
         self.check_pristine()
 
     @invariant()
@@ -351,7 +432,7 @@ class SurgeryMachine(RuleBasedStateMachine):
         if not hasattr(self, "model"):
             return
         with torch.no_grad():
-            torch.testing.assert_close(self.model(self.x), reference_forward(self.model, self.x))
+            torch.testing.assert_close(self.model(self.x), reference_forward(self.model, self.x, self.in_file))
         log = torchsurgery.surgery_log(self.model)
         assert [e.seq for e in log] == sorted(e.seq for e in log)
         kinds = [e.kind for e in log]
@@ -372,6 +453,8 @@ class SurgeryMachine(RuleBasedStateMachine):
         if hasattr(self, "model"):
             torchsurgery.restore(self.model)
             self.handle = self.flex = None
+            self.from_file = False
+            self.in_file = {}
             self.check_pristine()
 
 

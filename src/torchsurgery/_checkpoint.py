@@ -372,6 +372,23 @@ class SafetensorsSource(Source):
             self.close()
             raise
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy of a model streamed from the file (pickle, deepcopy, torch.save) opens the
+        # files again; what their headers said is kept, so a file changed since is noticed
+        # when a read comes short
+        return {"paths": list(self._files), "where": self._where}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._files = {}
+        self._maps = {}
+        self._where = state["where"]
+        try:
+            for path in state["paths"]:
+                self._files[path] = open(path, "rb")  # noqa: SIM115 - kept open until close()
+        except BaseException:
+            self.close()
+            raise
+
     def entries(self) -> dict[str, Entry]:
         return {name: loc.entry for name, loc in self._where.items()}
 

@@ -61,9 +61,21 @@ def wrap_like(original: torch.Tensor, data: torch.Tensor, kind: type | None = No
 
 
 def swap_blocker(
-    name: str, tensor: torch.Tensor, replacement: torch.Tensor | None, what: str, *, weak_references_ok: bool = False
+    name: str,
+    tensor: torch.Tensor,
+    replacement: torch.Tensor | None,
+    what: str,
+    *,
+    weak_references_ok: bool = False,
+    pending_backward_ok: bool = False,
 ) -> str | None:
-    """Why ``swap_tensors(tensor, replacement)`` (or :func:`swap_in`, with ``weak_references_ok``) would fail or poison autograd."""
+    """Why ``swap_tensors(tensor, replacement)`` (or :func:`swap_in`, with ``weak_references_ok``) would fail or poison autograd.
+
+    With ``pending_backward_ok`` a leaf held by the AccumulateGrad node of a live graph is
+    let through, as ``swap_tensors`` itself lets it through: an undo must not wait for the
+    user to drop every output computed with grad mode on; a backward through that old
+    graph then raises (torch poisons the node).
+    """
     if not weak_references_ok and weakref.getweakrefs(tensor):
         return (
             f"{what}: cannot swap {name!r}: it has weak references (e.g. a WeakTensorKeyDictionary "
@@ -79,6 +91,8 @@ def swap_blocker(
                 "__torch_dispatch__ that keeps the class"
             )
     uses = tensor._use_count()  # type: ignore[attr-defined]
+    if pending_backward_ok and uses == 2 and tensor.is_leaf and tensor.requires_grad:
+        return None
     if uses > 1:
         # One use is the object itself; an extra one is a view's base reference, another
         # holder in C++, or the AccumulateGrad node of a graph whose backward is pending,

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -368,64 +370,105 @@ class Hold:
     """Tensors another surgery depends on by identity (an offload streams them).
 
     While held, a patch may not replace or remove them (:func:`holder_of`). Made by
-    :func:`hold`, ended by :func:`release`.
+    :func:`hold`, ended by :func:`release`. The mark is on the tensor objects themselves
+    (an attribute), not in a table keyed by ``id()``: a copy of a model (``deepcopy``,
+    ``pickle``, ``torch.save``) carries its own marks along with its copied surgery.
 
     Attributes:
         what: what depends on the tensors, for messages (``"an active offload"``).
     """
 
-    def __init__(self, what: str, keys: tuple[int, ...]) -> None:
+    def __init__(self, what: str, tensors: tuple[torch.Tensor, ...]) -> None:
         self.what = what
-        self._keys = keys
+        self.tensors = tensors
 
 
-# id(tensor) -> the hold on it. Keyed by id because a weak reference to a tensor would
-# make swap_tensors refuse it; a holder releases before its tensors can die.
-_held: dict[int, Hold] = {}
+_HELD_KEY = "_torchsurgery_held"
 
 
 def hold(tensors: list[torch.Tensor], what: str) -> Hold:
-    """Mark ``tensors`` as depended on by ``what`` until :func:`release`.
-
-    The caller releases the hold before the tensors can be freed (their ids are reused).
-    """
-    held = Hold(what, tuple(dict.fromkeys(id(t) for t in tensors)))
-    for key in held._keys:
-        _held[key] = held
+    """Mark ``tensors`` as depended on by ``what`` until :func:`release`."""
+    held = Hold(what, tuple({id(t): t for t in tensors}.values()))
+    for t in held.tensors:
+        t.__dict__[_HELD_KEY] = what
     return held
 
 
 def release(held: Hold) -> None:
     """End ``held`` (a no-op the second time)."""
-    for key in held._keys:
-        if _held.get(key) is held:
-            del _held[key]
+    for t in held.tensors:
+        if t.__dict__.get(_HELD_KEY) == held.what:
+            del t.__dict__[_HELD_KEY]
+
+
+def _holder(tensor: Any) -> str | None:
+    return tensor.__dict__.get(_HELD_KEY) if isinstance(tensor, torch.Tensor) else None
 
 
 def holder_of_any(tensors: Iterable[torch.Tensor]) -> str | None:
     """What depends on one of ``tensors`` by identity, if anything (``"an active offload"``)."""
-    for tensor in tensors:
-        held = _held.get(id(tensor))
-        if held is not None:
-            return held.what
-    return None
+    return next((h for h in map(_holder, tensors) if h is not None), None)
 
 
 def holder_of(changes: ChangeSet) -> str | None:
     """What depends on a parameter or buffer that ``changes`` replaced or removed, if anything."""
     for name in ("_parameters", "_buffers"):
         for old, new in changes.entries.get(name, {}).values():
-            for tensor in (old, new):
-                if tensor is not MISSING and id(tensor) in _held:
-                    return _held[id(tensor)].what
+            holder = _holder(old) or _holder(new)
+            if holder:
+                return holder
     for tensor, _, _ in changes.storage:
-        if id(tensor) in _held:
-            return _held[id(tensor)].what
+        if _holder(tensor):
+            return _holder(tensor)
     for _, below in changes.below:
         holder = holder_of(below)
         if holder:
             return holder
     return None
+
+
+def running_elsewhere(module: nn.Module) -> str | None:
+    """The module of ``module``'s subtree another thread is running now (its name, and the thread's), if any.
+
+    Read from the threads' stacks: a module is running while a frame of
+    ``nn.Module._call_impl`` with it as ``self`` is on a stack.
+    """
+    me = threading.get_ident()
+    call = nn.Module._call_impl.__code__
+    running: list[tuple[int, Any]] = []
+    for ident, top in sys._current_frames().items():
+        frame: Any = top
+        while frame is not None and ident != me:
+            if frame.f_code is call:
+                running.append((ident, frame.f_locals.get("self")))
+            frame = frame.f_back
+    if not running:
+        return None
+    names = {id(m): name for name, m in module.named_modules()}
+    threads = {t.ident: t.name for t in threading.enumerate()}
+    for ident, owner in running:
+        if id(owner) in names and any(m is owner for m in module.modules()):
+            return f"{names[id(owner)] or '<root>'} ({type(owner).__name__}, in thread {threads.get(ident, ident)!r})"
+    return None
+
+
+def check_idle(module: nn.Module, what: str) -> None:
+    """Refuse surgery that changes classes or hooks of ``module``'s subtree while another thread runs it.
+
+    A forward that is running would find its class or hooks changed under it (``super()``
+    in a patched ``forward`` fails once the patch is gone; hook dicts change size while
+    iterated).
+
+    Raises:
+        RuntimeError: another thread is inside the forward of a module of the subtree.
+    """
+    busy = running_elsewhere(module)
+    if busy is not None:
+        raise RuntimeError(
+            f"{what}: {busy} is running a forward now; changing its class or hooks under it would break that "
+            "forward. Call this again once it returned (join the thread, or hold your own lock around forwards "
+            "and surgery)"
+        )
 
 
 def records(module: nn.Module) -> list[Record]:

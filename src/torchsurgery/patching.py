@@ -373,6 +373,7 @@ def patch(module: M, patch_cls: type[Patch], /, *args: Any, **kwargs: Any) -> M:
     _undo.check_not_compiling("patch")
     _undo.check_module(module, "torchsurgery.patch")
     _check_patch_class(patch_cls, "patch")
+    _undo.check_idle(module, "torchsurgery.patch")
     records = _patch_records(module)
     _check_class_intact(module, records, "patch")
     before = type(module)
@@ -442,6 +443,7 @@ def unpatch(module: M, patch_cls: type[Patch] | None = None, /, *, _internal: bo
     """
     _undo.check_not_compiling("unpatch")
     _undo.check_module(module, "torchsurgery.unpatch")
+    _undo.check_idle(module, "torchsurgery.unpatch")
     if patch_cls is not None:
         _check_patch_class(patch_cls, "unpatch")
     records = _patch_records(module)

@@ -683,6 +683,13 @@ def _load(
         problem = swap_blocker(name, t, None, what)
         if problem:
             raise RuntimeError(problem)
+        holder = _undo.holder_of_any([t])
+        if t.is_meta and holder:
+            raise RuntimeError(
+                f"{what}: {name!r} is streamed by {holder} from its checkpoint file (storage=), which is what its "
+                "forwards read: a load here would not reach them. Remove the offload, load, and offload again "
+                "(from a file holding the new values)"
+            )
     in_place: list[tuple[torch.Tensor, str]] = []
     fresh: list[_Fresh] = []
     for name, t, key in plan:

@@ -60,3 +60,17 @@ def test_depth_and_filter_select_rows() -> None:
     assert [r["name"] for r in module_rows(model, None, "1.*")] == ["1.0", "1.1"]
     with pytest.raises(CliError, match=r"--filter: '2\.\*' matches no submodule of the model"):
         module_rows(model, None, "2.*")
+
+
+def test_a_model_file_cut_short_is_one_error_line(cli: Callable[..., Any], tmp_path: Any) -> None:
+    import os
+
+    config = transformers.BertConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     vocab_size=64, max_position_embeddings=16)
+    transformers.BertModel(config).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    result = cli("inspect", str(tmp_path))
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot load a model from {tmp_path}:")

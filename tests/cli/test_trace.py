@@ -231,3 +231,26 @@ def test_progress_bar_appears_on_a_terminal(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "tracing" in result.stdout and "texts/s" in result.stdout
+
+
+def test_an_interrupt_exits_130_with_one_line_and_no_output_file(
+    call: Callable[..., Any], saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchsurgery.cli import store
+
+    real_append = store.StreamingWriter.append
+    seen: list[str] = []
+
+    def interrupted(self: Any, key: str, tensor: torch.Tensor) -> None:
+        seen.append(key)
+        if len(seen) == 3:  # Ctrl-C in the middle of the first batch's captures
+            raise KeyboardInterrupt
+        real_append(self, key, tensor)
+
+    monkeypatch.setattr(store.StreamingWriter, "append", interrupted)
+    out = tmp_path / "trace.safetensors"
+    texts = [a for t in TEXTS for a in ("--text", t)]
+    result = call("trace", str(saved), "--hook", "encoder.layer.*", *texts, "--out", str(out), "--batch-size", "1")
+    assert result.returncode == 130
+    assert result.stderr.strip() == "error: interrupted" and result.stdout == ""
+    assert list(tmp_path.iterdir()) == []  # no output file, no spill folder left

@@ -128,8 +128,44 @@ def test_cpu_semantics_of_the_memory_functions() -> None:
     framepack.load_model_as_complete(nn.Linear(2, 2), framepack.cpu)  # pushes back nothing it need not
     framepack.unload_complete_models(model)
     assert {n: (id(p), p.dtype) for n, p in model.named_parameters()} == weights
-    torchsurgery.restore(model)
-    assert torchsurgery.surgery_log(model) == []
+    assert torchsurgery.surgery_log(model) == [] and not model._forward_pre_hooks  # out of the shared pool
+
+
+def test_the_functions_keep_nothing_the_app_dropped() -> None:
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    framepack.load_model_as_complete(model, framepack.gpu)
+    framepack.unload_complete_models()
+    # pushed back to the host: no pool entry, hook or undo record left behind
+    assert torchsurgery.surgery_log(model) == [] and not model._forward_pre_hooks
+    assert DevicePool.holding(model) is None
+    for load in (framepack.load_model_as_complete, framepack.move_model_to_device_with_memory_preservation):
+        dropped = nn.Linear(4, 4)
+        load(dropped, framepack.gpu)
+        ref = weakref.ref(dropped)
+        del dropped
+        gc.collect()
+        assert ref() is None  # a model the app dropped is freed, also while loaded
+    framepack.unload_complete_models()
+
+
+def test_bad_arguments_get_the_librarys_typed_errors() -> None:
+    from torchsurgery.errors import ArgumentTypeError, ArgumentValueError
+
+    model = nn.Linear(2, 2)
+    with pytest.raises(ArgumentTypeError, match="load_model_as_complete: model must be an nn.Module, got NoneType"):
+        framepack.load_model_as_complete(None, framepack.gpu)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError, match="unload_complete_models: extra_models must be an nn.Module"):
+        framepack.unload_complete_models(None)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentValueError, match="fake_diffusers_current_device: device 'meta' holds no values"):
+        framepack.fake_diffusers_current_device(model, "meta")
+    with pytest.raises(ArgumentValueError, match="get_cuda_free_memory_gb: device 'junk' is not a device"):
+        framepack.get_cuda_free_memory_gb("junk")
+    with pytest.raises(ArgumentValueError, match="move_model_to_device_with_memory_preservation: device"):
+        framepack.move_model_to_device_with_memory_preservation(model, "nowhere")
+    assert torchsurgery.surgery_log(model) == [] and model.weight.device.type == "cpu"
 
 
 @pytest.mark.cuda

@@ -144,6 +144,13 @@ class _Reads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+_LIVE: dict[int, SimulatedDevice] = {}
+
+
+def _live(key: int) -> SimulatedDevice:
+    return _LIVE[key]
+
+
 class SimulatedDevice(OffloadDevice):
     """An asynchronous device simulated on the host (see the module docstring).
 
@@ -199,6 +206,15 @@ class SimulatedDevice(OffloadDevice):
         self._last_read: dict[int, int] = {}  # device storage -> compute position of its last use
         self._compute = 0  # the compute stream's position: one step per record or use
         self._reads = _Reads(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # a copy of a model offloaded onto this device (pickle, torch.save) uses the same device,
+        # as a copy of a model on a GPU uses that GPU (within this process)
+        _LIVE[id(self)] = self
+        return (_live, (id(self),))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SimulatedDevice:
+        return self
 
     def __enter__(self) -> SimulatedDevice:
         self._reads.__enter__()

@@ -792,3 +792,207 @@ def test_a_patch_replacing_an_offloaded_parameter_is_refused_until_remove() -> N
     handle.remove()
     torchsurgery.patch(model[0], _NewWeight)  # nothing depends on the weight any more
     assert torchsurgery.is_patched(model[0], _NewWeight)
+
+
+# ---------------------------------------------------------------------- copies, files, conversions, threads
+
+
+class _NormConv(nn.Module):
+    """Blocks with a norm beside a convolution: bf16 storage keeps the norm in fp32, the conv narrow."""
+
+    def __init__(self, blocks: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.GroupNorm(2, 4), nn.Conv1d(4, 4, 3, padding=1)) for _ in range(blocks))
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _copies(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model copied each way a program copies one; the torch.save copy outlives the original."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    return [
+        ("deepcopy", copy.deepcopy(model)),
+        ("pickle", pickle.loads(pickle.dumps(model))),
+        ("torch.save", torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)),
+    ]
+
+
+@pytest.mark.parametrize("master", [None, torch.float32], ids=["narrow", "fp32-master"])
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("where", ["cpu", "simulated-device"])
+def test_copies_of_an_offloaded_model_compute_and_restore_as_the_original(
+    storage: torch.dtype, master: torch.dtype | None, where: str
+) -> None:
+    from simulated_device import SimulatedDevice
+
+    torch.manual_seed(0)
+    sim = SimulatedDevice(seed=1) if where != "cpu" else None
+    try:
+        original = _NormConv()
+        pristine = copy.deepcopy(original)
+        x = torch.randn(2, 4, 8)
+        kwargs: dict[str, Any] = {"storage_dtype": storage, "dtype": torch.float32, "master_dtype": master}
+        if sim is not None:  # every group streams, one flat buffer per group holding two dtypes
+            kwargs["budget"] = 2 * sum(p.numel() * 4 for p in original.blocks[0].parameters()) + 1
+        handle = offload(original, sim or "cpu", **kwargs)
+        with torch.no_grad():
+            expected = original(x)
+        copies = _copies(original)
+        handle.remove()
+        restored = {k: v.clone() for k, v in original.state_dict().items()}
+        del original, handle  # the copies stand on their own
+        for kind, twin in copies:
+            with torch.no_grad():
+                torch.testing.assert_close(twin(x), expected, rtol=0, atol=0, msg=kind)
+            if master is not None:  # a training step on the copy: its narrow copies follow its own masters
+                opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+                twin(x).square().mean().backward()
+                opt.step()
+                with torch.no_grad():
+                    assert not torch.equal(twin(x), expected), kind
+                continue
+            torchsurgery.restore(twin)
+            assert torchsurgery.surgery_log(twin) == []
+            assert all(type(p) is nn.Parameter for p in twin.parameters())
+            state = twin.state_dict()
+            assert all(torch.equal(state[k], restored[k]) for k in restored), kind  # what the original restored to
+        assert {k: v.shape for k, v in pristine.state_dict().items()} == {k: v.shape for k, v in restored.items()}
+    finally:
+        if sim is not None:
+            sim.close()
+
+
+def test_torch_save_of_an_offloaded_state_dict_holds_the_stored_values() -> None:
+    import io
+
+    from simulated_device import SimulatedDevice
+
+    model = _NormConv()
+    with SimulatedDevice(seed=0) as sim:
+        budget = 2 * sum(p.numel() * 4 for p in model.blocks[0].parameters()) + 1
+        handle = offload(model, sim, storage_dtype=torch.bfloat16, dtype=torch.float32, budget=budget)
+        buffer = io.BytesIO()
+        torch.save(model.state_dict(), buffer)  # narrow weights and fp32 norms from one group: kept apart
+        loaded = torch.load(io.BytesIO(buffer.getvalue()))  # weights only
+        assert loaded["blocks.0.1.weight"].dtype == torch.bfloat16 and loaded["blocks.0.0.weight"].dtype == torch.float32
+        handle.remove()
+
+
+def test_a_stale_storage_file_is_refused_before_the_models_values_are_dropped(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    model = _Conv()
+    stale = {k: v + 1 for k, v in model.state_dict().items()}
+    save_file(stale, tmp_path / "stale.safetensors")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = identity_map(model)
+    with pytest.raises(ValueError, match="holds other values than the model for 'blocks.0.0.weight'"):
+        offload(model, storage=tmp_path / "stale.safetensors")
+    assert identity_map(model) == ids and torchsurgery.surgery_log(model) == []
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    save_file({k: v.bfloat16() for k, v in before.items()}, tmp_path / "narrower.safetensors")
+    with pytest.raises(ValueError, match="saved in a narrower dtype"):
+        offload(model, storage=tmp_path / "narrower.safetensors")  # remove() would give back rounded values
+
+
+def test_a_load_into_weights_streamed_from_a_file_is_refused(tmp_path: Any) -> None:
+    reference, path, _ = _conv_file_and_skeleton(tmp_path)
+    model = copy.deepcopy(reference)
+    handle = offload(model, storage=path)
+    log = torchsurgery.surgery_log(model)
+    with pytest.raises(RuntimeError, match="streamed by an active offload from its checkpoint file"):
+        torchsurgery.load_(model, {k: torch.zeros_like(v) for k, v in reference.state_dict().items()})
+    assert torchsurgery.surgery_log(model) == log  # nothing loaded, nothing logged
+    x = torch.randn(2, 4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    handle.remove()
+
+
+def test_remove_with_its_file_cut_short_changes_nothing_and_can_be_retried(tmp_path: Any) -> None:
+    import os
+    import shutil
+
+    reference, path, _ = _conv_file_and_skeleton(tmp_path)
+    shutil.copy(path, tmp_path / "whole.safetensors")
+    model = copy.deepcopy(reference)
+    handle = offload(model, storage=path, groups="leaves")
+    hooks = {n: (dict(m._forward_hooks), dict(m._forward_pre_hooks), type(m)) for n, m in model.named_modules()}
+    log = torchsurgery.surgery_log(model)
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(RuntimeError, match="could not undo offload.*ends early"):
+        torchsurgery.restore(model)
+    # nothing half-done: hooks, classes, the log and the meta weights are as they were
+    assert {n: (dict(m._forward_hooks), dict(m._forward_pre_hooks), type(m)) for n, m in model.named_modules()} == hooks
+    assert torchsurgery.surgery_log(model) == log and handle.active
+    assert all(p.is_meta for p in model.blocks.parameters())
+    shutil.copy(tmp_path / "whole.safetensors", path)  # the file is back: the same restore goes through
+    torchsurgery.restore(model)
+    assert not handle.active and all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [lambda m: m.to("meta"), lambda m: m.half(), lambda m: m.float(), lambda m: m[1].to(torch.float64),
+     lambda m: m[1][0].cpu(), lambda m: m.to_empty(device="cpu")],
+    ids=["to-meta", "half", "float", "submodule-to", "leaf-cpu", "to_empty"],
+)
+def test_conversions_of_an_offloaded_model_are_refused_changing_nothing(convert: Any) -> None:
+    model = mlp(2)
+    handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
+    state = {k: (v.dtype, v.device, v.clone()) for k, v in model.state_dict().items()}
+    ids = identity_map(model)
+    with pytest.raises(RuntimeError, match="while it is offloaded: its weights live in the offload's storage"):
+        convert(model)
+    assert identity_map(model) == ids and handle.active
+    assert {k: (v.dtype, v.device) for k, v in model.state_dict().items()} == {k: s[:2] for k, s in state.items()}
+    torchsurgery.restore(model)
+    model.half()  # once removed, the model converts as any other
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
+def test_surgery_is_refused_while_another_thread_runs_the_model() -> None:
+    import threading
+
+    class Waiting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inside, self.go = threading.Event(), threading.Event()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.inside.set()
+            self.go.wait(timeout=60)
+            return x
+
+    model = nn.Sequential(nn.Linear(4, 4), Waiting(), nn.Linear(4, 4))
+    thread = threading.Thread(target=lambda: model(torch.ones(1, 4)))
+    thread.start()
+    try:
+        assert model[1].inside.wait(timeout=60)
+        with pytest.raises(RuntimeError, match=r"1 \(Waiting, in thread .*\) is running a forward now"):
+            offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
+        assert torchsurgery.surgery_log(model) == []
+    finally:
+        model[1].go.set()
+        thread.join(timeout=60)
+    handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)  # after the forward returned
+    model[1].inside.clear()
+    model[1].go.clear()
+    thread = threading.Thread(target=lambda: model(torch.ones(1, 4)))
+    thread.start()
+    try:
+        assert model[1].inside.wait(timeout=60)
+        with pytest.raises(RuntimeError, match="is running a forward now"):
+            handle.remove()
+        assert handle.active
+    finally:
+        model[1].go.set()
+        thread.join(timeout=60)
+    handle.remove()

@@ -123,7 +123,7 @@ def test_a_budget_below_what_a_model_needs_is_refused_naming_the_sizes() -> None
 
 def test_unknown_models_are_refused_naming_the_pool_s_models() -> None:
     pool = DevicePool("cpu")
-    pool.add(blocks(), name="known")
+    _known = pool.add(blocks(), name="known")  # kept alive: a pool holds its models weakly
     for call in (pool.load, pool.unload, pool.discard, pool.state):
         with pytest.raises(ValueError, match=r"not in the pool \(it holds \['known'\]\); add\(\) it first"):
             call(blocks())
@@ -183,11 +183,13 @@ def test_a_cuda_pool_without_cuda_is_refused() -> None:
 
 def test_a_taken_name_is_refused() -> None:
     pool = DevicePool("cpu")
-    pool.add(blocks(), name="m")
+    m = pool.add(blocks(), name="m")
     with pytest.raises(ValueError, match="name 'm' is taken"):
         pool.add(blocks(), name="m")
-    assert pool.add(blocks()) is not None and [s for s in pool.stats()] == ["m", "Sequential"]
+    other = pool.add(blocks())
+    assert [s for s in pool.stats()] == ["m", "Sequential"]
     pool.close()
+    assert torchsurgery.surgery_log(m) == torchsurgery.surgery_log(other) == []
 
 
 @pytest.mark.cuda

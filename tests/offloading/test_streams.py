@@ -6,7 +6,7 @@ import torch
 from simulated_device import SimulatedDevice
 
 from torchsurgery.offloading.device import resolve_device
-from torchsurgery.offloading.packing import FlatLayout, pack
+from torchsurgery.offloading.packing import FlatLayout, pack_runs
 from torchsurgery.offloading.streams import PackedGroup, Ring
 
 
@@ -15,7 +15,8 @@ def _groups(n: int) -> tuple[list[PackedGroup], list[list[torch.Tensor]]]:
     packed = []
     for i, w in enumerate(weights):
         layout = FlatLayout.of(w)
-        packed.append(PackedGroup(f"g{i}", layout, pack(w, layout)))
+        views = pack_runs(w, layout, lambda n: torch.empty(n, dtype=torch.uint8))
+        packed.append(PackedGroup(f"g{i}", layout, tuple(views)))
     return packed, weights
 
 

@@ -171,3 +171,20 @@ def test_the_undo_log_swaps_a_patchs_converted_weights_back() -> None:
     assert layer.weight is weight and isinstance(weight, OffloadedTensor)
     torchsurgery.unpatch(layer)
     assert layer.weight is weight and type(weight) is nn.Parameter and torch.equal(weight, values)
+
+
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize(("inp", "out", "rows"), [(0, 8, 2), (8, 0, 2), (8, 8, 0), (0, 0, 3)])
+def test_empty_products_are_those_of_the_plain_layer(storage: torch.dtype, inp: int, out: int, rows: int) -> None:
+    layer = nn.Linear(inp, out)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(p.to(storage).float())
+    plain = copy.deepcopy(layer)
+    handle = offload(layer, storage_dtype=storage, dtype=torch.float32, groups=[""])
+    x = torch.randn(rows, inp)
+    with torch.no_grad():
+        got = layer(x)
+    assert got.shape == (rows, out)
+    torch.testing.assert_close(got, plain(x).detach(), rtol=0, atol=0)
+    handle.remove()

@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     _require_cli()
     app = _build()
     try:
-        app(args=argv, prog_name="torchsurgery", standalone_mode=False)
+        # without standalone mode, typer returns the exit code of an Exit instead of raising it
+        # (Ctrl-C becomes Exit(130)): it is ours to pass on
+        code = app(args=argv, prog_name="torchsurgery", standalone_mode=False)
     except CliError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -154,5 +156,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {message} (see {command} --help)", file=sys.stderr)
         raise SystemExit(2) from None
     except (typer.Abort, KeyboardInterrupt):
+        code = _INTERRUPTED
+    if code == _INTERRUPTED:
         print("error: interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
+    if isinstance(code, int) and code:
+        raise SystemExit(code)
+
+
+_INTERRUPTED = 130  # the shell's code for a process ended by SIGINT

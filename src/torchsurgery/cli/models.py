@@ -28,6 +28,13 @@ DEFAULT_MODEL = "all-MiniLM-L6-v2"
 TINY = ("tiny-gpt2", "tiny-llama", "tiny-bert")
 
 
+def _bad_file_errors() -> tuple[type[BaseException], ...]:
+    """What reading a broken model file raises (a file cut short, a header that lies, bad JSON)."""
+    from safetensors import SafetensorError
+
+    return (OSError, ValueError, TypeError, RuntimeError, SafetensorError)
+
+
 @dataclass
 class LoadedModel:
     """A model ready to run, with what is needed to feed it text."""
@@ -148,8 +155,9 @@ def _from_directory(path: Path, name: str) -> LoadedModel:
     t = _transformers()
     try:
         model = t.AutoModel.from_pretrained(path).eval()
-    except (OSError, ValueError) as exc:
-        raise CliError(f"cannot load a model from {path}: {str(exc).splitlines()[0]}") from exc
+    except _bad_file_errors() as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise CliError(f"cannot load a model from {path}: {first}") from exc
     return LoadedModel(name, model, _tokenizer(t, path))
 
 
@@ -160,7 +168,10 @@ def _from_checkpoint(folder: Path, checkpoint: Path, name: str, weights: bool) -
     t = _transformers()
     if not (folder / "config.json").is_file():
         raise CliError(f"{checkpoint} needs a config.json beside it to know the architecture")
-    config = t.AutoConfig.from_pretrained(folder)
+    try:
+        config = t.AutoConfig.from_pretrained(folder)
+    except _bad_file_errors() as exc:
+        raise CliError(f"cannot read {folder / 'config.json'}: {(str(exc).splitlines() or [''])[0]}") from exc
     with torchsurgery.skeleton():
         model = t.AutoModel.from_config(config)
     if weights:
@@ -168,11 +179,15 @@ def _from_checkpoint(folder: Path, checkpoint: Path, name: str, weights: bool) -
     else:
         # only the persistent buffers: the parameters stay in the file until they are streamed
         buffers = set(model.state_dict()) - {n for n, _ in model.named_parameters(remove_duplicate=False)}
-        source = _read(checkpoint, buffers)
+        try:
+            source = _read(checkpoint, buffers)
+        except _bad_file_errors() as exc:
+            raise CliError(f"cannot read {checkpoint}: {(str(exc).splitlines() or [''])[0]}") from exc
     try:
         torchsurgery.load_(model, source, strict=False)
-    except (RuntimeError, ValueError, OSError) as exc:
-        raise CliError(f"cannot load {checkpoint}: {str(exc).splitlines()[0]}") from exc
+    except _bad_file_errors() as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise CliError(f"cannot load {checkpoint}: {first}") from exc
     leftovers = [n for n, p in model.named_parameters() if p.is_meta]
     if weights and leftovers:
         raise CliError(f"{checkpoint} does not hold {leftovers[0]!r} (and {len(leftovers) - 1} more) for this config")

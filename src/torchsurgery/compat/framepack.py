@@ -20,7 +20,10 @@ in that pool. What changes from moving modules one ``.to()`` at a time:
 * :func:`load_model_as_complete` pushes back other models least recently used first,
   only as far as needed, instead of all of them;
 * every move is reversible and recorded: ``torchsurgery.restore(model)`` takes a model
-  out of its pool, back on the host as it was.
+  out of its pool, back on the host as it was;
+* nothing is kept that the app does not need: a model pushed back to the host leaves the
+  shared pool (its hook and undo record go with it), and the functions hold no strong
+  reference to a model, so one the app drops is freed.
 
 On a CPU (``gpu`` is the CPU when no CUDA device exists) the models already live in
 the memory they would be moved to, so there is no device memory to preserve:
@@ -34,9 +37,14 @@ runs unchanged and gives the results of plain ``.to()`` moves.
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
 from torch import nn
 
+from torchsurgery._validate import check_device
+from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, Setting
 from torchsurgery.offloading.dynamic_swap import DynamicSwapInstaller
 from torchsurgery.offloading.pool import DevicePool
 
@@ -60,30 +68,61 @@ cpu = torch.device("cpu")
 gpu = torch.device("cuda", 0) if torch.cuda.is_available() else cpu
 """The first CUDA device, or the CPU where there is none (the scripts then run on the CPU)."""
 
+_WHAT = "torchsurgery.compat.framepack"
 _pools: dict[torch.device, DevicePool] = {}
-_complete: list[nn.Module] = []  # loaded with load_model_as_complete, pushed back by unload_complete_models
+# loaded with load_model_as_complete, pushed back by unload_complete_models; weak: a model
+# the app drops is freed
+_complete: list[weakref.ref[nn.Module]] = []
 
 
-def _device(device: str | torch.device) -> torch.device:
-    target = torch.device(device)
+def _device(device: Any, function: str) -> torch.device:
+    target = check_device(device, f"{_WHAT}.{function}")
+    if target is None or target.type == "meta":
+        raise ArgumentValueError(
+            f"{_WHAT}.{function}", "device", device,
+            f"{str(device)!r} holds no values: a model moved there cannot compute", "give {}",
+            Setting("target_device", "cuda"),
+        )
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", 0)
     return target
 
 
-def _shared_pool(device: str | torch.device) -> DevicePool:
-    """The one pool of ``device`` that models join when a function moves them there."""
-    target = _device(device)
+def _model(model: Any, function: str, argument: str = "model") -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise ArgumentTypeError(
+            f"{_WHAT}.{function}", argument, model, f"must be an nn.Module, got {type(model).__name__}: {model!r}"
+        )
+    return model
+
+
+def _is_shared(pool: DevicePool | None) -> bool:
+    return pool is not None and _pools.get(pool.device) is pool
+
+
+def _to_host(model: nn.Module) -> None:
+    """Push ``model`` back to the host: out of a shared pool altogether, back within a pool of the user's."""
+    pool = DevicePool.holding(model)
+    if _is_shared(pool):
+        assert pool is not None
+        pool.discard(model)
+    elif pool is not None:
+        pool.unload(model)
+    else:
+        model.to(device=cpu)
+
+
+def _shared_pool(target: torch.device) -> DevicePool:
+    """The one pool of ``target`` that models join when a function moves them there."""
     pool = _pools.get(target)
     if pool is None:
         pool = _pools[target] = DevicePool(target)
     return pool
 
 
-def _pool_for(model: nn.Module, device: str | torch.device) -> DevicePool:
-    """The shared pool of ``device``, with ``model`` in it (moved over from another pool)."""
-    pool = _shared_pool(device)
-    target = pool.device
+def _pool_for(model: nn.Module, target: torch.device) -> DevicePool:
+    """The shared pool of ``target``, with ``model`` in it (moved over from another pool)."""
+    pool = _shared_pool(target)
     holder = DevicePool.holding(model)
     if holder is not None and holder.device == target:
         return holder
@@ -105,7 +144,7 @@ def get_cuda_free_memory_gb(device: str | torch.device | None = None) -> float:
         >>> get_cuda_free_memory_gb(cpu) > 0
         True
     """
-    return _shared_pool(device if device is not None else gpu).free_bytes() / _GIB
+    return _shared_pool(_device(device if device is not None else gpu, "get_cuda_free_memory_gb")).free_bytes() / _GIB
 
 
 def move_model_to_device_with_memory_preservation(
@@ -124,7 +163,8 @@ def move_model_to_device_with_memory_preservation(
         >>> model[0].weight.device.type
         'cpu'
     """
-    pool = _pool_for(model, target_device)
+    what = "move_model_to_device_with_memory_preservation"
+    pool = _pool_for(_model(model, what), _device(target_device, what))
     keep = None if pool.device.type == "cpu" else int(preserved_memory_gb * _GIB)
     pool.try_load(model, keep_free=keep)  # not even one group fits: the model stays on the host
 
@@ -142,14 +182,12 @@ def offload_model_from_device_for_memory_preservation(
         >>> from torchsurgery.compat.framepack import cpu, offload_model_from_device_for_memory_preservation
         >>> offload_model_from_device_for_memory_preservation(nn.Linear(2, 2), cpu, preserved_memory_gb=0)
     """
-    target = _device(target_device)
+    what = "offload_model_from_device_for_memory_preservation"
+    model = _model(model, what)
+    target = _device(target_device, what)
     if target.type == "cpu" or _shared_pool(target).free_bytes() >= preserved_memory_gb * _GIB:
         return
-    pool = DevicePool.holding(model)
-    if pool is not None:
-        pool.unload(model)
-    else:
-        model.to(device=cpu)
+    _to_host(model)
 
 
 def load_model_as_complete(model: nn.Module, target_device: str | torch.device, unload: bool = True) -> None:
@@ -171,12 +209,14 @@ def load_model_as_complete(model: nn.Module, target_device: str | torch.device, 
         >>> load_model_as_complete(vae, cpu)
         >>> unload_complete_models()
     """
+    model = _model(model, "load_model_as_complete")
+    target = _device(target_device, "load_model_as_complete")
     if unload:
         unload_complete_models()
-    pool = _pool_for(model, target_device)
+    pool = _pool_for(model, target)
     pool.load(model)
-    if not any(m is model for m in _complete):
-        _complete.append(model)
+    if not any(ref() is model for ref in _complete):
+        _complete.append(weakref.ref(model))
 
 
 def unload_complete_models(*extra_models: nn.Module) -> None:
@@ -189,12 +229,9 @@ def unload_complete_models(*extra_models: nn.Module) -> None:
         >>> from torchsurgery.compat.framepack import unload_complete_models
         >>> unload_complete_models(nn.Linear(2, 2))
     """
-    for model in [*_complete, *extra_models]:
-        pool = DevicePool.holding(model)
-        if pool is not None:
-            pool.unload(model)
-        else:
-            model.to(device=cpu)
+    extra = [_model(m, "unload_complete_models", "extra_models") for m in extra_models]
+    for model in [*(m for m in (ref() for ref in _complete) if m is not None), *extra]:
+        _to_host(model)
     _complete.clear()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
@@ -216,7 +253,8 @@ def fake_diffusers_current_device(model: nn.Module, target_device: str | torch.d
         >>> model.weight.device.type
         'cpu'
     """
-    target = _device(target_device)
+    model = _model(model, "fake_diffusers_current_device")
+    target = _device(target_device, "fake_diffusers_current_device")
     first = next(iter(model.parameters()), None)
     if first is not None and first.device != target:
         first.data = first.data.to(target)

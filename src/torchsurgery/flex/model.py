@@ -361,6 +361,7 @@ class FlexModel(nn.Module):
 
     def _register(self, hook: HookFunction, hook_type: HookType, *, local: bool = False) -> None:
         self._check_alive(f"register ({hook_type})")
+        _undo.check_idle(self.module, "torchsurgery.FlexModel")  # hook dicts change size while iterated
         if not isinstance(hook, HookFunction):
             raise TypeError(f"torchsurgery.FlexModel: expected a HookFunction, got {type(hook).__name__}")
         if any(b.hook is hook and b.hook_type == hook_type for b in self._bindings):
@@ -538,6 +539,7 @@ class FlexModel(nn.Module):
         wrapper can no longer be used.
         """
         if self._record in _undo.records(self.module):
+            _undo.check_idle(self.module, "torchsurgery.FlexModel.restore")
             self._record.undo(self.module)
         self._finalizer.detach()
         return self.module

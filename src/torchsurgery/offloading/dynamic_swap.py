@@ -33,7 +33,12 @@ from torch import nn
 
 from torchsurgery import _undo
 from torchsurgery._swap import swap_in
-from torchsurgery.offloading.tensor import offloaded_like, plain_reader, stored_state
+from torchsurgery.offloading.tensor import (
+    OffloadedTensor,
+    offloaded_like,
+    plain_reader,
+    stored_state,
+)
 from torchsurgery.patching import Patch, is_patched, patch, unpatch
 
 __all__ = ["DynamicSwapInstaller"]
@@ -88,6 +93,18 @@ class _DynamicSwap(Patch, nn.Module):
                 cache[name] = value
             return value
         return super().__getattr__(name)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
+        # .to(), .half(), .cuda()... would replace the weights that read as the installed
+        # dtype with plain converted ones: refused before anything changes
+        held = next((n for n, t in [*self.named_parameters(), *self.named_buffers()] if isinstance(t, OffloadedTensor)), None)
+        if held is not None:
+            raise RuntimeError(
+                f"torchsurgery.DynamicSwapInstaller: cannot convert this {type(self).__name__} with .to(), .half() or "
+                f"the like while installed with a dtype ({held!r} keeps its stored values and reads as that dtype); "
+                "uninstall_model() first, convert, and install again"
+            )
+        return super()._apply(fn, recurse)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         d = self.__dict__

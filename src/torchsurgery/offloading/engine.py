@@ -29,8 +29,8 @@ identity (values are those of the storage dtype when that was narrower).
 
 from __future__ import annotations
 
+import functools
 import os
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +43,7 @@ from torchsurgery._checkpoint import SafetensorsSource, open_source
 from torchsurgery._swap import swap_blocker, swap_in, wrap_like
 from torchsurgery.offloading.device import OffloadDevice
 from torchsurgery.offloading.narrow import Scratch
-from torchsurgery.offloading.packing import FlatLayout, pack, unpack
+from torchsurgery.offloading.packing import FlatLayout, pack_runs, unpack
 from torchsurgery.offloading.plan import (
     DEFAULT_SKIP,
     GroupPlan,
@@ -82,6 +82,7 @@ _Entry = tuple[nn.Module, str, nn.Parameter, torch.dtype]  # (owner, attribute, 
 class _Original:
     """Where a tensor was before the offload, and where its values are if it became meta."""
 
+    name: str
     tensor: torch.Tensor
     device: torch.device
     dtype: torch.dtype
@@ -152,13 +153,14 @@ class OffloadHandle:
         self._stats = OffloadStats()
         self._streaming = _Streaming(self._seam, self._stats, plan.prefetch)
         self._patched: list[nn.Module] = []
-        self._originals: dict[int, _Original] = {}  # the handle holds these tensors: ids stay theirs
+        self._originals: list[_Original] = []  # every tensor the offload changed, in order
         self._reader: SafetensorsSource | None = None
         self._hooks: list[Any] = []
         self._reads = ReadContext(self._stats, Scratch())
         self._hold: _undo.Hold | None = None
         self._record: OffloadRecord | None = None
         self._modules: dict[str, nn.Module] = {}  # by qualified name, while installing
+        self._remembered: set[int] = set()  # ids of the tensors in _originals, while installing
 
     def stats(self) -> OffloadStats:
         """A snapshot of the statistics (waits for the timing events of the groups that ran)."""
@@ -206,6 +208,7 @@ class OffloadHandle:
                 source = open_source(self.plan.storage, _WHAT)
                 assert isinstance(source, SafetensorsSource)  # the plan checked it
                 self._reader = source
+                self._check_file_holds()
             self._convert()
             for group in self.plan.groups:
                 if not group.resident:
@@ -217,6 +220,8 @@ class OffloadHandle:
             _undo.push(self.model, self._record)
             self.remove()
             raise
+        finally:
+            self._remembered = set()
         self._finish()
         self._modules = {}
 
@@ -254,32 +259,36 @@ class OffloadHandle:
         for p, tensor, to, dtype, _ in self._conversions():
             if tensor.is_meta and p.file_key is not None:  # resident, its values only in the file
                 assert self._reader is not None
-                self._remember(tensor)
+                self._remember(p.name, tensor)
                 _swap_to(tensor, to, dtype, data=self._reader.read(p.file_key))
-        for _, tensor, to, dtype, pin in moves:
+        for name, tensor, to, dtype, pin in moves:
             if tensor.device != to or tensor.dtype != dtype or (pin and not self._seam.is_pinned(tensor)):
-                self._remember(tensor)
+                self._remember(name, tensor)
                 _swap_to(tensor, to, dtype, pin=self._seam if pin else None)
 
-    def _remember(self, tensor: torch.Tensor, file_key: str | None = None) -> None:
-        if id(tensor) not in self._originals:
-            self._originals[id(tensor)] = _Original(tensor, tensor.device, tensor.dtype, file_key)
+    def _remember(self, name: str, tensor: torch.Tensor, file_key: str | None = None) -> None:
+        if id(tensor) not in self._remembered:
+            self._remembered.add(id(tensor))
+            self._originals.append(_Original(name, tensor, tensor.device, tensor.dtype, file_key))
 
     def _stream(self, group: GroupPlan) -> None:
         """Patch the group's root module to bring its streamed weights in (and its narrow layers)."""
-        packable: list[_Entry] = []
+        packable: list[tuple[_Entry, ParamPlan]] = []
         others: list[_Entry] = []
         for p in group.params:
             owner = self._modules[p.module]
             entry = (owner, p.attr, _param(self._modules, p), p.compute_dtype)
             if p.residency in (Residency.STREAMED, Residency.FILE):
-                packable.append(entry)
+                packable.append((entry, p))
             elif p.residency is Residency.CONVERTED:
                 others.append(entry)
         if not packable and not others:
             return
+        # the slots of one storage dtype next to each other: one host buffer per dtype
+        packable.sort(key=lambda ep: str(ep[1].storage_dtype))
         packed = self._pack(group, packable) if packable else None
-        streamer = _GroupStreamer(group.name, packable, others, packed, self._streaming)
+        entries = [entry for entry, _ in packable]
+        streamer = _GroupStreamer(group.name, entries, others, packed, self._streaming)
         module = self._modules[group.name]
         patch(module, _StreamedGroup, streamer)
         _undo.records(module)[-1].internal = True
@@ -294,37 +303,59 @@ class OffloadHandle:
         owners: dict[int, nn.Module] = {}
         for p in filter(reads_as_computed, self.plan.params):
             tensor = _param(self._modules, p)
-            self._remember(tensor)
+            self._remember(p.name, tensor)
             swap_in(tensor, offloaded_like(tensor, tensor.detach(), p.compute_dtype, reads=self._reads, shadow_dtype=p.shadow_dtype))
             owner = self._modules[p.module]
             owners[id(owner)] = owner
         for owner in owners.values():
             self._hooks.append(owner.register_state_dict_post_hook(stored_state))
 
-    def _pack(self, group: GroupPlan, entries: list[_Entry]) -> PackedGroup:
-        """The group's streamed weights in one flat host buffer (their only host copy), or left in the file."""
-        params = [param for _, _, param, _ in entries]
-        planned = [p for p in group.params if p.residency in (Residency.STREAMED, Residency.FILE)]
+    def _pack(self, group: GroupPlan, packable: list[tuple[_Entry, ParamPlan]]) -> PackedGroup:
+        """The group's streamed weights in host buffers (their only host copy), or left in the file."""
+        params = [param for (_, _, param, _), _ in packable]
+        planned = [p for _, p in packable]
         if self._reader is not None:
-            # the weights stay in the file: the parameters become meta (same objects)
+            # the weights stay in the file: the parameters become meta (same objects); the
+            # file was proven to hold their values (remove() reads them back from it)
             keys = tuple(str(p.file_key) for p in planned)
             layout = FlatLayout.of(params, [p.storage_dtype for p in planned])
             for param, p in zip(params, planned, strict=True):
-                self._remember(param, p.file_key)
+                self._remember(p.name, param, p.file_key)
                 if not param.is_meta or param.dtype != p.compute_dtype:  # no values; reads as it computes
                     meta = torch.empty_like(param, device="meta", dtype=p.compute_dtype)
                     swap_in(param, wrap_like(param, meta))
-            packed = PackedGroup(group.name, layout, None, self._reader, keys)
+            packed = PackedGroup(group.name, layout, source=self._reader, keys=keys)
         else:
             layout = FlatLayout.of(params)
-            out = self._seam.pinned_empty(layout.nbytes) if self.plan.pin_memory else None
-            host = pack(params, layout, out=out)
-            for param, view in zip(params, unpack(host, layout), strict=True):
-                self._remember(param)
+            pinned = self.plan.pin_memory
+            allocate = self._seam.pinned_empty if pinned else functools.partial(torch.empty, dtype=torch.uint8)
+            for param, view, p in zip(params, pack_runs(params, layout, allocate), planned, strict=True):
+                self._remember(p.name, param)
                 param.data = view
-            packed = PackedGroup(group.name, layout, host, tensors=tuple(params))
+            packed = PackedGroup(group.name, layout, tensors=tuple(params), pinned=pinned)
         self._streaming.add(packed)
         return packed
+
+    def _check_file_holds(self) -> None:
+        """Refuse a checkpoint whose values differ from the model's own (a stale or other file).
+
+        A weight with values is about to become ``meta``, and ``remove()`` would read it back
+        from the file: before anything changes, the file must be proven to give back exactly
+        what the model holds.
+        """
+        assert self._reader is not None
+        for p in self.plan.params:
+            param = _param(self._modules, p)
+            if p.residency is not Residency.FILE or p.tied_to is not None or param.is_meta:
+                continue
+            stored = self._reader.read(str(p.file_key)).to(param.dtype)
+            if stored.shape != param.shape or not _same_bytes(stored, param.detach()):
+                raise ValueError(
+                    f"{_WHAT}: {self.plan.storage!r} holds other values than the model for {p.name!r} "
+                    f"(key {p.file_key!r}; a stale or different checkpoint, or one saved in a narrower dtype): "
+                    "the model's own values would be lost when the offload is removed. Save the model's weights "
+                    "to the file first, or offload without storage="
+                )
 
     def _finish(self) -> None:
         """Statistics, the end-of-forward hook, the hold on the parameters, the undo record."""
@@ -338,8 +369,12 @@ class OffloadHandle:
             after = self._plan_from_measurements if plan.measured_budget is not None else None
             self._hooks.append(model.register_forward_hook(_EndForward(self._streaming.order, after), always_call=True))
         self._hold = _undo.hold([_param(self._modules, p) for p in plan.params], "an active offload")
-        # a model dropped while offloaded must not leave its ids held (ids are reused)
-        weakref.finalize(model, _undo.release, self._hold)
+        for name, module in self._modules.items():
+            # .to(), .half(), .cuda()... would change weights whose values live in this offload
+            # behind its back: refused, before anything changes (the instance attribute wins
+            # over the class method; removed with the offload)
+            if "_apply" not in module.__dict__:
+                module.__dict__["_apply"] = _ConversionRefused(name, type(module).__name__)
         self._record = OffloadRecord(self)
         _undo.push(model, self._record)
 
@@ -364,7 +399,7 @@ class OffloadHandle:
         self._patched.remove(module)
         packed = self._streaming.stop_streaming(name)
         values: dict[int, torch.Tensor] = {}
-        if packed is not None and packed.host is None:
+        if packed is not None and packed.from_file:
             # the group streams from the checkpoint file (its parameters are meta): read it once
             buffer = torch.empty(packed.layout.nbytes, dtype=torch.uint8)
             packed.fill(buffer)
@@ -383,14 +418,27 @@ class OffloadHandle:
     def remove(self) -> nn.Module:
         """Undo the offload: hooks and patches off, every tensor back where it was.
 
+        All or nothing: every value to put back is read (from the checkpoint file, for
+        weights streamed from one) and converted first; if that fails (a file cut short,
+        out of memory, a tensor held by a pending backward), the model, its hooks and its
+        log are exactly as before and the error says why.
+
         Returns:
             The model.
+
+        Raises:
+            RuntimeError: another thread is running the model, or a tensor to put back is
+                held elsewhere; nothing changed.
+            torchsurgery.CheckpointError: the checkpoint file can no longer give back a
+                weight it holds; nothing changed.
         """
         if self._record is None:
             return self.model
+        _undo.check_idle(self.model, f"{_WHAT}.remove")
         # copies still in flight write into the ring's buffers and read the host buffers:
         # let them land before either is released
         self._seam.synchronize()
+        restored = self._restored_values()
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -398,30 +446,62 @@ class OffloadHandle:
             if is_patched(module, _StreamedGroup):
                 unpatch(module, _StreamedGroup, _internal=True)
         self._patched.clear()
-        self._restore_tensors()
+        for tensor, data in restored:
+            swap_in(tensor, wrap_like(tensor, data))
+        self._originals.clear()
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
         self._reads.scratch.clear()
         self._streaming.close()
         if self._hold is not None:
             _undo.release(self._hold)
             self._hold = None
+        for module in self.model.modules():
+            if isinstance(module.__dict__.get("_apply"), _ConversionRefused):
+                del module.__dict__["_apply"]
         _undo.remove(self.model, self._record)
         self._record = None
         return self.model
 
-    def _restore_tensors(self) -> None:
-        """Every converted tensor back on its device in its dtype (read from the file if it became meta)."""
-        for o in reversed(self._originals.values()):
-            if o.tensor.is_meta and o.device.type != "meta":
-                # its values are in the checkpoint file it was streamed from
+    def _restored_values(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each changed tensor with the values it gets back, on its device in its dtype; changes nothing."""
+        restored = []
+        for o in reversed(self._originals):
+            tensor = o.tensor
+            if tensor.is_meta and o.device.type == "meta":
+                continue  # a skeleton's weight: meta it was, meta it stays
+            if tensor.is_meta:  # its values are in the checkpoint file it was streamed from
                 assert self._reader is not None and o.file_key is not None
-                value = self._reader.read(o.file_key).to(device=o.device, dtype=o.dtype)
-                swap_in(o.tensor, wrap_like(o.tensor, value))
-            elif not (o.tensor.is_meta and o.device.type == "meta"):
-                _swap_to(o.tensor, o.device, o.dtype)
-        self._originals.clear()
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
+                data = self._reader.read(o.file_key).to(device=o.device, dtype=o.dtype)
+            else:
+                data = tensor.detach().to(device=o.device, dtype=o.dtype, copy=True)
+            problem = swap_blocker(o.name, tensor, None, f"{_WHAT}.remove", weak_references_ok=True, pending_backward_ok=True)
+            if problem:
+                raise RuntimeError(problem + "; the offload is still in place")
+            restored.append((tensor, data))
+        return restored
+
+
+class _ConversionRefused:
+    """Stands in for ``Module._apply`` on an offloaded module: conversions are refused (picklable)."""
+
+    def __init__(self, name: str, kind: str) -> None:
+        self.name = name
+        self.kind = kind
+
+    def __call__(self, fn: Any, recurse: bool = True) -> nn.Module:
+        raise RuntimeError(
+            f"{_WHAT}: cannot convert {self.name or '<root>'} ({self.kind}) with .to(), .half(), .float(), .cuda() "
+            "or the like while it is offloaded: its weights live in the offload's storage. Remove the offload "
+            "first (handle.remove() or torchsurgery.restore(model)), or give offload() the dtype and device to "
+            "compute in"
+        )
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold the same bits (NaNs included)."""
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) if a.numel() else True
 
 
 def offload(

@@ -148,6 +148,11 @@ def find_groups(model: nn.Module, groups: str | Sequence[str], what: str = "torc
         found = _split_uncalled(named, found)
     else:
         found = list(groups)
+        if not found:
+            raise ArgumentValueError(
+                what, "groups", groups,
+                "is an empty list: it names no module to offload; give module names, or 'blocks' or 'leaves'",
+            )
         for name in found:
             if not isinstance(name, str) or name not in named:
                 raise no_match(what, str(name), [n for n in named if n], arg="groups")

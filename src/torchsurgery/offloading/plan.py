@@ -261,6 +261,7 @@ def _check_options(
     """Every argument checked, in the order a user would fix them."""
     _undo.check_not_compiling("offload")
     _undo.check_module(model, _WHAT)
+    _undo.check_idle(model, _WHAT)
     seam = resolve_device(device, _WHAT)
     compute = check_dtype(dtype, _WHAT, "dtype")
     stored = check_dtype(storage_dtype, _WHAT, "storage_dtype")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ from torch import nn
 
 from torchsurgery import _undo
 from torchsurgery._validate import check_bytes
-from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle, offload
+from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle, OffloadRecord, offload
 from torchsurgery.offloading.grouping import find_groups
 from torchsurgery.offloading.plan import already_offloaded
 from torchsurgery.offloading.stats import OffloadStats
@@ -115,13 +116,15 @@ class _NoRoom(RuntimeError):
 
 
 class _Entry:
+    """A model's place in a pool. It holds the model weakly (a model its owner drops is freed
+    and leaves the pool) and finds the model's offload in the model's undo log."""
+
     def __init__(self, model: nn.Module, name: str, options: dict[str, Any], total: int, largest: int) -> None:
-        self.model = model
+        self.ref = weakref.ref(model)
         self.name = name
         self.options = options
         self.total = total
         self.largest = largest
-        self.handle: OffloadHandle | None = None
         self.granted = 0  # device bytes counted against the limit while loaded
         self.keep_free: int | None = None  # what the current load was planned for
         self.last_used = 0
@@ -132,9 +135,21 @@ class _Entry:
         self.record: PoolRecord | None = None
 
     @property
+    def model(self) -> nn.Module:
+        model = self.ref()
+        assert model is not None, "entries of dropped models leave the pool"
+        return model
+
+    @property
+    def handle(self) -> OffloadHandle | None:
+        """The model's active offload (one undone from outside leaves the model on the host)."""
+        model = self.ref()
+        found = next((r for r in _undo.records(model) if isinstance(r, OffloadRecord)), None) if model is not None else None
+        return found.handle if found is not None and found.handle.active else None
+
+    @property
     def loaded(self) -> bool:
-        # an offload undone from outside (torchsurgery.restore) leaves the model on the host
-        return self.handle is not None and self.handle.active
+        return self.handle is not None
 
     @property
     def minimum(self) -> int:
@@ -143,31 +158,59 @@ class _Entry:
 
 
 class _Touch:
-    """A forward pre-hook: a forward is a use (for least-recently-used push-back)."""
+    """A forward pre-hook: a forward is a use (for least-recently-used push-back).
 
-    def __init__(self, pool: DevicePool, entry: _Entry) -> None:
+    A copy of the model (``deepcopy``, ``pickle``, ``torch.save``) is in no pool: its copy of
+    the hook is detached (``pool`` is ``None``) and does nothing.
+    """
+
+    def __init__(self, pool: DevicePool | None, entry: _Entry | None) -> None:
         self.pool = pool
         self.entry = entry
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        self.pool._touch(self.entry)
+        if self.pool is not None and self.entry is not None:
+            self.pool._touch(self.entry)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Touch, (None, None))
 
 
 class PoolRecord(_undo.Record):
-    """The undo-log entry of a model held by a pool: undoing it takes the model out."""
+    """The undo-log entry of a model held by a pool: undoing it takes the model out.
+
+    A copy of the model is in no pool: its copy of the record is detached (``pool`` is
+    ``None``); undoing that removes the record and the copy's detached hook.
+    """
 
     kind = "pool"
 
-    def __init__(self, pool: DevicePool, name: str) -> None:
+    def __init__(self, pool: DevicePool | None, name: str) -> None:
         super().__init__()
         self.pool = pool
         self.name = name
 
     def describe(self) -> str:
-        return f"in the device pool of {self.pool.device} as {self.name!r}"
+        where = f"the device pool of {self.pool.device}" if self.pool is not None else "a copy of a pooled model (in no pool)"
+        return f"in {where} as {self.name!r}"
 
     def undo(self, module: nn.Module) -> None:
-        self.pool.discard(module)
+        if self.pool is not None:
+            self.pool.discard(module)
+            return
+        hooks = module._forward_pre_hooks
+        for key in [k for k, h in hooks.items() if isinstance(h, _Touch) and h.pool is None]:
+            del hooks[key]
+        _undo.remove(module, self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_detached_record, (self.name, self.seq))
+
+
+def _detached_record(name: str, seq: int) -> PoolRecord:
+    record = PoolRecord(None, name)
+    record.seq = seq
+    return record
 
 
 def _sizes(model: nn.Module, groups: str | Sequence[str], dtype: torch.dtype | None) -> tuple[int, int]:
@@ -276,7 +319,9 @@ class DevicePool:
         self._check_alive("add")
         _undo.check_module(model, f"{_WHAT}.add")
         for record in _undo.records(model):
-            if isinstance(record, PoolRecord):
+            if isinstance(record, PoolRecord) and record.pool is None:
+                record.undo(model)  # a copy of a pooled model: the record it carried is stale
+            elif isinstance(record, PoolRecord) and record.pool is not None:
                 where = "this pool" if record.pool is self else f"the pool of {record.pool.device}"
                 raise ValueError(
                     f"{_WHAT}.add: the model is already in {where} as {record.name!r}; "
@@ -307,7 +352,10 @@ class DevicePool:
         entry.hook = model.register_forward_pre_hook(_Touch(self, entry))
         entry.record = PoolRecord(self, name)
         _undo.push(model, entry.record)
-        self._entries[id(model)] = entry
+        key = id(model)
+        # a model its owner drops leaves the pool (called before its id can be reused)
+        entry.ref = weakref.ref(model, lambda _: self._entries.pop(key, None))
+        self._entries[key] = entry
         return model
 
     def discard(self, model: nn.Module) -> nn.Module:
@@ -356,13 +404,13 @@ class DevicePool:
         entry = self._entry(model, "load")
         keep = check_bytes(keep_free, _WHAT, "keep_free")
         room, reclaimable = self._room(entry, keep)
-        if entry.loaded:
-            assert entry.handle is not None
+        handle = entry.handle
+        if handle is not None:
             # room is what is free beyond the model's own bytes: plan again only for a
             # different keep_free, or when at least one more group would fit
             if entry.granted >= entry.total or (keep == entry.keep_free and room < entry.largest):
                 self._touch(entry)
-                return entry.handle
+                return handle
             room += entry.granted
         if room + reclaimable < min(entry.total, entry.minimum):
             raise _NoRoom(
@@ -381,13 +429,13 @@ class DevicePool:
             self._push_back(entry)
         grant = entry.total if room >= entry.total else room
         options = dict(entry.options)
-        entry.handle = offload(model, self.device, budget=grant, **options)
+        handle = offload(model, self.device, budget=grant, **options)
         entry.granted = grant
         entry.keep_free = keep
         entry.loads += 1
         entry.seconds += time.perf_counter() - start
         self._touch(entry)
-        return entry.handle
+        return handle
 
     def try_load(self, model: nn.Module, *, keep_free: int | None = None) -> OffloadHandle | None:
         """:meth:`load`, or ``None`` (nothing changed) when even streamed the model has no room.
@@ -433,7 +481,7 @@ class DevicePool:
             >>> pool.close()
         """
         for record in _undo.records(model):
-            if isinstance(record, PoolRecord):
+            if isinstance(record, PoolRecord) and record.pool is not None:
                 return record.pool
         return None
 
@@ -475,7 +523,7 @@ class DevicePool:
                 loads=e.loads,
                 pushed_back=e.pushed_back,
                 seconds_loading=e.seconds,
-                offload=e.handle.stats() if e.loaded and e.handle is not None else None,
+                offload=e.handle.stats() if e.handle is not None else None,
             )
             for e in self._entries.values()
         }
@@ -523,11 +571,11 @@ class DevicePool:
         return max(0, room), others
 
     def _push_back(self, entry: _Entry) -> None:
-        if entry.handle is not None:
+        handle = entry.handle
+        if handle is not None:
             start = time.perf_counter()
-            entry.handle.remove()
+            handle.remove()
             entry.seconds += time.perf_counter() - start
-        entry.handle = None
         entry.granted = 0
 
     def _touch(self, entry: _Entry) -> None:

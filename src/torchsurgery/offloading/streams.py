@@ -1,10 +1,10 @@
 """Streaming packed groups through a small ring of reusable device buffers.
 
-Each streamed group's weights live in one flat host buffer (pinned when the device is an
-accelerator): the parameters themselves are views into it, so it is the only host copy. Before
-a group runs, its buffer is copied in one transfer into a free slot of a ring of device
-buffers and the modules get views of that slot (cast to the compute dtype on the
-device when the storage dtype differs). While a group computes, the next groups along
+Each streamed group's weights live in flat host buffers, one per dtype (pinned when the
+device is an accelerator): the parameters themselves are views into them, so they are the
+only host copy. Before a group runs, its buffers are copied (one transfer each, usually one
+or two) into a free slot of a ring of device buffers and the modules get views of that slot
+(cast to the compute dtype on the device when the storage dtype differs). While a group computes, the next groups along
 the recorded execution order are copied into other slots on a side stream, each copy
 ordered after the last use of its slot by events, so results are exactly those of the
 resident model. Every device operation, timing included, goes through one
@@ -18,6 +18,7 @@ buffer directly.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,23 +29,46 @@ from torch import nn
 
 from torchsurgery.offloading.device import OffloadDevice
 from torchsurgery.offloading.order import OrderRecorder
-from torchsurgery.offloading.packing import FlatLayout, unpack
+from torchsurgery.offloading.packing import (
+    FlatLayout,
+    Slot,
+    dtype_runs,
+    pack_runs,
+    run_bytes,
+    unpack,
+)
 from torchsurgery.offloading.planner import GroupCost, stall_hint
 from torchsurgery.offloading.stats import OffloadStats
-from torchsurgery.offloading.tensor import stored_values
+from torchsurgery.offloading.tensor import OffloadedTensor, stored_values
 from torchsurgery.patching import Patch
 
 
 @dataclass(eq=False)
 class PackedGroup:
-    """A group's weights in one flat host buffer, or read from a checkpoint file on demand."""
+    """A group's weights: in host buffers the parameters are views of, or read from a checkpoint file.
+
+    Attributes:
+        name: the group's root module.
+        layout: the group's weights in one device slot, the slots of one dtype next to each other.
+        tensors: a group held in memory: its parameters, in layout order. Their memory is the
+            host copy (one buffer per dtype run); nothing else holds it, so copies and saves
+            of the model carry it.
+        source: a group left in a checkpoint file: the file (a ``torchsurgery._checkpoint`` source).
+        keys: the file's keys, in layout order.
+        pinned: whether the host buffers are page-locked (the ring re-packs them so).
+    """
 
     name: str
     layout: FlatLayout
-    host: torch.Tensor | None
-    source: Any = None  # a torchsurgery._checkpoint source when the weights stay in a file
+    tensors: tuple[torch.Tensor, ...] = ()
+    source: Any = None
     keys: tuple[str, ...] = ()
-    tensors: tuple[torch.Tensor, ...] = ()  # the parameters whose bytes :attr:`host` holds
+    pinned: bool = False
+
+    @property
+    def from_file(self) -> bool:
+        """Whether the weights are read from the checkpoint file."""
+        return self.source is not None
 
     def version(self) -> int:
         """Grows whenever one of the group's weights is written in place (optimizer steps, edits, loads).
@@ -54,13 +78,52 @@ class PackedGroup:
         """
         return sum(stored_values(t)._version for t in self.tensors)
 
+    def host_runs(self, allocate: Callable[[int], torch.Tensor] | None = None) -> list[tuple[int, torch.Tensor]]:
+        """Per dtype run, its byte offset in the device slot and its host bytes (a ``uint8`` view).
+
+        The bytes are the parameters' own memory. Where the parameters of a run no longer
+        share one buffer at their layout offsets (a plain ``pickle`` gives each its own),
+        the run is packed again first into a buffer from ``allocate(nbytes)`` (default: plain
+        host memory), the parameters becoming views of it.
+        """
+        out = []
+        for first, end in dtype_runs(self.layout):
+            start, stop = run_bytes(self.layout, first, end)
+            values = [stored_values(t) for t in self.tensors[first:end]]
+            if not _share_one_buffer(values, self.layout.slots[first:end], start):
+                self._repack(first, end, allocate or functools.partial(torch.empty, dtype=torch.uint8))
+                values = [stored_values(t) for t in self.tensors[first:end]]
+            storage = values[0].untyped_storage()
+            out.append((start, torch.empty(0, dtype=torch.uint8).set_(storage, 0, (stop - start,), (1,))))
+        return out
+
+    def _repack(self, first: int, end: int, allocate: Callable[[int], torch.Tensor]) -> None:
+        start, stop = run_bytes(self.layout, first, end)
+        run = FlatLayout(tuple(Slot(s.offset - start, s.shape, s.dtype) for s in self.layout.slots[first:end]), stop - start)
+        params = self.tensors[first:end]
+        for t, view in zip(params, pack_runs([stored_values(t) for t in params], run, allocate), strict=True):
+            if isinstance(t, OffloadedTensor):
+                t._rehome(view)
+            else:
+                t.data = view
+
     def fill(self, out: torch.Tensor) -> None:
         """Write the group's bytes into ``out`` (a CPU uint8 buffer) from memory or the file."""
-        if self.host is not None:
-            out[: self.layout.nbytes].copy_(self.host)
+        if not self.from_file:
+            for offset, data in self.host_runs():
+                out[offset : offset + data.numel()].copy_(data)
             return
         # one bulk read: tensors next to each other in the file come in one system call
         self.source.read_many(list(zip(self.keys, unpack(out, self.layout), strict=True)))
+
+
+def _share_one_buffer(values: list[torch.Tensor], slots: tuple[Slot, ...], start: int) -> bool:
+    """Whether ``values`` are views of one buffer at their slots' offsets from ``start``."""
+    storage = values[0].untyped_storage()
+    return storage.nbytes() >= slots[-1].end - start and all(
+        v.untyped_storage().data_ptr() == storage.data_ptr() and v.storage_offset() * v.element_size() == s.offset - start
+        for v, s in zip(values, slots, strict=True)
+    )
 
 
 class Ring:
@@ -74,10 +137,10 @@ class Ring:
     Example:
         >>> import torch
         >>> from torchsurgery.offloading.device import resolve_device
-        >>> from torchsurgery.offloading.packing import FlatLayout, pack
-        >>> weights = [torch.arange(3.0)]
-        >>> layout = FlatLayout.of(weights)
-        >>> group = PackedGroup("g", layout, pack(weights, layout))
+        >>> from torch import nn
+        >>> from torchsurgery.offloading.packing import FlatLayout
+        >>> weights = (nn.Parameter(torch.arange(3.0)),)
+        >>> group = PackedGroup("g", FlatLayout.of(weights), weights)
         >>> ring = Ring([group], resolve_device("cpu", "example"), slots=2)
         >>> slot, views, _ = ring.enter(group, [])
         >>> views[0]
@@ -112,21 +175,24 @@ class Ring:
             self.ready[slot] = device.record(self.side)
             self.holding[slot] = group
             return
-        source = group.host
-        if source is None:  # from the file, through one reused (pinned) staging buffer
+        if group.from_file:  # through one reused (pinned) staging buffer
             if self.staging is None:
                 size = buffer.numel()
                 self.staging = device.pinned_empty(size) if device.can_pin else torch.empty(size, dtype=torch.uint8)
             if self.staged is not None:
                 device.synchronize(self.staged)  # the staging buffer's previous copy has read it
             group.fill(self.staging)
-            source = self.staging[:n]
+            sources = [(0, self.staging[:n])]
+        else:
+            # the parameters' own memory, one copy per dtype run
+            sources = group.host_runs(device.pinned_empty if group.pinned else None)
         if self.released[slot] is not None:
             device.wait(self.side, self.released[slot])  # never overwrite a slot still being read
         self.copy_start[slot] = device.record(self.side)
-        device.copy_(buffer[:n], source, self.side)
+        for offset, source in sources:
+            device.copy_(buffer[offset : offset + source.numel()], source, self.side)
         self.ready[slot] = device.record(self.side)
-        if group.host is None:
+        if group.from_file:
             self.staged = self.ready[slot]
         self.holding[slot] = group
 
@@ -243,12 +309,16 @@ class _Streaming:
         self.order = OrderRecorder()
         self.packed: dict[str, PackedGroup] = {}
         self.ring: Ring | None = None
+        self.restart = False  # a copy: make the ring at the first forward
         self.pending: list[_Measure] = []
         self.timings: dict[str, _Timing] = {}
         self.lock = threading.RLock()  # one thread at a time runs streamed groups (they swap weights in)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "lock"}
+        # a copy (pickle, torch.save, deepcopy) makes its own ring at its first forward: the
+        # ring's device buffers, streams and events belong to this process and this model
+        state = {k: v for k, v in self.__dict__.items() if k not in ("lock", "ring", "pending")}
+        return {**state, "ring": None, "pending": [], "restart": self.ring is not None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -261,6 +331,7 @@ class _Streaming:
     def start(self) -> None:
         """Make the ring, once every packed group is known."""
         self.ring = Ring(list(self.packed.values()), self.device, slots=self.prefetch + 1)
+        self.restart = False
 
     def stop_streaming(self, name: str) -> PackedGroup | None:
         """Take group ``name`` out of the ring (it became resident); its packed weights."""
@@ -349,7 +420,7 @@ class _GroupStreamer:
         self.slot: int | None = None
         self.measure: _Measure | None = None
         # weights read from a checkpoint file cannot come in inside a compiled graph
-        self.traceable = packed is None or packed.host is not None
+        self.traceable = packed is None or not packed.from_file
 
     @torch.compiler.disable  # transfers stay outside compiled regions; the group's compute compiles
     def bring_in(self) -> None:
@@ -364,11 +435,13 @@ class _GroupStreamer:
         copy = None
         try:
             direct = self.other_entries
-            if self.packed is not None and self.packed.host is None and torch.is_grad_enabled():
+            if self.packed is not None and self.packed.from_file and torch.is_grad_enabled():
                 raise RuntimeError(
                     f"torchsurgery.offload: group {self.name!r} streams from a checkpoint file, which "
                     "serves inference only; run the model under torch.no_grad()"
                 )
+            if streaming.restart:
+                streaming.start()
             if self.packed is not None and streaming.ring is not None and not torch.is_grad_enabled():
                 upcoming = [streaming.packed[n] for n in streaming.order.ahead(self.name, streaming.prefetch) if n in streaming.packed]
                 self.slot, views, copy = streaming.ring.enter(self.packed, upcoming)

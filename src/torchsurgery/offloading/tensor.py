@@ -143,7 +143,6 @@ class OffloadedTensor(torch.Tensor):
             cls,
             stored.shape,
             strides=stored.stride(),
-            storage_offset=stored.storage_offset(),
             dtype=dtype,
             device=stored.device,
             layout=stored.layout,
@@ -185,6 +184,11 @@ class OffloadedTensor(torch.Tensor):
         d = self.__dict__
         return OffloadedTensor(stored, self.dtype, reads=d[_READS], shadow=shadow, counter=d[_COUNTER])
 
+    def _rehome(self, stored: torch.Tensor) -> None:
+        """Keep the values in ``stored`` from now on (the same values, in new memory)."""
+        d = self.__dict__
+        d[_STORED] = d[_COUNTER] = stored.detach()
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         wide = self.stored.to(self.dtype)
         kind = "OffloadedParameter" if isinstance(self, nn.Parameter) else "OffloadedTensor"
@@ -205,6 +209,15 @@ class OffloadedTensor(torch.Tensor):
         # the compiler's cache key for this input: what it reads as and how it is stored
         stored = self.stored
         return f"OffloadedTensor:{self.dtype}:{stored.dtype}:{tuple(stored.shape)}:{stored.stride()}"
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # pickle and torch.save: the stored values (torch keeps the memory they share with
+        # other tensors), the reads context, the shadow's dtype, the user's attributes
+        d = self.__dict__
+        shadow: Shadow | None = d[_SHADOW]
+        extras = {k: v for k, v in d.items() if k not in (_STORED, _READS, _SHADOW, _COUNTER)}
+        shadow_dtype = shadow.copy.dtype if shadow is not None else None
+        return (_rebuild, (d[_STORED], self.dtype, self.requires_grad, d[_READS], shadow_dtype, extras))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OffloadedTensor:
         if id(self) in memo:
@@ -251,6 +264,22 @@ class OffloadedTensor(torch.Tensor):
         return func(*tree_map_only(OffloadedTensor, _wide, args), **tree_map_only(OffloadedTensor, _wide, kwargs))
 
 
+def _rebuild(
+    stored: torch.Tensor,
+    dtype: torch.dtype,
+    requires_grad: bool,
+    reads: ReadContext | None,
+    shadow_dtype: torch.dtype | None,
+    extras: dict[str, Any],
+) -> OffloadedTensor:
+    """An OffloadedTensor from what :meth:`OffloadedTensor.__reduce_ex__` kept (``_is_param`` among the extras)."""
+    t = OffloadedTensor(stored, dtype, requires_grad=requires_grad, reads=reads)
+    if shadow_dtype is not None:
+        t.__dict__[_SHADOW] = Shadow(t.stored, shadow_dtype)
+    t.__dict__.update(extras)
+    return t
+
+
 def _wide(t: OffloadedTensor) -> torch.Tensor:
     """``t``'s values in its dtype: the stored tensor itself where it already is in it."""
     stored = t.stored
@@ -293,7 +322,10 @@ def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor |
     # autograd (and, with a master copy, every forward that records gradients) reads the
     # stored values whole, and so do inputs the plain layer would refuse (it refuses them
     # the same way); without gradients the narrow ones are read in place
-    fits = x.dtype == weight.dtype and x.device == weight.device and (bias is None or bias.dtype == weight.dtype)
+    fits = (
+        x.dtype == weight.dtype and x.device == weight.device and (bias is None or bias.dtype == weight.dtype)
+        and x.numel() > 0 and weight.numel() > 0  # empty products: as the plain layer computes them
+    )
     whole = not fits or (d[_SHADOW] is not None and torch.is_grad_enabled()) or _needs_graph(x, weight, bias)
     values = d[_STORED] if whole else weight._narrow()
     if reads is not None:
