@@ -21,7 +21,11 @@ import torch
 from torch import nn
 
 import torchsurgery
-from torchsurgery import DEFAULT_SKIP, DynamicSwapInstaller, FlexModel, HookFunction, Patch
+from test_patching_class_identity import (  # a pass-through forward, and no forward at all
+    Counted,
+    Tag,
+)
+from torchsurgery import DEFAULT_SKIP, DynamicSwapInstaller, FlexModel, HookFunction
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,21 +70,6 @@ ARCHITECTURES: dict[str, Callable[[], nn.Module]] = {
     "t5": _t5,
     "bart": _bart,
 }
-
-
-class Tag(Patch, nn.Module):
-    """Changes nothing but the class."""
-
-
-class Counted(Patch, nn.Module):
-    """Passes everything on, counting calls (its forward takes ``*args, **kwargs``)."""
-
-    def __patch_init__(self) -> None:
-        self.calls = 0
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        return super().forward(*args, **kwargs)
 
 
 def _rounded(model: nn.Module, skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP) -> nn.Module:

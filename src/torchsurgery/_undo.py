@@ -436,12 +436,17 @@ def running_elsewhere(module: nn.Module) -> str | None:
     me = threading.get_ident()
     call = nn.Module._call_impl.__code__
     running: list[tuple[int, Any]] = []
-    for ident, top in sys._current_frames().items():
-        frame: Any = top
-        while frame is not None and ident != me:
-            if frame.f_code is call:
-                running.append((ident, frame.f_locals.get("self")))
-            frame = frame.f_back
+    frames, frame = sys._current_frames(), None
+    try:
+        for ident, frame in frames.items():
+            while frame is not None and ident != me:
+                if frame.f_code is call:
+                    running.append((ident, frame.f_locals.get("self")))
+                frame = frame.f_back
+    finally:
+        # frame objects held here would keep the callers' frames (and their locals) in a
+        # reference cycle until the garbage collector runs
+        del frames, frame
     if not running:
         return None
     names = {id(m): name for name, m in module.named_modules()}

@@ -414,6 +414,30 @@ def patch(module: M, patch_cls: type[Patch], /, *args: Any, **kwargs: Any) -> M:
     return module
 
 
+def _record_to_remove(records: list[PatchRecord], patch_cls: type[Patch] | None, internal: bool) -> int:
+    """The index of the record :func:`unpatch` removes: ``patch_cls``'s, or the top one of the user's."""
+    if patch_cls is None:
+        own = [i for i, r in enumerate(records) if not r.internal or internal]
+        if not own:
+            raise ValueError(
+                "torchsurgery.unpatch: the module's only patches belong to a larger surgery "
+                "(e.g. an offload); undo that instead"
+            )
+        return own[-1]
+    matches = [i for i, r in enumerate(records) if r.patch is patch_cls]
+    if not matches:
+        raise ValueError(
+            f"torchsurgery.unpatch: the module is not patched with {patch_cls.__qualname__}; "
+            f"its patches are {[r.patch.__qualname__ for r in records]}"
+        )
+    if records[matches[-1]].internal and not internal:
+        raise ValueError(
+            f"torchsurgery.unpatch: {patch_cls.__qualname__} is part of a larger surgery "
+            "(e.g. an offload); undo that instead (handle.remove() or torchsurgery.restore)"
+        )
+    return matches[-1]
+
+
 def unpatch(module: M, patch_cls: type[Patch] | None = None, /, *, _internal: bool = False) -> M:
     """Remove the top patch of ``module``, or ``patch_cls`` from anywhere in its stack.
 
@@ -452,27 +476,7 @@ def unpatch(module: M, patch_cls: type[Patch] | None = None, /, *, _internal: bo
             f"torchsurgery.unpatch: the {type(module).__qualname__} module is not patched"
         )
     _check_class_intact(module, records, "unpatch")
-    if patch_cls is None:
-        own = [i for i, r in enumerate(records) if not r.internal or _internal]
-        if not own:
-            raise ValueError(
-                "torchsurgery.unpatch: the module's only patches belong to a larger surgery "
-                "(e.g. an offload); undo that instead"
-            )
-        index = own[-1]
-    else:
-        matches = [i for i, r in enumerate(records) if r.patch is patch_cls]
-        if not matches:
-            raise ValueError(
-                f"torchsurgery.unpatch: the module is not patched with {patch_cls.__qualname__}; "
-                f"its patches are {[r.patch.__qualname__ for r in records]}"
-            )
-        index = matches[-1]
-        if records[index].internal and not _internal:
-            raise ValueError(
-                f"torchsurgery.unpatch: {patch_cls.__qualname__} is part of a larger surgery "
-                "(e.g. an offload); undo that instead (handle.remove() or torchsurgery.restore)"
-            )
+    index = _record_to_remove(records, patch_cls, _internal)
     target, later = records[index], records[index + 1 :]
     overlap = [
         r.patch.__qualname__ for r in later if r.changes.keys() & target.changes.keys()

@@ -152,3 +152,17 @@ def test_a_dtype_converts_floating_tensors_only() -> None:
     layer.register_buffer("positions", torch.arange(4))
     DynamicSwapInstaller._install_module(layer, dtype=torch.float32)
     assert layer.positions.dtype == torch.int64 and layer.weight.dtype == torch.float32
+
+
+def test_a_conversion_of_a_model_installed_with_a_dtype_is_refused_unless_it_changes_nothing() -> None:
+    model = model_().to(torch.bfloat16)
+    DynamicSwapInstaller.install_model(model, dtype=torch.float32)
+    ids = {n: id(p) for n, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"cannot convert this Sequential .*\('0.weight' would change"):
+        model.half()
+    assert {n: id(p) for n, p in model.named_parameters()} == ids
+    assert all(stored_values(p).dtype == torch.bfloat16 for p in model.parameters())
+    model.to("cpu")  # changes nothing: goes through
+    DynamicSwapInstaller.uninstall_model(model)
+    model.half()
+    assert {p.dtype for p in model.parameters()} == {torch.float16}

@@ -26,6 +26,7 @@ converted with ``Tensor.to(**kwargs)``. Unlike the original:
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from torchsurgery import _undo
 from torchsurgery._swap import swap_in
 from torchsurgery.offloading.tensor import (
     OffloadedTensor,
+    converted_by,
     offloaded_like,
     plain_reader,
     stored_state,
@@ -96,13 +98,15 @@ class _DynamicSwap(Patch, nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         # .to(), .half(), .cuda()... would replace the weights that read as the installed
-        # dtype with plain converted ones: refused before anything changes
-        held = next((n for n, t in [*self.named_parameters(), *self.named_buffers()] if isinstance(t, OffloadedTensor)), None)
-        if held is not None:
+        # dtype with plain converted ones: refused before anything changes (a conversion
+        # that changes nothing, such as .to("cpu") on the CPU, goes through)
+        wrapped = any(isinstance(t, OffloadedTensor) for t in itertools.chain(self.parameters(), self.buffers()))
+        changed = converted_by(self, fn) if wrapped else None
+        if changed is not None:
             raise RuntimeError(
                 f"torchsurgery.DynamicSwapInstaller: cannot convert this {type(self).__name__} with .to(), .half() or "
-                f"the like while installed with a dtype ({held!r} keeps its stored values and reads as that dtype); "
-                "uninstall_model() first, convert, and install again"
+                f"the like while installed with a dtype ({changed!r} would change; its weights keep their stored "
+                "values and read as that dtype); uninstall_model() first, convert, and install again"
             )
         return super()._apply(fn, recurse)
 

@@ -63,11 +63,7 @@ from torchsurgery.offloading.streams import (
     _StreamedGroup,
     _Streaming,
 )
-from torchsurgery.offloading.tensor import (
-    ReadContext,
-    offloaded_like,
-    stored_state,
-)
+from torchsurgery.offloading.tensor import ReadContext, converted_by, offloaded_like, stored_state
 from torchsurgery.patching import is_patched, patch, unpatch
 
 __all__ = ["offload", "OffloadHandle", "OffloadStats", "DEFAULT_SKIP"]
@@ -374,7 +370,7 @@ class OffloadHandle:
             # behind its back: refused, before anything changes (the instance attribute wins
             # over the class method; removed with the offload)
             if "_apply" not in module.__dict__:
-                module.__dict__["_apply"] = _ConversionRefused(name, type(module).__name__)
+                module.__dict__["_apply"] = _ConversionRefused(module, name)
         self._record = OffloadRecord(self)
         _undo.push(model, self._record)
 
@@ -484,18 +480,26 @@ class OffloadHandle:
 
 
 class _ConversionRefused:
-    """Stands in for ``Module._apply`` on an offloaded module: conversions are refused (picklable)."""
+    """Stands in for ``Module._apply`` on an offloaded module: conversions are refused (picklable).
 
-    def __init__(self, name: str, kind: str) -> None:
+    A conversion that changes no tensor (``.to("cpu")`` of a model offloaded on the CPU) goes
+    through; any other is refused before anything converts.
+    """
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.module = module
         self.name = name
-        self.kind = kind
 
     def __call__(self, fn: Any, recurse: bool = True) -> nn.Module:
+        changed = converted_by(self.module, fn)
+        if changed is None:
+            return nn.Module._apply(self.module, fn, recurse)
+        where = f"{self.name}.{changed}" if self.name else changed
         raise RuntimeError(
-            f"{_WHAT}: cannot convert {self.name or '<root>'} ({self.kind}) with .to(), .half(), .float(), .cuda() "
-            "or the like while it is offloaded: its weights live in the offload's storage. Remove the offload "
-            "first (handle.remove() or torchsurgery.restore(model)), or give offload() the dtype and device to "
-            "compute in"
+            f"{_WHAT}: cannot convert {self.name or '<root>'} ({type(self.module).__name__}) with .to(), .half(), "
+            f".float(), .cuda() or the like while it is offloaded ({where!r} would change): its weights live in the "
+            "offload's storage. Remove the offload first (handle.remove() or torchsurgery.restore(model)), or "
+            "give offload() the dtype and device to compute in"
         )
 
 

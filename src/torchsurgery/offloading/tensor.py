@@ -473,6 +473,19 @@ def stored_values(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.stored if isinstance(tensor, OffloadedTensor) else tensor
 
 
+def converted_by(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> str | None:
+    """The first tensor of ``module``'s subtree that ``Module._apply(fn)`` would change, if any.
+
+    ``fn`` is what ``.to()``, ``.half()``, ``.cuda()``... apply to every tensor; one that
+    returns the tensor itself changes nothing (``model.to("cpu")`` of a model on the CPU).
+    """
+    with torch.no_grad():
+        for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
+            if fn(t) is not t:
+                return name
+    return None
+
+
 def plain_reader(module: nn.Module) -> type[Patch] | None:
     """The patch of ``module`` that reads its weights' memory directly (it cannot serve an OffloadedTensor), if any."""
     return next((p for p in patches(module) if p.__patch_needs_plain_weights__), None)
