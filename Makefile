@@ -54,7 +54,7 @@ docs: $(VENV)/.dev
 test: lint unit docs
 
 # The long run of the random-surgery state machine (tests/test_undo.py): 5,000 random stacks of
-# surgery, copies and saves, each undone and compared bitwise (about an hour on 2 cores).
+# surgery, copies and saves, each undone and compared bitwise (about 15 minutes on 2 cores).
 soak: $(VENV)/.dev
 	TORCHSURGERY_HYPOTHESIS_EXAMPLES=5000 $(PY) -m pytest -q -p no:cacheprovider tests/test_undo.py -k SurgeryMachine
 
