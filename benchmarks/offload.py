@@ -51,6 +51,7 @@ from torch import nn
 import torchsurgery
 from _machine import cpu_name
 from torchsurgery.offloading import narrow, stored_values
+from torchsurgery.offloading.narrow_matvec import narrow_matvec
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -306,6 +307,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="steps per round for 1-4 rows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if not narrow_matvec.wait():  # steady state: the kernel built (benchmarks/first_forward.py times the start)
+        print(f"no native kernel: {narrow_matvec.unavailable}")
     print(f"machine: {cpu_name()}, {args.threads} threads, torch {torch.__version__}; bf16 storage, fp32 compute")
     bandwidth = Bandwidth()
     samples = [bandwidth.measure() for _ in range(5)]

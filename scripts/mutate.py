@@ -32,6 +32,18 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "while the native kernel builds, few rows are served through the cache, not compiled",
+        "src/torchsurgery/offloading/narrow.py",
+        'if getattr(narrow_matvec, "pending", False):', "if False:",
+        ("tests/offloading/test_narrow.py::test_a_forward_does_not_wait_for_the_kernel_build",),
+    ),
+    Mutation(
+        "offload starts the kernel build before the first forward",
+        "src/torchsurgery/offloading/tensor.py",
+        "    prepare_kernel(shadow_dtype if shadow_dtype is not None else stored.dtype, stored.device)\n", "",
+        ("tests/offloading/test_narrow.py::test_a_forward_does_not_wait_for_the_kernel_build",),
+    ),
+    Mutation(
         "a ring slot is reused only while its group's weights are unchanged",
         "src/torchsurgery/offloading/streams.py",
         "if self.copied[slot] != group.version():", "if False:",

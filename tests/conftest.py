@@ -1,4 +1,4 @@
-"""Shared fixtures: a fixed seed for every test, and the CUDA marker."""
+"""Shared fixtures: a fixed seed for every test, the native kernel built first, and the CUDA marker."""
 
 from __future__ import annotations
 
@@ -16,6 +16,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _native_kernel_built() -> None:
+    """Every test sees the narrow-weight kernel as it is once built (or known unavailable).
+
+    Outside the tests a forward never waits for the build (narrow products take a fallback
+    until it is ready); here the same forward must take the same path in every run, so the
+    suite waits once, at its start. tests/offloading/test_narrow.py tests the wait-free start.
+    """
+    from torchsurgery.offloading.narrow_matvec import narrow_matvec
+
+    narrow_matvec.wait()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -37,15 +37,14 @@ SHAPES = [(out, _FUSED_MIN_WEIGHT // out + k) for k, out in enumerate(
 def tier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> str:
     """Which kernel serves few rows: the native one, or (no compiler found) the compiled ones."""
     if request.param == "native":
-        narrow_matvec(torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bfloat16), None, False)  # builds it
-        if narrow_matvec.unavailable is not None:
+        if not narrow_matvec.wait():  # builds it, or finds it built
             pytest.skip(f"no native kernel on this machine: {narrow_matvec.unavailable}")
     else:
         monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
         monkeypatch.setenv("CXX", "/nonexistent/c++")
         monkeypatch.setattr(narrow, "narrow_matvec", _NarrowMatvec())
         with pytest.warns(UserWarning, match="could not be built"):
-            narrow.narrow_matvec(torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bfloat16), None, False)
+            narrow.narrow_matvec.wait()
     return str(request.param)
 
 
@@ -218,3 +217,59 @@ def test_scratch_is_per_thread_and_freed_on_remove() -> None:
     assert handle.stats().widened_bytes == widest
     handle.remove()
     assert handle.stats().widened_bytes == 0
+
+
+def _building_kernel(monkeypatch: pytest.MonkeyPatch) -> tuple[_NarrowMatvec, threading.Event]:
+    """A kernel whose build is held until the event is set (it then finds no compiler)."""
+    from torchsurgery.offloading import narrow_matvec as module
+
+    release = threading.Event()
+
+    def held() -> str:
+        release.wait(60)
+        return "held by the test"
+
+    monkeypatch.setattr(module, "_no_compiler", held)
+    fresh = _NarrowMatvec()
+    monkeypatch.setattr(narrow, "narrow_matvec", fresh)
+    return fresh, release
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
+def test_a_forward_does_not_wait_for_the_kernel_build(transposed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # FramePack's users start a pipeline and run it: the first forward after offload must not
+    # wait for a compiler. While the build runs, few rows are served a cache-sized slice at a
+    # time, and nothing is handed to torch.compile (which would stall on its own compiler).
+    fresh, release = _building_kernel(monkeypatch)
+    compiled_before = dict(_fused.kernels)
+    monkeypatch.setattr(narrow, "_SLICE_BYTES", 4096)  # several slices even for small layers
+    torch.manual_seed(2)
+    layer = make_layer(384, 700, transposed, bias=True)
+    handle = offload(layer, storage_dtype=torch.bfloat16, dtype=torch.float32, groups=[""])
+    assert fresh.pending  # offload started the build; it is still running
+    try:
+        for rows in (1, 3, 8):
+            x = torch.randn(rows, 700)
+            with torch.no_grad():
+                got = layer(x)
+            torch.testing.assert_close(got, reference(x, layer.weight, layer.bias, transposed), rtol=1e-5, atol=1e-4)
+        assert fresh.pending and _fused.kernels == compiled_before
+        assert handle.stats().transfers == 3  # each product read the narrow weight once
+    finally:
+        release.set()
+    with pytest.warns(UserWarning, match="held by the test"):
+        assert fresh.wait() is False  # told once, in the caller's thread, when it is known
+    handle.remove()
+
+
+def test_through_cache_matches_fp32_for_every_narrow_dtype() -> None:
+    torch.manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
+        for transposed in (False, True):
+            weight = (torch.randn(700, 333) * 0.5).to(dtype)
+            bias = torch.randn(333 if transposed else 700).to(dtype)
+            for rows in (1, 2, 8):
+                x = torch.randn(rows, 700 if transposed else 333)
+                for scratch in (None, narrow.Scratch()):
+                    got = narrow.through_cache(x, weight, bias, transposed, scratch)
+                    torch.testing.assert_close(got, reference(x, weight, bias, transposed), rtol=1e-5, atol=1e-4)

@@ -7,7 +7,10 @@ the bytes (a quarter for fp8), which on a memory-bound step beats the wide model
 Three paths, each falling back to the next for a (layout, rows, dtype, shape) it cannot serve:
 
 1. the native kernel (:mod:`torchsurgery.offloading.narrow_matvec`): fp32 compute, bf16,
-   fp16 or fp8 storage, 1 to 8 rows, both weight layouts; built once per machine;
+   fp16 or fp8 storage, 1 to 8 rows, both weight layouts; built once per machine, in the
+   background. While it builds, few rows take the cast path a cache-sized slice of the
+   weight at a time (:func:`through_cache`): the narrow bytes are read from memory once and
+   the widened slice is read back from the cache, so no forward waits for a compiler;
 2. kernels compiled by ``torch.compile`` with symbolic weight shapes, one per (layout,
    row count, dtypes), so their number does not grow with the number of layer shapes;
    their body never runs eagerly (that would build a rows x out x in temporary);
@@ -35,6 +38,7 @@ from torch import nn
 
 from torchsurgery.offloading.narrow_matvec import NATIVE_DTYPES, NATIVE_MAX_ROWS, narrow_matvec
 
+_SLICE_BYTES = 1 << 21  # a widened slice of weight: stays in the cache until it is multiplied
 _FUSED_MIN_WEIGHT = 1 << 18  # below this a fused kernel does not pay for itself
 _FUSED_MAX_ROWS = 4
 
@@ -169,8 +173,58 @@ def _is_matmul_layer(module: nn.Module) -> bool:
     )
 
 
+def prepare_kernel(dtype: torch.dtype, device: torch.device) -> None:
+    """Start building the native kernel if weights of ``dtype`` on ``device`` will need it.
+
+    Called when weights are offloaded, so that the build (in the background) has a head
+    start on the first forward; returns at once.
+    """
+    start = getattr(narrow_matvec, "start", None)
+    if dtype in NATIVE_DTYPES and device.type == "cpu" and start is not None:
+        start()
+
+
+def through_cache(
+    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool, scratch: Scratch | None
+) -> torch.Tensor:
+    """``x2d @ weight.T + bias`` (``x2d @ weight + bias`` when ``transposed``), a slice at a time.
+
+    Each slice of the weight (about 2 MiB widened) is widened into ``scratch`` and multiplied
+    while it is still in the cache: the narrow weight is read from memory once, and no
+    weight-sized buffer is written. The sums are fp32 sums of the same products as the
+    native kernel's, in another order.
+
+    Example:
+        >>> import torch
+        >>> from torchsurgery.offloading.narrow import through_cache
+        >>> through_cache(torch.ones(1, 3), torch.eye(3, dtype=torch.bfloat16), None, False, None).tolist()
+        [[1.0, 1.0, 1.0]]
+    """
+    dtype, rows = x2d.dtype, x2d.shape[0]
+    wide_bias = None if bias is None else bias.to(dtype)
+    if transposed:  # [in, out]: y = sum over slices of rows of x[:, rows] @ W[rows]
+        inp, out = weight.shape
+        step = max(1, _SLICE_BYTES // max(1, out * dtype.itemsize))
+        y = wide_bias.expand(rows, out).clone() if wide_bias is not None else x2d.new_zeros(rows, out)
+        for i in range(0, inp, step):
+            part = weight[i : i + step]
+            wide = scratch.widen(part, dtype) if scratch is not None else part.to(dtype)
+            y.addmm_(x2d[:, i : i + step], wide)
+        return y
+    out, inp = weight.shape  # [out, in]: y.T[slice] = W[slice] @ x.T
+    step = max(1, _SLICE_BYTES // max(1, inp * dtype.itemsize))
+    yt = x2d.new_empty(out, rows)
+    xt = x2d.t()
+    for o in range(0, out, step):
+        part = weight[o : o + step]
+        wide = scratch.widen(part, dtype) if scratch is not None else part.to(dtype)
+        torch.mm(wide, xt, out=yt[o : o + step])
+    return yt.t().contiguous() if wide_bias is None else torch.add(yt.t(), wide_bias)
+
+
 def _few_rows(
-    x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool
+    x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
+    scratch: Scratch | None,
 ) -> torch.Tensor | None:
     """The product from the narrow weight for 1 to 8 rows without gradients, or None: cast.
 
@@ -185,6 +239,9 @@ def _few_rows(
         out = narrow_matvec(x.contiguous(), weight, bias, transposed)
         if out is not None:
             return out
+        if getattr(narrow_matvec, "pending", False):  # the kernel is on its way: nothing compiles meanwhile
+            sliced = through_cache(x.reshape(rows, x.shape[-1]), weight, bias, transposed, scratch)
+            return sliced.reshape(*x.shape[:-1], sliced.shape[-1])
     if rows <= _FUSED_MAX_ROWS and weight.numel() >= _FUSED_MIN_WEIGHT:
         result = _fused(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias, transposed)
         if result is not None:
@@ -212,7 +269,7 @@ def narrow_product(
     rows = x.numel() // max(1, x.shape[-1])
     if weight.dtype != dtype:
         if 0 < rows <= NATIVE_MAX_ROWS:
-            out = _few_rows(x, rows, weight, bias, transposed)
+            out = _few_rows(x, rows, weight, bias, transposed, scratch)
             if out is not None:
                 return out
         weight = scratch.widen(weight, dtype) if scratch is not None else weight.to(dtype)

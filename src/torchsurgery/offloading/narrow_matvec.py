@@ -6,13 +6,25 @@ widened in registers and accumulated in fp32, so a step reads the narrow bytes o
 writes nothing weight-sized. torch's CPU matmuls take only one dtype, so this is the
 one way to read a narrow weight at memory speed without a compiled graph per shape.
 
-The kernel is C++ compiled on first use with the C++ compiler torch's extensions use,
-for this machine's instruction set, and cached by torch in its extensions directory
-(``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``): one build per
-machine and source, shared by every process after it. Where no compiler is found or the
-build fails, :data:`narrow_matvec` answers None for every call and the caller takes
-another path; a call that fails for one (layout, rows, dtype, shape) is remembered and
-answered None from then on, the other shapes keep the kernel.
+The source is ``narrow_matvec.cpp``, next to this module. It is compiled for this machine's
+instruction set with the C++ compiler torch's extensions use and cached by torch in its
+extensions directory (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``):
+one build per machine and source, shared by every process after it.
+
+No call waits for the build. The first call (or :meth:`_NarrowMatvec.start`, which
+``offload`` calls when it stores weights narrow) starts it in the background, in a child
+process at a lower priority, so that it takes little from the forwards running meanwhile;
+until it is done every call answers None and the caller takes its fallback (a cast through
+a cache-sized buffer, see :mod:`torchsurgery.offloading.narrow`). A cached build loads in
+well under a second. Where no compiler is found or the build fails, one warning says so
+and every call answers None; a call that fails for one (layout, rows, dtype, shape) is
+remembered and answered None from then on, the other shapes keep the kernel.
+
+Why a background build rather than one at install time: the kernel is compiled against the
+torch that is installed and for the machine it runs on (``-march=native``); an install-time
+build would tie the package to one torch build and one instruction set, and pip would need
+torch inside its isolated build environment (several GB of wheels where a CUDA build is the
+default).
 
 Layouts, both read as contiguous streams:
 
@@ -28,304 +40,23 @@ concurrent calls from several Python threads share nothing but the read-only wei
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
+import json
+import os
 import platform
+import shutil
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 NATIVE_MAX_ROWS = 8
 NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 
-_SOURCE = r"""
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/Exception.h>
-#include <torch/library.h>
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <vector>
-
-#if defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
-
-namespace {
-
-constexpr int kLanes = 16;
-typedef float vf __attribute__((vector_size(64)));
-typedef uint32_t vu32 __attribute__((vector_size(64)));
-typedef uint16_t vu16 __attribute__((vector_size(32)));
-typedef uint8_t vu8 __attribute__((vector_size(16)));
-
-enum Kind { kBF16, kF16, kE4M3, kE5M2 };
-
-inline float bits_to_float(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// scalar widening (tails and biases), exact for every value, subnormals included
-inline float half_to_float(uint16_t h) {
-  uint32_t sign = uint32_t(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1f;
-  uint32_t man = h & 0x3ff;
-  if (exp == 0) {
-    float v = float(man) * (1.0f / 16777216.0f);  // man * 2^-24
-    return (h & 0x8000) ? -v : v;
-  }
-  if (exp == 31) return bits_to_float(sign | 0x7f800000u | (man << 13));
-  return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
-}
-
-// e4m3fn as an fp16 bit pattern 2^8 too small: the exponent bias differs by 8
-inline uint16_t e4m3_to_half_bits(uint8_t b) {
-  return uint16_t((uint16_t(b & 0x80) << 8) | (uint16_t(b & 0x7f) << 7));
-}
-
-template <int K>
-inline float widen1(const void* p, int64_t i) {
-  if constexpr (K == kBF16) {
-    return bits_to_float(uint32_t(static_cast<const uint16_t*>(p)[i]) << 16);
-  } else if constexpr (K == kF16) {
-    return half_to_float(static_cast<const uint16_t*>(p)[i]);
-  } else if constexpr (K == kE4M3) {
-    uint8_t b = static_cast<const uint8_t*>(p)[i];
-    if ((b & 0x7f) == 0x7f) return bits_to_float(0x7fc00000u);  // e4m3fn's only NaN
-    return half_to_float(e4m3_to_half_bits(b)) * 256.0f;
-  } else {
-    return half_to_float(uint16_t(static_cast<const uint8_t*>(p)[i]) << 8);  // e5m2: fp16's top byte
-  }
-}
-
-inline vf halves_to_floats(vu16 h) {
-#if defined(__AVX512F__)
-  __m256i v;
-  std::memcpy(&v, &h, 32);
-  return (vf)_mm512_cvtph_ps(v);
-#elif defined(__F16C__)
-  __m128i lo, hi;
-  std::memcpy(&lo, &h, 16);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&h) + 16, 16);
-  __m256 a = _mm256_cvtph_ps(lo), b = _mm256_cvtph_ps(hi);
-  vf out;
-  std::memcpy(&out, &a, 32);
-  std::memcpy(reinterpret_cast<char*>(&out) + 32, &b, 32);
-  return out;
-#else
-  vf out;
-  for (int j = 0; j < kLanes; ++j) out[j] = half_to_float(h[j]);
-  return out;
-#endif
-}
-
-// 16 weights from element i on, widened to fp32
-template <int K>
-inline vf widen16(const void* p, int64_t i) {
-  if constexpr (K == kBF16) {
-#if defined(__AVX512F__)
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
-    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
-#else
-    vu16 h;
-    std::memcpy(&h, static_cast<const uint16_t*>(p) + i, 32);
-    return (vf)(__builtin_convertvector(h, vu32) << 16);
-#endif
-  } else if constexpr (K == kF16) {
-    vu16 h;
-    std::memcpy(&h, static_cast<const uint16_t*>(p) + i, 32);
-    return halves_to_floats(h);
-  } else {
-    vu8 b;
-    std::memcpy(&b, static_cast<const uint8_t*>(p) + i, 16);
-    vu16 w = __builtin_convertvector(b, vu16);
-    if constexpr (K == kE5M2) {
-      return halves_to_floats(w << 8);
-    } else {
-      vf f = halves_to_floats(((w & 0x80) << 8) | ((w & 0x7f) << 7)) * 256.0f;
-      vu32 nan = __builtin_convertvector((w & 0x7f) == 0x7f, vu32);  // all ones where NaN
-      return (vf)(((vu32)f & ~nan) | (nan & 0x7fc00000u));
-    }
-  }
-}
-
-inline float hsum(vf v) {
-  float s = 0.0f;
-  for (int j = 0; j < kLanes; ++j) s += v[j];
-  return s;
-}
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, 64);
-  return v;
-}
-
-inline void store(float* p, vf v) { std::memcpy(p, &v, 64); }
-
-// R dot products: weight row o against x's rows, C accumulator chains per row, about 16
-// in all (measured: 8 chains leave the FMA units waiting half the time)
-template <int K, int R>
-inline void dots(const float* x, const void* w, int64_t in, int64_t o, float* sums) {
-  constexpr int C = R >= 16 ? 1 : 16 / R;
-  const int64_t base = o * in;
-  vf acc[C][R];
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) acc[c][r] = vf{};
-  int64_t k = 0;
-  for (; k + C * kLanes <= in; k += C * kLanes)
-    for (int c = 0; c < C; ++c) {
-      vf wv = widen16<K>(w, base + k + c * kLanes);
-      for (int r = 0; r < R; ++r) acc[c][r] += wv * load(x + r * in + k + c * kLanes);
-    }
-  for (; k + kLanes <= in; k += kLanes) {
-    vf wv = widen16<K>(w, base + k);
-    for (int r = 0; r < R; ++r) acc[0][r] += wv * load(x + r * in + k);
-  }
-  for (int r = 0; r < R; ++r) {
-    vf a = acc[0][r];
-    for (int c = 1; c < C; ++c) a += acc[c][r];
-    float s = hsum(a);
-    for (int64_t j = k; j < in; ++j) s += widen1<K>(w, base + j) * x[r * in + j];
-    sums[r] = s;
-  }
-}
-
-// weight [out, in]: one output after the other, so that the weight is read front to back
-// (measured: reading two rows side by side, to share the loads of x, is up to 2x slower
-// from memory)
-template <int K, int R>
-void rows_kernel(const float* x, const void* w, const float* bias, float* y, int64_t in, int64_t out) {
-  int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / std::max<int64_t>(in, 1));
-  at::parallel_for(0, out, grain, [&](int64_t begin, int64_t end) {
-    float sums[R];
-    for (int64_t o = begin; o < end; ++o) {
-      dots<K, R>(x, w, in, o, sums);
-      for (int r = 0; r < R; ++r) y[r * out + o] = sums[r] + (bias ? bias[o] : 0.0f);
-    }
-  });
-}
-
-// weight [in, out]: y[r, cols] += x[r, i] * W[i, cols] over IB weight rows at a time (the
-// partial sums are loaded and stored once per IB rows), the partial sums of a block of
-// columns (32 KiB) kept in the first-level cache
-template <int K, int R>
-void cols_kernel(const float* x, const void* w, const float* bias, float* y, int64_t in, int64_t out) {
-  constexpr int IB = R <= 2 ? 1 : R <= 4 ? 2 : 4;
-  constexpr int64_t kBlock = 8192 / R / kLanes * kLanes;
-  int64_t vectors = (out + kLanes - 1) / kLanes;
-  int64_t grain = std::max<int64_t>(4, (int64_t(1) << 16) / std::max<int64_t>(in, 1) / kLanes);
-  at::parallel_for(0, vectors, grain, [&](int64_t vbegin, int64_t vend) {
-    std::unique_ptr<float[]> part(new float[R * kBlock]);
-    int64_t stop = std::min(vend * kLanes, out);
-    for (int64_t c0 = vbegin * kLanes; c0 < stop; c0 += kBlock) {
-      int64_t width = std::min(kBlock, stop - c0);
-      int64_t full = width / kLanes * kLanes;
-      for (int r = 0; r < R; ++r)
-        for (int64_t j = 0; j < width; ++j) part[r * kBlock + j] = bias ? bias[c0 + j] : 0.0f;
-      int64_t i = 0;
-      for (; i + IB <= in; i += IB) {
-        float xs[R][IB];
-        for (int r = 0; r < R; ++r)
-          for (int t = 0; t < IB; ++t) xs[r][t] = x[r * in + i + t];
-        const int64_t row = i * out + c0;
-        for (int64_t j = 0; j < full; j += kLanes) {
-          vf wv[IB];
-          for (int t = 0; t < IB; ++t) wv[t] = widen16<K>(w, row + t * out + j);
-          for (int r = 0; r < R; ++r) {
-            float* p = &part[r * kBlock + j];
-            vf a = load(p);
-            for (int t = 0; t < IB; ++t) a += xs[r][t] * wv[t];
-            store(p, a);
-          }
-        }
-        for (int64_t j = full; j < width; ++j)
-          for (int t = 0; t < IB; ++t) {
-            float wt = widen1<K>(w, row + t * out + j);
-            for (int r = 0; r < R; ++r) part[r * kBlock + j] += xs[r][t] * wt;
-          }
-      }
-      for (; i < in; ++i)
-        for (int64_t j = 0; j < width; ++j) {
-          float wt = widen1<K>(w, i * out + c0 + j);
-          for (int r = 0; r < R; ++r) part[r * kBlock + j] += x[r * in + i] * wt;
-        }
-      for (int r = 0; r < R; ++r) std::memcpy(y + r * out + c0, &part[r * kBlock], width * sizeof(float));
-    }
-  });
-}
-
-template <int K>
-void run(bool transposed, int64_t rows, const float* x, const void* w, const at::Tensor* bias, float* y, int64_t in,
-         int64_t out) {
-  const float* b = nullptr;
-  std::unique_ptr<float[]> wide;
-  if (bias != nullptr && bias->scalar_type() == at::kFloat) {
-    b = bias->data_ptr<float>();
-  } else if (bias != nullptr) {  // stored as narrow as the weight
-    wide.reset(new float[out]);
-    for (int64_t j = 0; j < out; ++j) wide[j] = widen1<K>(bias->data_ptr(), j);
-    b = wide.get();
-  }
-#define TS_ROWS(R)                                \
-  case R:                                         \
-    if (transposed)                               \
-      cols_kernel<K, R>(x, w, b, y, in, out);     \
-    else                                          \
-      rows_kernel<K, R>(x, w, b, y, in, out);     \
-    return;
-  switch (rows) {
-    TS_ROWS(1) TS_ROWS(2) TS_ROWS(3) TS_ROWS(4) TS_ROWS(5) TS_ROWS(6) TS_ROWS(7) TS_ROWS(8)
-    default:
-      TORCH_CHECK(false, "narrow matvec: 1 to 8 rows, got ", rows);
-  }
-#undef TS_ROWS
-}
-
-at::Tensor narrow_matvec(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                         bool transposed) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "narrow matvec: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous(),
-              "narrow matvec: x must be a contiguous float32 tensor");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "narrow matvec: the weight must be contiguous and 2-d");
-  int64_t in = transposed ? weight.size(0) : weight.size(1);
-  int64_t out = transposed ? weight.size(1) : weight.size(0);
-  TORCH_CHECK(x.size(-1) == in && in > 0, "narrow matvec: x has ", x.size(-1), " columns, the weight takes ", in);
-  int64_t rows = x.numel() / in;
-  const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
-  TORCH_CHECK(b == nullptr || ((b->scalar_type() == at::kFloat || b->scalar_type() == weight.scalar_type()) &&
-                               b->device().is_cpu() && b->is_contiguous() && b->numel() == out),
-              "narrow matvec: the bias must be a contiguous float32 tensor (or one of the weight's dtype) of ",
-              out, " elements");
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.back() = out;
-  at::Tensor y = at::empty(sizes, x.options());
-  const float* xp = x.data_ptr<float>();
-  const void* wp = weight.data_ptr();
-  float* yp = y.data_ptr<float>();
-  switch (weight.scalar_type()) {
-    case at::kBFloat16: run<kBF16>(transposed, rows, xp, wp, b, yp, in, out); break;
-    case at::kHalf: run<kF16>(transposed, rows, xp, wp, b, yp, in, out); break;
-    case at::kFloat8_e4m3fn: run<kE4M3>(transposed, rows, xp, wp, b, yp, in, out); break;
-    case at::kFloat8_e5m2: run<kE5M2>(transposed, rows, xp, wp, b, yp, in, out); break;
-    default: TORCH_CHECK(false, "narrow matvec: no kernel for a ", weight.scalar_type(), " weight");
-  }
-  return y;
-}
-
-}  // namespace
-
-TORCH_LIBRARY(TS_NAMESPACE, m) {
-  m.def("matvec(Tensor x, Tensor weight, Tensor? bias, bool transposed) -> Tensor");
-  m.impl("matvec", c10::DispatchKey::CPU, TORCH_FN(narrow_matvec));
-}
-"""
 
 
 def _cpu_features() -> str:
@@ -352,40 +83,149 @@ def _flags() -> list[str]:
 
 _Key = tuple[bool, int, torch.dtype, tuple[int, ...]]
 
+# Run in a child process: build (or find cached) the extension described by argv[1].
+# Run in a child process at a lower priority (inherited by the compiler it runs), so that
+# the forwards running meanwhile keep the cores: build, or find cached, the extension.
+_CHILD = (
+    "import json, os, sys\n"
+    "if hasattr(os, 'nice'): os.nice(10)\n"
+    "from torch.utils.cpp_extension import load\n"
+    "load(**json.loads(sys.argv[1]))\n"
+)
+
+
+def _source_path() -> str:
+    return str(importlib.resources.files("torchsurgery.offloading").joinpath("narrow_matvec.cpp"))
+
+
+def _spec() -> dict[str, Any]:
+    """``torch.utils.cpp_extension.load``'s arguments for this machine, source and torch."""
+    path = _source_path()
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    flags = _flags()
+    digest = hashlib.sha256("\0".join([source, *flags, _cpu_features(), torch.__version__]).encode()).hexdigest()[:16]
+    name = f"torchsurgery_narrow_{digest}"
+    return {
+        "name": name, "sources": [path], "extra_cflags": [*flags, f"-DTS_NAMESPACE={name}"],
+        "extra_ldflags": [f for f in flags if f == "-fopenmp"], "is_python_module": False,
+    }
+
+
+def _no_compiler() -> str | None:
+    """Why no build can run here (no C++ compiler, no ninja), or None."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler {compiler!r} found (install g++ or clang++, or set CXX)"
+    try:
+        import ninja  # noqa: F401  (torch's extension builder runs it)
+    except ImportError:
+        if shutil.which("ninja") is None:
+            return "ninja is not installed (pip install ninja)"
+    return None
+
+
+def _cached(name: str) -> bool:
+    """Whether torch's extensions directory holds a build of ``name`` already."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return os.path.exists(os.path.join(_get_build_directory(name, False), f"{name}.so"))
+    except Exception:  # another torch: build in the child, which finds the cache itself
+        return False
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
 
 class _NarrowMatvec:
-    """The kernel, built on first use; per-(layout, rows, dtype, shape) failures remembered."""
+    """The kernel, built in the background; per-(layout, rows, dtype, shape) failures remembered.
+
+    Example:
+        >>> import torch
+        >>> from torchsurgery.offloading.narrow_matvec import narrow_matvec
+        >>> narrow_matvec.start()  # returns at once; calls answer None until the kernel is ready
+        >>> if narrow_matvec.wait():
+        ...     w = torch.eye(2, dtype=torch.bfloat16)
+        ...     print(narrow_matvec(torch.ones(1, 2), w, None, False).tolist())
+        ... else:
+        ...     print([[1.0, 1.0]])
+        [[1.0, 1.0]]
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._op: Callable[..., torch.Tensor] | None = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._warned = False
         self.unavailable: str | None = None  # why the kernel could not be built
         self.failed: set[_Key] = set()
 
-    def _build(self) -> Callable[..., torch.Tensor] | None:
-        with self._lock:
-            if self._op is None and self.unavailable is None:
-                flags = _flags()
-                digest = hashlib.sha256("\0".join([_SOURCE, *flags, _cpu_features(), torch.__version__]).encode()).hexdigest()[:16]
-                namespace = f"torchsurgery_narrow_{digest}"
-                try:
-                    from torch.utils.cpp_extension import load_inline
+    @property
+    def pending(self) -> bool:
+        """True while a build runs (calls answer None, but the kernel may come)."""
+        return self._thread is not None and not self._done.is_set()
 
-                    load_inline(
-                        namespace, cpp_sources=_SOURCE, extra_cflags=[*flags, f"-DTS_NAMESPACE={namespace}"],
-                        extra_ldflags=[f for f in flags if f == "-fopenmp"], no_implicit_headers=True,
-                        is_python_module=False,
+    def start(self) -> None:
+        """Start building (or loading the cached build) in the background, once; returns at once."""
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._build, name="torchsurgery-narrow-kernel", daemon=True)
+            self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the build (starting it if needed); whether the kernel is available.
+
+        Args:
+            timeout: seconds to wait at most; None waits for the build to end.
+        """
+        self.start()
+        self._done.wait(timeout)
+        self._tell()
+        return self._op is not None
+
+    def _build(self) -> None:
+        try:
+            why = _no_compiler()
+            spec = _spec() if why is None else None
+            if spec is not None:
+                # the compiler runs in a child; this process then loads what it left in the
+                # cache (or finds it there already)
+                child = None
+                if not _cached(spec["name"]):
+                    child = subprocess.run(
+                        [sys.executable, "-c", _CHILD, json.dumps(spec)], capture_output=True, text=True, check=False
                     )
-                    self._op = getattr(torch.ops, namespace).matvec
-                except Exception as exc:  # no compiler, or it failed: the callers take another path
-                    first_line = (str(exc).strip().splitlines() or [""])[0]
-                    self.unavailable = f"{type(exc).__name__}: {first_line}"[:300]
-                    warnings.warn(
-                        f"torchsurgery.offload: the native narrow-weight CPU kernel could not be built "
-                        f"({self.unavailable}); narrow weights take the compiled or the cast path",
-                        stacklevel=4,
-                    )
-            return self._op
+                if child is not None and child.returncode != 0:
+                    why = f"the build failed: {_last_line(child.stderr or child.stdout)}"
+                else:
+                    from torch.utils.cpp_extension import load
+
+                    load(**spec)
+                    self._op = getattr(torch.ops, spec["name"]).matvec
+        except Exception as exc:  # anything else: the callers take another path
+            why = f"{type(exc).__name__}: {_last_line(str(exc))}"
+        if self._op is None:
+            self.unavailable = (why or "unknown")[:300]
+        self._done.set()
+
+    def _tell(self) -> None:
+        """The one warning that the kernel is unavailable, in the caller's thread."""
+        if self.unavailable is None or self._warned:
+            return
+        with self._lock:
+            if self._warned:
+                return
+            self._warned = True
+        warnings.warn(
+            f"torchsurgery.offload: the native narrow-weight CPU kernel could not be built "
+            f"({self.unavailable}); narrow weights take the compiled or the cast path",
+            stacklevel=4,
+        )
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool
@@ -393,12 +233,17 @@ class _NarrowMatvec:
         """``x @ weight.T + bias`` (``x @ weight + bias`` when ``transposed``) in fp32, or None.
 
         ``x`` is a contiguous fp32 ``[..., in]`` tensor of 1 to :data:`NATIVE_MAX_ROWS` rows
-        (the leading dimensions together), the result ``[..., out]``; ``weight`` a contiguous 2-d tensor of one of :data:`NATIVE_DTYPES`, ``bias``
-        None or ``out`` elements in fp32 or the weight's dtype; none of them needs a gradient.
-        None means: no kernel for this call, take another path.
+        (the leading dimensions together), the result ``[..., out]``; ``weight`` a contiguous
+        2-d tensor of one of :data:`NATIVE_DTYPES`, ``bias`` None or ``out`` elements in fp32
+        or the weight's dtype; none of them needs a gradient. None means: no kernel for this
+        call (not yet, or not at all), take another path.
         """
-        op = self._op if self._op is not None else self._build()
+        op = self._op
         if op is None:
+            if self._thread is None:
+                self.start()
+            elif self._done.is_set():
+                self._tell()
             return None
         key = (transposed, x.numel() // max(1, x.shape[-1]), weight.dtype, tuple(weight.shape))
         if key in self.failed:

@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils._pytree import tree_map, tree_map_only
 
 from torchsurgery._swap import user_attributes
-from torchsurgery.offloading.narrow import Scratch, narrow_product
+from torchsurgery.offloading.narrow import Scratch, narrow_product, prepare_kernel
 from torchsurgery.offloading.stats import OffloadStats
 from torchsurgery.patching import Patch, patches
 
@@ -505,6 +505,7 @@ def offloaded_like(
     set on the tensor object are carried along.
     """
     wrapper = OffloadedTensor(stored, dtype, reads=reads)
+    prepare_kernel(shadow_dtype if shadow_dtype is not None else stored.dtype, stored.device)
     if shadow_dtype is not None:  # follows the very tensor the wrapper keeps (copies keep the link)
         wrapper.__dict__[_SHADOW] = Shadow(wrapper.stored, shadow_dtype)
     new: torch.Tensor = wrapper

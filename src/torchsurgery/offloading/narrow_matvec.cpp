@@ -1,0 +1,293 @@
+// The native narrow-weight CPU kernel of torchsurgery.offloading.narrow_matvec.
+//
+// y = x @ W.T + b (or x @ W + b for a weight stored [in, out]) for x of 1 to 8 fp32 rows and
+// W stored in bf16, fp16 or fp8 (e4m3fn, e5m2): each weight element is widened in registers
+// and accumulated in fp32, so a step reads the narrow bytes once. Built by
+// torch.utils.cpp_extension with -DTS_NAMESPACE=<the op namespace>; see narrow_matvec.py.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kLanes = 16;
+typedef float vf __attribute__((vector_size(64)));
+typedef uint32_t vu32 __attribute__((vector_size(64)));
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+typedef uint8_t vu8 __attribute__((vector_size(16)));
+
+enum Kind { kBF16, kF16, kE4M3, kE5M2 };
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// scalar widening (tails and biases), exact for every value, subnormals included
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t man = h & 0x3ff;
+  if (exp == 0) {
+    float v = float(man) * (1.0f / 16777216.0f);  // man * 2^-24
+    return (h & 0x8000) ? -v : v;
+  }
+  if (exp == 31) return bits_to_float(sign | 0x7f800000u | (man << 13));
+  return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+// e4m3fn as an fp16 bit pattern 2^8 too small: the exponent bias differs by 8
+inline uint16_t e4m3_to_half_bits(uint8_t b) {
+  return uint16_t((uint16_t(b & 0x80) << 8) | (uint16_t(b & 0x7f) << 7));
+}
+
+template <int K>
+inline float widen1(const void* p, int64_t i) {
+  if constexpr (K == kBF16) {
+    return bits_to_float(uint32_t(static_cast<const uint16_t*>(p)[i]) << 16);
+  } else if constexpr (K == kF16) {
+    return half_to_float(static_cast<const uint16_t*>(p)[i]);
+  } else if constexpr (K == kE4M3) {
+    uint8_t b = static_cast<const uint8_t*>(p)[i];
+    if ((b & 0x7f) == 0x7f) return bits_to_float(0x7fc00000u);  // e4m3fn's only NaN
+    return half_to_float(e4m3_to_half_bits(b)) * 256.0f;
+  } else {
+    return half_to_float(uint16_t(static_cast<const uint8_t*>(p)[i]) << 8);  // e5m2: fp16's top byte
+  }
+}
+
+inline vf halves_to_floats(vu16 h) {
+#if defined(__AVX512F__)
+  __m256i v;
+  std::memcpy(&v, &h, 32);
+  return (vf)_mm512_cvtph_ps(v);
+#elif defined(__F16C__)
+  __m128i lo, hi;
+  std::memcpy(&lo, &h, 16);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&h) + 16, 16);
+  __m256 a = _mm256_cvtph_ps(lo), b = _mm256_cvtph_ps(hi);
+  vf out;
+  std::memcpy(&out, &a, 32);
+  std::memcpy(reinterpret_cast<char*>(&out) + 32, &b, 32);
+  return out;
+#else
+  vf out;
+  for (int j = 0; j < kLanes; ++j) out[j] = half_to_float(h[j]);
+  return out;
+#endif
+}
+
+// 16 weights from element i on, widened to fp32
+template <int K>
+inline vf widen16(const void* p, int64_t i) {
+  if constexpr (K == kBF16) {
+#if defined(__AVX512F__)
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#else
+    vu16 h;
+    std::memcpy(&h, static_cast<const uint16_t*>(p) + i, 32);
+    return (vf)(__builtin_convertvector(h, vu32) << 16);
+#endif
+  } else if constexpr (K == kF16) {
+    vu16 h;
+    std::memcpy(&h, static_cast<const uint16_t*>(p) + i, 32);
+    return halves_to_floats(h);
+  } else {
+    vu8 b;
+    std::memcpy(&b, static_cast<const uint8_t*>(p) + i, 16);
+    vu16 w = __builtin_convertvector(b, vu16);
+    if constexpr (K == kE5M2) {
+      return halves_to_floats(w << 8);
+    } else {
+      vf f = halves_to_floats(((w & 0x80) << 8) | ((w & 0x7f) << 7)) * 256.0f;
+      vu32 nan = __builtin_convertvector((w & 0x7f) == 0x7f, vu32);  // all ones where NaN
+      return (vf)(((vu32)f & ~nan) | (nan & 0x7fc00000u));
+    }
+  }
+}
+
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int j = 0; j < kLanes; ++j) s += v[j];
+  return s;
+}
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, 64);
+  return v;
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, 64); }
+
+// R dot products: weight row o against x's rows, C accumulator chains per row, about 16
+// in all (measured: 8 chains leave the FMA units waiting half the time)
+template <int K, int R>
+inline void dots(const float* x, const void* w, int64_t in, int64_t o, float* sums) {
+  constexpr int C = R >= 16 ? 1 : 16 / R;
+  const int64_t base = o * in;
+  vf acc[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = vf{};
+  int64_t k = 0;
+  for (; k + C * kLanes <= in; k += C * kLanes)
+    for (int c = 0; c < C; ++c) {
+      vf wv = widen16<K>(w, base + k + c * kLanes);
+      for (int r = 0; r < R; ++r) acc[c][r] += wv * load(x + r * in + k + c * kLanes);
+    }
+  for (; k + kLanes <= in; k += kLanes) {
+    vf wv = widen16<K>(w, base + k);
+    for (int r = 0; r < R; ++r) acc[0][r] += wv * load(x + r * in + k);
+  }
+  for (int r = 0; r < R; ++r) {
+    vf a = acc[0][r];
+    for (int c = 1; c < C; ++c) a += acc[c][r];
+    float s = hsum(a);
+    for (int64_t j = k; j < in; ++j) s += widen1<K>(w, base + j) * x[r * in + j];
+    sums[r] = s;
+  }
+}
+
+// weight [out, in]: one output after the other, so that the weight is read front to back
+// (measured: reading two rows side by side, to share the loads of x, is up to 2x slower
+// from memory)
+template <int K, int R>
+void rows_kernel(const float* x, const void* w, const float* bias, float* y, int64_t in, int64_t out) {
+  int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / std::max<int64_t>(in, 1));
+  at::parallel_for(0, out, grain, [&](int64_t begin, int64_t end) {
+    float sums[R];
+    for (int64_t o = begin; o < end; ++o) {
+      dots<K, R>(x, w, in, o, sums);
+      for (int r = 0; r < R; ++r) y[r * out + o] = sums[r] + (bias ? bias[o] : 0.0f);
+    }
+  });
+}
+
+// weight [in, out]: y[r, cols] += x[r, i] * W[i, cols] over IB weight rows at a time (the
+// partial sums are loaded and stored once per IB rows), the partial sums of a block of
+// columns (32 KiB) kept in the first-level cache
+template <int K, int R>
+void cols_kernel(const float* x, const void* w, const float* bias, float* y, int64_t in, int64_t out) {
+  constexpr int IB = R <= 2 ? 1 : R <= 4 ? 2 : 4;
+  constexpr int64_t kBlock = 8192 / R / kLanes * kLanes;
+  int64_t vectors = (out + kLanes - 1) / kLanes;
+  int64_t grain = std::max<int64_t>(4, (int64_t(1) << 16) / std::max<int64_t>(in, 1) / kLanes);
+  at::parallel_for(0, vectors, grain, [&](int64_t vbegin, int64_t vend) {
+    std::unique_ptr<float[]> part(new float[R * kBlock]);
+    int64_t stop = std::min(vend * kLanes, out);
+    for (int64_t c0 = vbegin * kLanes; c0 < stop; c0 += kBlock) {
+      int64_t width = std::min(kBlock, stop - c0);
+      int64_t full = width / kLanes * kLanes;
+      for (int r = 0; r < R; ++r)
+        for (int64_t j = 0; j < width; ++j) part[r * kBlock + j] = bias ? bias[c0 + j] : 0.0f;
+      int64_t i = 0;
+      for (; i + IB <= in; i += IB) {
+        float xs[R][IB];
+        for (int r = 0; r < R; ++r)
+          for (int t = 0; t < IB; ++t) xs[r][t] = x[r * in + i + t];
+        const int64_t row = i * out + c0;
+        for (int64_t j = 0; j < full; j += kLanes) {
+          vf wv[IB];
+          for (int t = 0; t < IB; ++t) wv[t] = widen16<K>(w, row + t * out + j);
+          for (int r = 0; r < R; ++r) {
+            float* p = &part[r * kBlock + j];
+            vf a = load(p);
+            for (int t = 0; t < IB; ++t) a += xs[r][t] * wv[t];
+            store(p, a);
+          }
+        }
+        for (int64_t j = full; j < width; ++j)
+          for (int t = 0; t < IB; ++t) {
+            float wt = widen1<K>(w, row + t * out + j);
+            for (int r = 0; r < R; ++r) part[r * kBlock + j] += xs[r][t] * wt;
+          }
+      }
+      for (; i < in; ++i)
+        for (int64_t j = 0; j < width; ++j) {
+          float wt = widen1<K>(w, i * out + c0 + j);
+          for (int r = 0; r < R; ++r) part[r * kBlock + j] += x[r * in + i] * wt;
+        }
+      for (int r = 0; r < R; ++r) std::memcpy(y + r * out + c0, &part[r * kBlock], width * sizeof(float));
+    }
+  });
+}
+
+template <int K>
+void run(bool transposed, int64_t rows, const float* x, const void* w, const at::Tensor* bias, float* y, int64_t in,
+         int64_t out) {
+  const float* b = nullptr;
+  std::unique_ptr<float[]> wide;
+  if (bias != nullptr && bias->scalar_type() == at::kFloat) {
+    b = bias->data_ptr<float>();
+  } else if (bias != nullptr) {  // stored as narrow as the weight
+    wide.reset(new float[out]);
+    for (int64_t j = 0; j < out; ++j) wide[j] = widen1<K>(bias->data_ptr(), j);
+    b = wide.get();
+  }
+#define TS_ROWS(R)                                \
+  case R:                                         \
+    if (transposed)                               \
+      cols_kernel<K, R>(x, w, b, y, in, out);     \
+    else                                          \
+      rows_kernel<K, R>(x, w, b, y, in, out);     \
+    return;
+  switch (rows) {
+    TS_ROWS(1) TS_ROWS(2) TS_ROWS(3) TS_ROWS(4) TS_ROWS(5) TS_ROWS(6) TS_ROWS(7) TS_ROWS(8)
+    default:
+      TORCH_CHECK(false, "narrow matvec: 1 to 8 rows, got ", rows);
+  }
+#undef TS_ROWS
+}
+
+at::Tensor narrow_matvec(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                         bool transposed) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "narrow matvec: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous(),
+              "narrow matvec: x must be a contiguous float32 tensor");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "narrow matvec: the weight must be contiguous and 2-d");
+  int64_t in = transposed ? weight.size(0) : weight.size(1);
+  int64_t out = transposed ? weight.size(1) : weight.size(0);
+  TORCH_CHECK(x.size(-1) == in && in > 0, "narrow matvec: x has ", x.size(-1), " columns, the weight takes ", in);
+  int64_t rows = x.numel() / in;
+  const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
+  TORCH_CHECK(b == nullptr || ((b->scalar_type() == at::kFloat || b->scalar_type() == weight.scalar_type()) &&
+                               b->device().is_cpu() && b->is_contiguous() && b->numel() == out),
+              "narrow matvec: the bias must be a contiguous float32 tensor (or one of the weight's dtype) of ",
+              out, " elements");
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = out;
+  at::Tensor y = at::empty(sizes, x.options());
+  const float* xp = x.data_ptr<float>();
+  const void* wp = weight.data_ptr();
+  float* yp = y.data_ptr<float>();
+  switch (weight.scalar_type()) {
+    case at::kBFloat16: run<kBF16>(transposed, rows, xp, wp, b, yp, in, out); break;
+    case at::kHalf: run<kF16>(transposed, rows, xp, wp, b, yp, in, out); break;
+    case at::kFloat8_e4m3fn: run<kE4M3>(transposed, rows, xp, wp, b, yp, in, out); break;
+    case at::kFloat8_e5m2: run<kE5M2>(transposed, rows, xp, wp, b, yp, in, out); break;
+    default: TORCH_CHECK(false, "narrow matvec: no kernel for a ", weight.scalar_type(), " weight");
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(TS_NAMESPACE, m) {
+  m.def("matvec(Tensor x, Tensor weight, Tensor? bias, bool transposed) -> Tensor");
+  m.impl("matvec", c10::DispatchKey::CPU, TORCH_FN(narrow_matvec));
+}
