@@ -273,3 +273,18 @@ def test_through_cache_matches_fp32_for_every_narrow_dtype() -> None:
                 for scratch in (None, narrow.Scratch()):
                     got = narrow.through_cache(x, weight, bias, transposed, scratch)
                     torch.testing.assert_close(got, reference(x, weight, bias, transposed), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_widens_exactly_for_every_bit_pattern(dtype: torch.dtype) -> None:
+    # the cast path widens fp8 through fp16's conversion: every value, zeros' signs, NaNs and
+    # (e5m2) infinities must come out as torch's own conversion gives them
+    every = torch.arange(256, dtype=torch.uint8).view(dtype)
+    finite = every[~every.float().isnan()].contiguous()
+    for weight in (every, finite):
+        expected = weight.float()
+        got = narrow.widen_into(torch.empty(weight.shape), weight)
+        assert torch.equal(got.isnan(), expected.isnan())
+        assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))
+        assert torch.equal(got.signbit(), expected.signbit())
+        assert torch.equal(narrow.Scratch().widen(weight, torch.float32).nan_to_num(7.0), got.nan_to_num(7.0))

@@ -119,6 +119,36 @@ class _FusedKernels:
 _fused = _FusedKernels()
 
 
+_FP8_NAN = 0x7F  # e4m3fn's NaN, with either sign (it has no infinities)
+
+
+def widen_into(out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``out.copy_(weight)``, exact, with fp8 widened through fp16's vector conversion.
+
+    torch converts fp8 one element at a time (several times slower than bf16); an fp8 value
+    is an fp16 bit pattern a shift away (e5m2 is fp16's top byte; e4m3fn's is 2^8 too small),
+    and fp16 widens in vector instructions. A slice holding an e4m3fn NaN takes torch's own
+    conversion (the shifted pattern would read as 480).
+
+    Example:
+        >>> import torch
+        >>> w = torch.tensor([0.5, -3.0, 448.0]).to(torch.float8_e4m3fn)
+        >>> widen_into(torch.empty(3), w).tolist()
+        [0.5, -3.0, 448.0]
+    """
+    fp8 = weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if not fp8 or out.dtype != torch.float32 or not weight.is_contiguous() or not out.is_contiguous():
+        return out.copy_(weight)
+    bits = weight.view(torch.uint8)
+    if weight.dtype == torch.float8_e4m3fn:
+        if bits.bitwise_and(_FP8_NAN).eq_(_FP8_NAN).any():
+            return out.copy_(weight)
+        # the byte in the high half, moved down one bit: sign kept, the exponent's top bit clear
+        half = bits.to(torch.int16).bitwise_left_shift_(8).bitwise_right_shift_(1).bitwise_and_(-16385)
+        return out.copy_(half.view(torch.float16)).mul_(256.0)
+    return out.copy_(bits.to(torch.int16).bitwise_left_shift_(8).view(torch.float16))
+
+
 class Scratch:
     """Reused full-width copies of narrow weights: one flat buffer per thread.
 
@@ -141,7 +171,7 @@ class Scratch:
             buffer = torch.empty(nbytes, dtype=torch.uint8)
             with self._lock:
                 self._buffers[thread] = buffer
-        return buffer[:nbytes].view(dtype).view(weight.shape).copy_(weight)
+        return widen_into(buffer[:nbytes].view(dtype).view(weight.shape), weight)
 
     def nbytes(self) -> int:
         """Bytes the buffers hold now."""
@@ -208,7 +238,7 @@ def through_cache(
         y = wide_bias.expand(rows, out).clone() if wide_bias is not None else x2d.new_zeros(rows, out)
         for i in range(0, inp, step):
             part = weight[i : i + step]
-            wide = scratch.widen(part, dtype) if scratch is not None else part.to(dtype)
+            wide = scratch.widen(part, dtype) if scratch is not None else widen_into(torch.empty(part.shape, dtype=dtype), part)
             y.addmm_(x2d[:, i : i + step], wide)
         return y
     out, inp = weight.shape  # [out, in]: y.T[slice] = W[slice] @ x.T
@@ -217,7 +247,7 @@ def through_cache(
     xt = x2d.t()
     for o in range(0, out, step):
         part = weight[o : o + step]
-        wide = scratch.widen(part, dtype) if scratch is not None else part.to(dtype)
+        wide = scratch.widen(part, dtype) if scratch is not None else widen_into(torch.empty(part.shape, dtype=dtype), part)
         torch.mm(wide, xt, out=yt[o : o + step])
     return yt.t().contiguous() if wide_bias is None else torch.add(yt.t(), wide_bias)
 
