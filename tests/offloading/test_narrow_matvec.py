@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -150,3 +151,30 @@ def test_the_kernel_source_ships_with_the_package() -> None:
     pyproject = pathlib.Path(__file__).parents[2] / "pyproject.toml"
     patterns = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["torchsurgery"]
     assert any(fnmatch.fnmatch("offloading/narrow_matvec.cpp", p) for p in patterns), patterns
+
+
+def test_a_build_killed_outright_does_not_stall_later_builds(tmp_path: Any) -> None:
+    # torch's build lock stays behind when a build is killed, and every later build waits on
+    # it forever: the build removes a lock older than any build takes, and keeps a fresh one
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from torchsurgery.offloading import narrow_matvec as module
+
+    spec = {"name": "never_built", "sources": [str(tmp_path / "missing.cpp")]}  # fails fast after the check
+    stale, fresh = tmp_path / "stale" / "lock", tmp_path / "fresh" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir()
+        lock.write_text("")
+    old = time.time() - module._STALE_LOCK_S - 60
+    os.utime(stale, (old, old))
+    for lock in (stale, fresh):
+        child = subprocess.run(
+            [sys.executable, "-c", module._CHILD, json.dumps(spec), str(lock), str(module._STALE_LOCK_S)],
+            capture_output=True, text=True, check=False,
+        )
+        assert child.returncode != 0 and "missing.cpp" in child.stderr
+    assert not stale.exists() and fresh.exists()

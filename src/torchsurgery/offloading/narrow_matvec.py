@@ -85,13 +85,20 @@ _Key = tuple[bool, int, torch.dtype, tuple[int, ...]]
 
 # Run in a child process: build (or find cached) the extension described by argv[1].
 # Run in a child process at a lower priority (inherited by the compiler it runs), so that
-# the forwards running meanwhile keep the cores: build, or find cached, the extension.
+# the forwards running meanwhile keep the cores: build, or find cached, the extension. A
+# build killed outright leaves torch's lock file behind, on which every later build would
+# wait forever; one older than any build takes is removed first.
 _CHILD = (
-    "import json, os, sys\n"
+    "import json, os, sys, time\n"
     "if hasattr(os, 'nice'): os.nice(10)\n"
     "from torch.utils.cpp_extension import load\n"
-    "load(**json.loads(sys.argv[1]))\n"
+    "spec, lock = json.loads(sys.argv[1]), sys.argv[2]\n"
+    "if lock and os.path.exists(lock) and time.time() - os.path.getmtime(lock) > float(sys.argv[3]):\n"
+    "    os.remove(lock)\n"
+    "load(**spec)\n"
 )
+_STALE_LOCK_S = 300.0  # a lock file older than this is left by a build that was killed
+_BUILD_TIMEOUT_S = 480.0  # a build still running after this is given up on
 
 
 def _source_path() -> str:
@@ -125,14 +132,15 @@ def _no_compiler() -> str | None:
     return None
 
 
-def _cached(name: str) -> bool:
-    """Whether torch's extensions directory holds a build of ``name`` already."""
+def _built_library(name: str) -> tuple[str, str] | None:
+    """Where torch's extensions directory keeps ``name``: (the library, the build lock), or None."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        return os.path.exists(os.path.join(_get_build_directory(name, False), f"{name}.so"))
-    except Exception:  # another torch: build in the child, which finds the cache itself
-        return False
+        directory = _get_build_directory(name, False)
+    except Exception:  # another torch: the child finds the cache itself, load() then loads it
+        return None
+    return os.path.join(directory, f"{name}.so"), os.path.join(directory, "lock")
 
 
 def _last_line(text: str) -> str:
@@ -195,18 +203,24 @@ class _NarrowMatvec:
             if spec is not None:
                 # the compiler runs in a child; this process then loads what it left in the
                 # cache (or finds it there already)
-                child = None
-                if not _cached(spec["name"]):
+                paths = _built_library(spec["name"])
+                if paths is None or not os.path.exists(paths[0]):
                     child = subprocess.run(
-                        [sys.executable, "-c", _CHILD, json.dumps(spec)], capture_output=True, text=True, check=False
+                        [sys.executable, "-c", _CHILD, json.dumps(spec), paths[1] if paths else "", str(_STALE_LOCK_S)],
+                        capture_output=True, text=True, check=False, timeout=_BUILD_TIMEOUT_S,
                     )
-                if child is not None and child.returncode != 0:
-                    why = f"the build failed: {_last_line(child.stderr or child.stdout)}"
-                else:
-                    from torch.utils.cpp_extension import load
+                    if child.returncode != 0:
+                        why = f"the build failed: {_last_line(child.stderr or child.stdout)}"
+                if why is None:
+                    if paths is not None and os.path.exists(paths[0]):
+                        torch.ops.load_library(paths[0])  # no build lock taken in this process
+                    else:
+                        from torch.utils.cpp_extension import load
 
-                    load(**spec)
+                        load(**spec)
                     self._op = getattr(torch.ops, spec["name"]).matvec
+        except subprocess.TimeoutExpired:
+            why = f"the build did not finish in {_BUILD_TIMEOUT_S:.0f} s"
         except Exception as exc:  # anything else: the callers take another path
             why = f"{type(exc).__name__}: {_last_line(str(exc))}"
         if self._op is None:
