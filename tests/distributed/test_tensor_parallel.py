@@ -3,6 +3,7 @@ and a transformers Llama parallelised with DTensor (no hints), against one proce
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from _models import MLP, tensor_parallel_mlp
 from _spawn import spawn
 from torch import nn
 
-from torchsurgery import FlexModel, HookFunction
+from torchsurgery import FlexModel, HookFunction, ShapeHintWarning
 
 pytestmark = pytest.mark.distributed
 HIDDEN = 16
@@ -72,6 +73,18 @@ def _tp_mlp_worker(rank: int, world: int) -> dict[str, Any]:
     result["rank0_edit_agrees"] = all(torch.equal(gathered[0], g) for g in gathered)
     noisy.restore()
 
+    # a hint that names no sharded dimension is told once, not raised; one that must shard but cannot, raised
+    hinted = FlexModel(model, {}, tensor_parallel_size=world)
+    hinted.register_forward_hook(HookFunction("fc2", (None, None, None, None)))  # fc2's output is whole
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hinted(x)
+        hinted(x)
+        hinted.get_module_parameter("fc2.bias", (None, None))
+    result["hints"] = [str(w.message) for w in caught if w.category is ShapeHintWarning]
+    result["bad_hint"] = outcome(lambda: hinted.get_module_parameter("fc2.bias", (99,)))
+    hinted.restore()
+
     try:
         FlexModel(model, {}, tensor_parallel_size=3)
         result["size_error"] = "no error"
@@ -103,6 +116,11 @@ def test_tensor_parallel_mlp_matches_one_process() -> None:
         assert "3 x pipeline_parallel_size 1 x data_parallel_size 1 = 3" in r["size_error"]
         assert "2 rank(s)" in r["size_error"]
         assert r["hooks_left"] == 0
+        assert len(r["hints"]) == 2, r["hints"]
+        assert "[None, None, None, None] of 'fc2' does not match its shape [3, 5, 8]" in r["hints"][0]
+        assert "[None, None] of 'fc2.bias' does not match its shape [8]" in r["hints"][1]
+        assert all("the hint names no sharded dimension" in m for m in r["hints"])
+        assert "expected_shape[0] is 99, but this rank holds 8 of it with tensor_parallel_size 2" in r["bad_hint"]
     assert results[1]["failure"].startswith("ValueError: boom on purpose")
 
 

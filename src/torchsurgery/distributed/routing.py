@@ -6,6 +6,7 @@ For each hook call on each rank:
    shard becomes the full tensor;
 2. **capture** (:mod:`~torchsurgery.distributed.shipping`): the first tensor-parallel
    rank keeps a copy, shipped at the end of the pass to every rank (or to the first);
+   with one replica and one stage, each tensor-parallel rank keeps its own instead;
 3. **edit** (:mod:`~torchsurgery.distributed.edits`): the ranks of the stage run the
    editing function and agree on whether it failed;
 4. **scatter**: each rank keeps its own batch rows and its own shard of the edited
@@ -84,8 +85,10 @@ class DistributedRouting:
                     "through the pipeline; call flex.backward(loss) on every rank (loss on the last stage)"
                 )
             self._shipping.ship_after_backward(captures)
-        whole = self._tensor_parallel.gather(local, binding, module, everywhere=edit is not None)
-        if whole.full is not None and self.layout.tp_rank == 0:
+        every_tp_rank = self._shipping.every_tp_rank  # each tensor-parallel rank keeps its own copy
+        source = local if edit is not None else local.detach()  # a capture needs no gradient path
+        whole = self._tensor_parallel.gather(source, binding, module, everywhere=edit is not None or every_tp_rank)
+        if whole.full is not None and (self.layout.tp_rank == 0 or every_tp_rank):
             self._shipping.keep(captures, binding, whole.full)
         if edit is None or whole.full is None:
             return None

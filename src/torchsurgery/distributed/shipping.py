@@ -1,9 +1,11 @@
 """Captures shipped to the ranks that hold ``output_ptr``: every rank, or the layout's first.
 
-The first tensor-parallel rank of each data-parallel replica and pipeline stage (a
-*sender*) keeps a CPU copy of every capture; at the end of the forward (or of the
-backward, for gradient hooks) the captures of the pass travel once, in one buffer per
-sender:
+With one replica and one stage, captures go straight to ``output_ptr``: on the first
+tensor-parallel rank, or on each of them for every rank (each keeps its own copy of the
+whole activation, which it has or gathers). Otherwise the first tensor-parallel rank of
+each replica and stage (a *sender*) keeps a CPU copy of every capture, and at the end of
+the forward (or of the backward, for gradient hooks) the captures of the pass travel
+once, in one buffer per sender:
 
 - ``captures_on="every_rank"`` (the default, where flex_model has them): one all-gather
   tells every rank each rank's head (failed?, size); then each sender's buffer is
@@ -86,8 +88,10 @@ class CaptureShipping:
     def __init__(self, layout: Layout, *, every_rank: bool = True) -> None:
         self.layout = layout
         self.every_rank = every_rank
-        # captures go straight to output_ptr when no other rank sends or receives any
-        self.direct = layout.dp_size == 1 and layout.pp_size == 1 and (layout.tp_size == 1 or not every_rank)
+        # one replica, one stage: captures go straight to output_ptr, no message needed
+        self.direct = layout.dp_size == 1 and layout.pp_size == 1
+        # ... and, for every rank, each tensor-parallel rank keeps its own (whole) copy
+        self.every_tp_rank = self.direct and every_rank
         self._pending: OutputPtr = {}
         self._averaged: set[str] = set()  # parameter-gradient keys: the replicas' pieces are averaged
         self._sends: list[tuple[Any, torch.Tensor]] = []

@@ -3,8 +3,9 @@
 A ``DTensor`` is gathered with ``full_tensor()`` and redistributed to its placements; a
 plain tensor is gathered along the dimension that :mod:`~torchsurgery.distributed.sharding`
 finds (from the hook's ``expected_shape``, else from the module's parallelisation plan)
-and chunked back. Capture-only hooks gather to the first tensor-parallel rank alone;
-editing hooks gather to every rank, differentiably, so gradients reach every shard.
+and chunked back. Capture-only hooks gather to the first tensor-parallel rank alone, or
+to every rank when each keeps its own capture; editing hooks gather to every rank,
+differentiably, so gradients reach every shard.
 """
 
 from __future__ import annotations
