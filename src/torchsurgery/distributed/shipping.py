@@ -7,15 +7,17 @@ each replica and stage (a *sender*) keeps a CPU copy of every capture, and at th
 the forward (or of the backward, for gradient hooks) the captures of the pass travel
 once, in one buffer per sender:
 
-- ``captures_on="every_rank"`` (the default, where flex_model has them): one all-gather
-  tells every rank each rank's head (failed?, size); then each sender's buffer is
-  broadcast to the others. Every rank merges the same pieces the same way, so every
+- ``captures_on="every_rank"`` (the default, where flex_model has them): every rank
+  all-gathers one frame per rank, a fixed head (failed?, size) and as many capture bytes
+  as the frames hold; a sender whose captures do not fit broadcasts them next. Every rank
+  sees every size and adopts the same next capacity
+  (:func:`~torchsurgery.distributed._wire.next_capacity`), so after the first pass one
+  all-gather carries a pass. Every rank merges the same pieces the same way, so every
   ``output_ptr`` ends up with the same captures.
-- ``captures_on="first_rank"``: each sender sends rank 0 one frame: a fixed head and as
-  many capture bytes as rank 0's buffer for it holds. Both sides grow that capacity alike
-  from the sizes seen (:func:`~torchsurgery.distributed._wire.next_capacity`), so after
-  the first pass a frame arrives in one message; a bigger one follows in a second. Point
-  to point only: the other ranks never wait for one another here.
+- ``captures_on="first_rank"``: each sender sends rank 0 one frame, its capacity grown
+  alike on both sides from the sizes seen, so after the first pass a frame arrives in one
+  message; a bigger one follows in a second. Point to point only: the other ranks never
+  wait for one another here.
 
 Merging: the data-parallel pieces of a key are concatenated along the batch dimension
 (sizes may differ) and each stage's keys are added in stage order. A parameter's
@@ -97,6 +99,7 @@ class CaptureShipping:
         self._sends: list[tuple[Any, torch.Tensor]] = []
         # frame capacity per sender position (rank 0 keeps every sender's; a sender its own at 0)
         self._capacity: dict[int, int] = dict.fromkeys(range(len(layout.ranks)), 0)
+        self._shared_capacity = 0  # every rank's frame capacity, delivering to every rank
         self._after_backward = False  # a ship is queued for the end of the running backward
 
     def keep(self, captures: Captures, binding: Binding, full: torch.Tensor) -> None:
@@ -155,25 +158,33 @@ class CaptureShipping:
         self._merge(output_ptr, {p: part for p, (_, part) in received.items()})
 
     def _exchange(self, pending: OutputPtr, failed: bool) -> dict[int, tuple[int, OutputPtr]]:
-        """Every rank's (status, captures), by position: heads all-gathered, buffers broadcast."""
+        """Every rank's (status, captures), by position: one all-gather of equal frames, then
+        a broadcast for each sender whose captures outgrew them."""
         layout, device = self.layout, self.layout.device
         items = _named(pending, self._averaged) if layout.tp_rank == 0 and not failed else []
         data = _wire.pack(items, device=device) if items else None
-        head = torch.tensor([int(failed), 0 if data is None else data.numel()], dtype=torch.int64, device=device)
-        heads = [torch.empty_like(head) for _ in layout.ranks]
-        dist.all_gather(heads, head, group=layout.group)
+        capacity = self._shared_capacity
+        first, rest = _wire.frame(data, status=int(failed), capacity=capacity, device=device)
+        frames = [torch.empty_like(first) for _ in layout.ranks]
+        dist.all_gather(frames, first, group=layout.group)
+        heads = [_wire.read_head(frame) for frame in frames]
         received: dict[int, tuple[int, OutputPtr]] = {}
-        for p, (status, size) in enumerate(h.tolist() for h in heads):
+        for p, (status, size) in enumerate(heads):
             part: OutputPtr = {}
             if p == layout.position:
                 part = pending
-                if data is not None:
-                    dist.broadcast(data, group_src=p, group=layout.group)
+                if rest is not None:
+                    dist.broadcast(rest, group_src=p, group=layout.group)
             elif size:
-                buffer = torch.empty(size, dtype=torch.uint8, device=device)
-                dist.broadcast(buffer, group_src=p, group=layout.group)
+                if size > capacity:
+                    buffer = torch.empty(size, dtype=torch.uint8, device=device)
+                    dist.broadcast(buffer, group_src=p, group=layout.group)
+                else:
+                    buffer = frames[p][_wire.FRAME_HEAD : _wire.FRAME_HEAD + size]
                 part = _part(_wire.unpack(buffer)[1], self._averaged)
-            received[p] = (int(status), part)
+            received[p] = (status, part)
+        # every rank saw every size: they all adopt the same capacity
+        self._shared_capacity = _wire.next_capacity(capacity, max(size for _, size in heads))
         return received
 
     def _send(self, pending: OutputPtr, failed: bool) -> None:
