@@ -2,10 +2,13 @@
 ranks: against flex_model itself (what it does on these CPUs) and against torchsurgery.
 
 How they run (the import shim, the CPU adaptations, the stand-in models) is in
-``_flex_model_wheel.py``. Each world size is one spawned world that runs every item that
-fits it, flex_model's run first, then ours, as flex_model's own multi-GPU launcher runs a
-batch of tests. docs/flex.md keeps the table of what runs, at which sizes, and why the rest
-does not run against torchsurgery; ``test_the_docs_table_is_this_suite`` holds it to that.
+``_flex_model_wheel.py``. Each library and world size is one spawned world that runs every
+item that fits it in turn, as flex_model's own multi-GPU launcher runs a batch of tests.
+flex_model's own runs are the reference column of docs/flex.md's table, facts about a
+pinned wheel: they are marked ``slow`` (``make slow``), which keeps half of this
+module's time out of ``make test``. docs/flex.md keeps the table of what runs, at which
+sizes, and why the rest does not run against torchsurgery;
+``test_the_docs_table_is_this_suite`` holds it to that.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from _flex_model_wheel import (
     SITE,
     items,
     llama_2_7b,
+    llama_2_13b,
     run_items,
     tokenizer,
 )
 from _spawn import spawn
+from torch import nn
 
 pytestmark = [
     pytest.mark.distributed,
@@ -36,29 +41,38 @@ pytestmark = [
 
 WORLDS = (1, 2, 4)
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "flex.md"
-_RUNS: dict[int, list[dict[str, dict[str, Any]]] | AssertionError] = {}
+_RUNS: dict[tuple[str, int], list[dict[str, dict[str, Any]]] | AssertionError] = {}
 
 
-def _world(world: int) -> list[dict[str, dict[str, Any]]]:
-    """Every rank's results of the world of ``world`` ranks (run once, on first use)."""
-    if world not in _RUNS:
-        plan = [(library, item.id) for library in LIBRARIES for item in items(library, world)]
+def _world(library: str, world: int) -> list[dict[str, dict[str, Any]]]:
+    """Every rank's results of ``library``'s items on ``world`` ranks (run once, on first use)."""
+    if (library, world) not in _RUNS:
+        plan = [(library, item.id) for item in items(library, world)]
         try:
-            _RUNS[world] = spawn(run_items, world, plan)
+            _RUNS[library, world] = [rank[library] for rank in spawn(run_items, world, plan)]
         except AssertionError as exc:  # a rank died: every item of the world reports it, none re-runs it
-            _RUNS[world] = exc
-    runs = _RUNS[world]
+            _RUNS[library, world] = exc
+    runs = _RUNS[library, world]
     if isinstance(runs, AssertionError):
         raise runs
     return runs
 
 
-CASES = [(library, world, item.id) for world in WORLDS for library in LIBRARIES for item in items(library, world)]
+def _marked(library: str) -> tuple[pytest.MarkDecorator, ...]:
+    return (pytest.mark.slow,) if library == "flex_model" else ()
 
 
-@pytest.mark.parametrize(("library", "world", "item"), CASES, ids=[f"{lib}-{w}rank-{i}" for lib, w, i in CASES])
+CASES = [
+    pytest.param(library, world, item.id, marks=_marked(library), id=f"{library}-{world}rank-{item.id}")
+    for world in WORLDS
+    for library in LIBRARIES
+    for item in items(library, world)
+]
+
+
+@pytest.mark.parametrize(("library", "world", "item"), CASES)
 def test_wheel_item_passes(library: str, world: int, item: str) -> None:
-    outcomes = [rank[library][item]["outcome"] for rank in _world(world)]
+    outcomes = [rank[item]["outcome"] for rank in _world(library, world)]
     assert outcomes == ["passed"] * world
 
 
@@ -76,27 +90,37 @@ def test_every_shipped_test_and_example_is_accounted_for() -> None:
     assert (len(ITEMS), len(public)) == (45, 19)  # the counts docs/flex.md quotes
 
 
-def test_examples_capture_what_a_plain_torch_hook_sees() -> None:
-    # single_gpu_example: the activation a plain forward hook takes from the same stand-in
+def _plain_hook(model: nn.Module, module: str, input_ids: torch.Tensor) -> torch.Tensor:
+    """What a plain forward hook on ``module`` takes from ``model`` run on ``input_ids``."""
     seen: list[torch.Tensor] = []
-    reference = llama_2_7b()
-    reference.model.layers[24].register_forward_hook(lambda m, a, out: seen.append(out[0] if isinstance(out, tuple) else out))
-    reference(tokenizer()("Where is the best spot for lunch?", return_tensors="pt")["input_ids"])
-    for library in LIBRARIES:
-        (activations,) = _world(1)[0][library]["examples/single_gpu_example.py"]["printed"]
-        assert list(activations) == ["model.layers.24"], library
-        torch.testing.assert_close(activations["model.layers.24"][0], seen[0], msg=library)
+    model.get_submodule(module).register_forward_hook(lambda m, a, out: seen.append(out[0] if isinstance(out, tuple) else out))
+    with torch.no_grad():
+        model(input_ids)
+    return seen[0]
 
-    # fsdp_example: rank 0 prints the activation of layer 30's MLP, all four prompts; ours is
-    # flex_model's at every size, and every size gives what one rank gives
-    example = "examples/fsdp_example.py"
-    one = _world(1)[0]["torchsurgery"][example]["printed"][1]
-    assert one.shape == (4, 512, 5120) and one.dtype == torch.bfloat16
+
+@pytest.mark.parametrize("library", [pytest.param(library, marks=_marked(library)) for library in LIBRARIES])
+def test_examples_capture_what_a_plain_torch_hook_sees(library: str) -> None:
+    # single_gpu_example prints the captures of layer 24 of the 7b stand-in
+    (activations,) = _world(library, 1)[0]["examples/single_gpu_example.py"]["printed"]
+    assert list(activations) == ["model.layers.24"]
+    input_ids = tokenizer()("Where is the best spot for lunch?", return_tensors="pt")["input_ids"]
+    seen = _plain_hook(llama_2_7b(), "model.layers.24", input_ids)
+    torch.testing.assert_close(activations["model.layers.24"][0], seen, rtol=0, atol=0)
+
+    # fsdp_example: rank 0 prints the MLP output of layer 30 of the 13b stand-in for four
+    # prompts padded with EOS to 512 tokens, whatever the number of ranks sharing them
+    prompts = ["It's a nice day we're having", "The capital of Canada is",
+               "What should I eat for dinner tonight?", "There's about three people going to"]
+    padded = tokenizer()
+    padded.pad_token = padded.eos_token
+    input_ids = padded(prompts, padding="max_length", max_length=512, return_tensors="pt")["input_ids"]
+    seen = _plain_hook(llama_2_13b(), "model.layers.30.mlp", input_ids)
+    assert seen.shape == (4, 512, 5120) and seen.dtype == torch.bfloat16
     for world in WORLDS:
-        printed = {library: _world(world)[0][library][example]["printed"] for library in LIBRARIES}
-        assert printed["torchsurgery"][0] == printed["flex_model"][0] == "Activation shape: torch.Size([4, 512, 5120])"
-        torch.testing.assert_close(printed["torchsurgery"][1], printed["flex_model"][1], rtol=0, atol=0)
-        torch.testing.assert_close(printed["torchsurgery"][1], one)
+        shape, activation = _world(library, world)[0]["examples/fsdp_example.py"]["printed"]
+        assert shape == "Activation shape: torch.Size([4, 512, 5120])", world
+        torch.testing.assert_close(activation, seen, rtol=0, atol=0, msg=f"{world} rank(s)")
 
 
 def test_a_wrong_hint_that_flex_model_ignores_is_told_once() -> None:
@@ -107,8 +131,8 @@ def test_a_wrong_hint_that_flex_model_ignores_is_told_once() -> None:
         "_test/multi_gpu/core/test_fairscale_mpu_vs_ddp.py::test_full_backward_pre_hooks_fairscale",
     }
     for world in WORLDS:
-        for rank in _world(world):
-            for item, result in rank["torchsurgery"].items():
+        for rank in _world("torchsurgery", world):
+            for item, result in rank.items():
                 if item not in told:
                     assert result["hints"] == [], item
                     continue
