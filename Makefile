@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 CONSTRAINTS := $(VENV)/constraints.txt
 
-.PHONY: demo test lint unit docs bench soak clean
+.PHONY: demo test lint unit slow docs bench soak clean
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -43,8 +43,12 @@ lint: $(VENV)/.dev
 	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m mypy
 
+# Tests marked slow are left to `make slow`: the suite must fit CI's time on 2 cores.
 unit: $(VENV)/.dev
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=600 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=600 -m "not slow" $(PYTEST_ARGS)
+
+slow: $(VENV)/.dev
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=600 -m slow $(PYTEST_ARGS)
 
 # The site in site/, from docs/ and the docstrings; --strict: a broken link or reference fails
 # (not --quiet: mkdocs then drops the warnings before --strict counts them).

@@ -11,9 +11,9 @@ distributed run without hooks:
         no hooks              the parallelised model called directly (the floor)
         torchsurgery blocks   ``FlexModel(model, out, device_mesh=mesh)`` +
                               ``HookFunction("model.layers.*")``: each block's output is
-                              whole on every rank, so rank 0 just keeps a CPU copy
+                              whole on every rank, so each rank just keeps a CPU copy
         torchsurgery up_proj  ``HookFunction("model.layers.*.mlp.up_proj")``: column-parallel
-                              outputs, sharded, gathered to rank 0 (what gathering costs)
+                              outputs, sharded, all-gathered (what gathering costs)
 
 * DP=2  the plain model on each rank, each rank with its own batch.
 
@@ -23,13 +23,17 @@ distributed run without hooks:
                               complete when its forward returns costs (the ranks meet once
                               per step)
         torchsurgery blocks   ``FlexModel(model, out, data_parallel_size=2)`` + blocks hooked;
-                              both ranks' captures reach rank 0 at the end of each forward
+                              both ranks' captures reach both ranks at the end of each
+                              forward (the default, where flex_model has them)
+        ... rank 0 only       the same with ``captures_on="first_rank"``: they reach rank 0
+                              alone
         flex-model 0.1.0      its ``FlexModel`` (process groups forced to gloo) + one
                               ``HookFunction`` per block with an ``expected_shape`` hint
 
 Two input sizes: one token (a decode-like step: batch 1 x seq 1, per rank for DP) and a
-prefill (batch 2 x seq 128, per rank for DP). Before timing, rank 0's captures of one step
-are checked against the unparallelised model run on the global batch: one entry per hooked
+prefill (batch 2 x seq 128, per rank for DP). Before timing, the captures of one step, on
+every rank that holds them, are checked against the unparallelised model run on the global
+batch: one entry per hooked
 module, with the full shape (DP: both ranks' rows; up_proj: the full intermediate size) and
 the same values; a wrong capture stops the run. A peer that cannot run here is reported
 with the reason instead of a time.
@@ -74,7 +78,7 @@ Captures = dict[str, list[torch.Tensor]]
 
 @dataclass
 class Variant:
-    """One way of running a step, and (for hooked variants) where rank 0 finds its captures."""
+    """One way of running a step, and (for hooked variants) where its captures are found."""
 
     label: str
     step: Callable[[torch.Tensor], Any]
@@ -82,6 +86,7 @@ class Variant:
     names: list[str] = field(default_factory=list)
     width: int = 0  # the full last dimension of every capture
     peer: bool = False  # a peer's failure is reported in the table; ours stops the run
+    every_rank: bool = True  # every rank holds the captures (else rank 0 alone)
 
 
 def _first(out: Any) -> torch.Tensor:
@@ -151,6 +156,7 @@ def ours(label: str, model: nn.Module, pattern: str, width: int, **sizes: Any) -
 
     out: Captures = {}
     flex = FlexModel(model, out, **sizes)
+    every_rank = sizes.get("captures_on", "every_rank") == "every_rank"
     flex.register_forward_hook(HookFunction(pattern))
     names = [n for n, _ in model.named_modules() if _matches(pattern, n)]
 
@@ -158,7 +164,7 @@ def ours(label: str, model: nn.Module, pattern: str, width: int, **sizes: Any) -
         out.clear()  # keep memory flat: only the last step's captures are kept
         return flex(ids, use_cache=False)
 
-    return Variant(label, step, out, names, width)
+    return Variant(label, step, out, names, width, every_rank=every_rank)
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -212,7 +218,7 @@ def reference(model: nn.Module, ids: torch.Tensor, names: list[str]) -> dict[str
 
 
 def check(where: str, variant: Variant, want: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None:
-    """Rank 0's captures of the last step: one per hooked module, full shape, right values."""
+    """This rank's captures of the last step: one per hooked module, full shape, right values."""
     out = variant.out
     assert out is not None
     what = f"{where} {variant.label}"
@@ -286,6 +292,8 @@ def run(rank: int, args: argparse.Namespace) -> None:
         one_message(make_llama(hidden, layers), rank),
         ours(f"torchsurgery, {blocks}", make_llama(hidden, layers), "model.layers.*", hidden,
              data_parallel_size=WORLD),
+        ours(f"torchsurgery, {blocks}, rank 0 only", make_llama(hidden, layers), "model.layers.*", hidden,
+             data_parallel_size=WORLD, captures_on="first_rank"),
     ]
     failures: dict[str, str] = {}
     if not args.skip_peer:
@@ -320,7 +328,7 @@ def run(rank: int, args: argparse.Namespace) -> None:
                         variant.step(ids)
                     if variant.out is not None:
                         variant.step(ids)
-                        if rank == 0:
+                        if rank == 0 or variant.every_rank:
                             want = reference(ref_model, global_ids, variant.names)
                             check(layout, variant, want, (global_ids.shape[0], seq, variant.width))
                 except Exception as exc:

@@ -6,7 +6,8 @@ Run plainly (python examples/distributed_llama.py) it starts 2 CPU processes on 
 
 The model is parallelised with PyTorch's own DTensor plans; FlexModel needs no shape
 hints: it reads the sharding from the plan and hands every editing function the full
-activation. Captures land on rank 0 only, the data-parallel batches concatenated.
+activation. Captures land on every rank (as in flex_model; captures_on="first_rank" keeps
+them to rank 0), the data-parallel batches concatenated.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def main() -> None:
 
     out: dict[str, list[torch.Tensor]] = {}
     flex = FlexModel(model, out, device_mesh=mesh)
-    flex.register_forward_hook(HookFunction("model.layers.*.mlp.up_proj"))  # sharded: gathered for rank 0
+    flex.register_forward_hook(HookFunction("model.layers.*.mlp.up_proj"))  # sharded: gathered
 
     def silence_layer_2(module: nn.Module, x: torch.Tensor, ctx: object, modules: object) -> torch.Tensor:
         return torch.zeros_like(x)  # sees the whole attention output, on every rank

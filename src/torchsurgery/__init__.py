@@ -26,7 +26,7 @@ from torchsurgery.errors import (
     NoMatchError,
     Setting,
 )
-from torchsurgery.flex import DummyModule, FlexModel, HookFunction
+from torchsurgery.flex import DummyModule, FlexModel, HookFunction, ShapeHintWarning
 from torchsurgery.flex.parallel import ParallelRequest
 from torchsurgery.flex.routing import Routing, register_parallel_routing
 from torchsurgery.offloading import (
@@ -114,6 +114,7 @@ __all__ = [
     "FlexModel",
     "HookFunction",
     "DummyModule",
+    "ShapeHintWarning",
     # errors: refusals that carry their facts as fields
     "ArgumentError",
     "ArgumentValueError",

@@ -58,7 +58,7 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     with tempfile.TemporaryDirectory() as folder:
         try:
             mp.spawn(_entry, args=(world, folder, fn, args), nprocs=world, join=True)
-        except mp.ProcessException as exc:  # a rank raised, or died of a signal
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:  # a rank raised, or died of a signal
             errors = sorted(Path(folder).glob("*.err"))
             details = "\n".join(f"--- {p.stem}\n{p.read_text()}" for p in errors)
             raise AssertionError(f"a rank failed:\n{details}") from exc

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _captures import assert_captured
 from _models import MLP, Stack, stage_of, tensor_parallel_mlp
 from _spawn import spawn
 from torch import nn
@@ -85,14 +86,14 @@ def _four_rank_worker(rank: int, world: int) -> dict[str, Any]:
     flex.register_forward_hook(HookFunction("layers.*"))
     result["pp2dp2"] = {"y": flex(xs.split(ROWS)[dpr]), "out": out}
 
-    # 2 stages x 2 tensor-parallel ranks from a (pp, tp) mesh, forward and backward
+    # 2 stages x 2 tensor-parallel ranks from a (pp, tp) mesh, forward and backward, captures on rank 0
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp, tp = mesh.get_local_rank("pp"), mesh.get_local_rank("tp")
     stage = stage_of(copy.deepcopy(stack), pp, 2)
     for name, layer in list(stage.layers.items()):
         stage.layers[name] = tensor_parallel_mlp(layer, tp, 2, mesh.get_group("tp"))
     out = {}
-    flex = FlexModel(stage, out, device_mesh=mesh)
+    flex = FlexModel(stage, out, device_mesh=mesh, captures_on="first_rank")
     _register_stack(flex)
     y = flex(xs)
     flex.backward((y**2).sum() if y is not None else None)
@@ -101,7 +102,7 @@ def _four_rank_worker(rank: int, world: int) -> dict[str, Any]:
         "grads": {n: p.grad for n, p in stage.named_parameters()},
     }
 
-    # restricted to ranks 2 and 3: rank 2 holds output_ptr, ranks 0 and 1 take no part
+    # restricted to ranks 2 and 3: they hold output_ptr, ranks 0 and 1 take no part
     group = dist.new_group([2, 3], use_local_synchronization=True) if rank >= 2 else None
     if group is not None:
         out = {}
@@ -132,10 +133,8 @@ def test_four_ranks_match_one_process() -> None:
         torch.testing.assert_close(m["y"], y.split(ROWS)[m["dp"]])
         # averaged over the 2 replicas, as DDP averages: the gradient of the mean of their losses
         torch.testing.assert_close(m["probe_grad"] * 2, probe.weight.grad)
-    assert list(mlp[0]["out"]) == list(out)
-    for key, values in out.items():
-        torch.testing.assert_close(mlp[0]["out"][key][0], values[0], msg=key)
-    assert all(m["out"] == {} for m in mlp[1:])
+    for m in mlp:  # every rank holds every replica's rows, unsharded
+        assert_captured(m["out"], out)
     # each replica's shard gradient covers its rows: summed over replicas, one process's shard
     for tp in range(2):
         shard = sum(m["fc1_grad"] for m in mlp if m["tp"] == tp)
@@ -150,16 +149,14 @@ def test_four_ranks_match_one_process() -> None:
     pp4 = [r["pp4"] for r in results]
     assert [p["y"] is None for p in pp4] == [True, True, True, False]
     torch.testing.assert_close(pp4[3]["y"], ys)
-    assert list(pp4[0]["out"]) == ["layers.1", "layers.3"]
-    for key in ("layers.1", "layers.3"):
-        torch.testing.assert_close(pp4[0]["out"][key][0], out[key][0])
+    for p in pp4:  # every stage holds every stage's captures
+        assert_captured(p["out"], {key: out[key] for key in ("layers.1", "layers.3")})
 
     both = [r["pp2dp2"] for r in results]
     torch.testing.assert_close(both[2]["y"], ys.split(ROWS)[0])
     torch.testing.assert_close(both[3]["y"], ys.split(ROWS)[1])
-    assert list(both[0]["out"]) == list(out)
-    for key, values in out.items():
-        torch.testing.assert_close(both[0]["out"][key][0], values[0], msg=key)
+    for b in both:
+        assert_captured(b["out"], out)
 
     # (pp, tp) = 2 x 2
     edited, xs = _stack_case()
@@ -176,7 +173,7 @@ def test_four_ranks_match_one_process() -> None:
     assert sorted(staged[0]["out"]) == sorted(edited_out) and len(edited_out) == 9
     for key, values in edited_out.items():
         torch.testing.assert_close(staged[0]["out"][key][0], values[0], msg=key)
-    assert all(b["out"] == {} for b in staged[1:])
+    assert all(b["out"] == {} for b in staged[1:])  # captures_on="first_rank"
     for name, p in edited.named_parameters():
         holders = [b for b in staged if name in b["grads"]]
         assert len(holders) == 2, name  # the two tensor-parallel ranks of one stage
@@ -193,9 +190,8 @@ def test_four_ranks_match_one_process() -> None:
     grouped = [r["group"] for r in results[2:]]
     for part, g in zip(ys.split(ROWS), grouped, strict=True):
         torch.testing.assert_close(g["y"], part)
-    assert list(grouped[0]["out"]) == list(out) and grouped[1]["out"] == {}
-    for key, values in out.items():
-        torch.testing.assert_close(grouped[0]["out"][key][0], values[0], msg=key)
+    for g in grouped:  # both ranks of the group, and no other
+        assert_captured(g["out"], out)
 
 
 def test_sizes_above_one_without_a_process_group_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from _captures import assert_captured
 from _faults import outcome, raises_on
 from _models import MLP
 from _spawn import spawn
@@ -124,13 +125,10 @@ def test_data_parallel_matches_one_process(results: list[dict[str, Any]], wrappe
     y, out, model, probe = _reference(rows, edit)
     got = [r[wrapper] for r in results]
     torch.testing.assert_close(torch.cat([g["y"] for g in got]), y)
-    # rank 0 alone holds the captures, the whole batch in rank order; forward and backward
+    # every rank holds the captures, the whole batch in rank order; forward and backward
     expected = ["fc1", "act", "fc2", "fc2#2", "fc1.weight"][: 5 if wrapper == "ddp" else 4]
-    assert list(got[0]["out"]) == expected
-    for key in expected:
-        assert len(got[0]["out"][key]) == 1, key
-        torch.testing.assert_close(got[0]["out"][key][0], out[key][0], msg=key)
-    assert got[1]["out"] == {}
+    for g in got:
+        assert_captured(g["out"], {key: out[key] for key in expected})
     for g in got:
         torch.testing.assert_close(g["probe_grad"], probe.weight.grad)
         for name, p in model.named_parameters():
@@ -177,7 +175,7 @@ def _mean_of_means(y: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     return torch.stack([part.pow(2).mean() for part in y.split(sizes)]).mean()
 
 
-def _grad_worker(rank: int, world: int, prefix: str) -> dict[str, Any]:
+def _grad_worker(rank: int, world: int, prefix: str, captures_on: str) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
@@ -185,27 +183,30 @@ def _grad_worker(rank: int, world: int, prefix: str) -> dict[str, Any]:
     rows = x.split(_SIZES[world])[rank]
     ddp = DistributedDataParallel(model)
     out: dict[str, list[torch.Tensor]] = {}
-    flex = FlexModel(ddp, out, data_parallel_size=world)
+    flex = FlexModel(ddp, out, data_parallel_size=world, captures_on=captures_on)  # type: ignore[arg-type]
     _grad_hooks(flex, prefix)
     flex(rows).pow(2).mean().backward()
     return {"out": out, "grads": {n: p.grad for n, p in model.named_parameters()}}
 
 
-@pytest.mark.parametrize(("world", "prefix"), [(2, "module."), (4, "")])
-def test_gradient_captures_and_edits_match_one_process(world: int, prefix: str) -> None:
-    results = spawn(_grad_worker, world, prefix)
+@pytest.mark.parametrize(("world", "prefix", "captures_on"), [(2, "module.", "every_rank"), (4, "", "first_rank")])
+def test_gradient_captures_and_edits_match_one_process(world: int, prefix: str, captures_on: str) -> None:
+    results = spawn(_grad_worker, world, prefix, captures_on)
     torch.manual_seed(0)
     model, x = MLP(8, 16), torch.randn(sum(_SIZES[world]), 8)
     out: dict[str, list[torch.Tensor]] = {}
     flex = FlexModel(model, out)
     _grad_hooks(flex, "")
     _mean_of_means(flex(x), _SIZES[world]).backward()
-    got = results[0]["out"]
-    assert sorted(got) == sorted(prefix + key for key in out)  # keys as the hooks name them
-    for key in out:
-        torch.testing.assert_close(got[prefix + key][0], out[key][0], msg=key)
-    for r in results:
-        assert r["out"] == {} or r is results[0]
+    holders = range(world) if captures_on == "every_rank" else [0]
+    for rank, r in enumerate(results):
+        got = r["out"]
+        if rank in holders:
+            assert sorted(got) == sorted(prefix + key for key in out)  # keys as the hooks name them
+            for key in out:
+                torch.testing.assert_close(got[prefix + key][0], out[key][0], msg=key)
+        else:
+            assert got == {}
         for name, p in model.named_parameters():
             torch.testing.assert_close(r["grads"][name], p.grad, msg=name)
 

@@ -15,6 +15,9 @@ def test_expected_shape_names_the_one_sharded_dimension() -> None:
     assert dim_from_expected_shape(local, (2, 10, None), "fc1", 2) == 1
     assert dim_from_expected_shape(local, (None, 5, 4), "fc1", 2) is None  # whole
     assert dim_from_expected_shape(local, None, "fc1", 2) is None
+    # a hint that names no sharded dimension implies none, whatever its length (flex_model's zip)
+    assert dim_from_expected_shape(local, (None, None, None, None), "fc1", 2) is None
+    assert dim_from_expected_shape(local, (2,), "fc1", 2) is None
 
 
 @pytest.mark.parametrize(

@@ -3,17 +3,19 @@ and a transformers Llama parallelised with DTensor (no hints), against one proce
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from _captures import assert_captured
 from _faults import outcome, raises_on
 from _models import MLP, tensor_parallel_mlp
 from _spawn import spawn
 from torch import nn
 
-from torchsurgery import FlexModel, HookFunction
+from torchsurgery import FlexModel, HookFunction, ShapeHintWarning
 
 pytestmark = pytest.mark.distributed
 HIDDEN = 16
@@ -71,6 +73,18 @@ def _tp_mlp_worker(rank: int, world: int) -> dict[str, Any]:
     result["rank0_edit_agrees"] = all(torch.equal(gathered[0], g) for g in gathered)
     noisy.restore()
 
+    # a hint that names no sharded dimension is told once, not raised; one that must shard but cannot, raised
+    hinted = FlexModel(model, {}, tensor_parallel_size=world)
+    hinted.register_forward_hook(HookFunction("fc2", (None, None, None, None)))  # fc2's output is whole
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hinted(x)
+        hinted(x)
+        hinted.get_module_parameter("fc2.bias", (None, None))
+    result["hints"] = [str(w.message) for w in caught if w.category is ShapeHintWarning]
+    result["bad_hint"] = outcome(lambda: hinted.get_module_parameter("fc2.bias", (99,)))
+    hinted.restore()
+
     try:
         FlexModel(model, {}, tensor_parallel_size=3)
         result["size_error"] = "no error"
@@ -88,10 +102,9 @@ def test_tensor_parallel_mlp_matches_one_process() -> None:
     got = results[0]
 
     torch.testing.assert_close(got["y"], y.detach())
-    assert sorted(got["out"]) == sorted(out) == ["fc1", "fc1#2", "fc2"]
-    for key in out:
-        assert len(got["out"][key]) == 1
-        torch.testing.assert_close(got["out"][key][0], out[key][0])
+    assert sorted(out) == ["fc1", "fc1#2", "fc2"]
+    for r in results:  # each tensor-parallel rank holds the unsharded captures
+        assert_captured(r["out"], out)
     # each rank holds its shard of the gradients; together they are one process's
     torch.testing.assert_close(torch.cat([r["fc1_weight_grad"] for r in results], 0), reference.fc1.weight.grad)
     torch.testing.assert_close(torch.cat([r["fc2_weight_grad"] for r in results], 1), reference.fc2.weight.grad)
@@ -103,6 +116,11 @@ def test_tensor_parallel_mlp_matches_one_process() -> None:
         assert "3 x pipeline_parallel_size 1 x data_parallel_size 1 = 3" in r["size_error"]
         assert "2 rank(s)" in r["size_error"]
         assert r["hooks_left"] == 0
+        assert len(r["hints"]) == 2, r["hints"]
+        assert "[None, None, None, None] of 'fc2' does not match its shape [3, 5, 8]" in r["hints"][0]
+        assert "[None, None] of 'fc2.bias' does not match its shape [8]" in r["hints"][1]
+        assert all("the hint names no sharded dimension" in m for m in r["hints"])
+        assert "expected_shape[0] is 99, but this rank holds 8 of it with tensor_parallel_size 2" in r["bad_hint"]
     assert results[1]["failure"].startswith("ValueError: boom on purpose")
 
 
@@ -175,13 +193,10 @@ def test_dtensor_llama_needs_no_hints() -> None:
     got = results[0]
 
     torch.testing.assert_close(got["logits"], logits.detach())
-    assert list(got["out"]) == list(out)
-    for key, values in out.items():
-        torch.testing.assert_close(got["out"][key][0], values[0], msg=key)
     assert got["tp_size"] == 2
     for r in results:
+        assert_captured(r["out"], out)  # on both tensor-parallel ranks, unsharded
         assert r["up_shapes"] == flex.save_ctx.up_shapes  # the edit saw full tensors
         torch.testing.assert_close(r["q_weight"], model.model.layers[0].self_attn.q_proj.weight.detach())
         for name, p in model.named_parameters():
             torch.testing.assert_close(r["grads"][name], p.grad, msg=name)
-    assert results[1]["out"] == {}  # only rank 0 writes output_ptr

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import torchsurgery
-from torchsurgery import FlexModel, HookFunction
+from torchsurgery import FlexModel, HookFunction, ShapeHintWarning
 from torchsurgery.flex import (
     Binding,
     HookType,
@@ -26,7 +26,7 @@ from torchsurgery.flex import (
 )
 from torchsurgery.flex.captures import Captures
 from torchsurgery.flex.hook_function import Shape
-from torchsurgery.flex.routing import Edit, check_expected_shape
+from torchsurgery.flex.routing import Edit
 
 FLEX = Path(torchsurgery.__file__).parent / "flex"
 
@@ -126,15 +126,10 @@ def test_local_routing_captures_before_the_edit_and_returns_the_edit() -> None:
     assert edited is not None and edited.tolist() == [[1.0, 2.0], [3.0, 4.0]]
     assert out["fc"][0].tolist() == [[0.0, 1.0], [2.0, 3.0]]
     assert LocalRouting().route(binding, None, local, None, Captures(out)) is None  # capture only
-    with pytest.raises(ValueError, match=r"'fc' has shape \[3\], but expected_shape is \[2, None\]"):
+    # one process shards nothing: a hint that does not fit is told, and the capture still made
+    with pytest.warns(ShapeHintWarning, match=r"expected_shape \[2, None\] of 'fc' does not match its shape \[3\]"):
         LocalRouting().route(binding, None, torch.zeros(3), None, Captures(out))
-
-
-def test_expected_shape_none_entries_match_any_size() -> None:
-    check_expected_shape(torch.zeros(2, 7), (2, None), "x")
-    check_expected_shape(torch.zeros(2, 7), None, "x")
-    with pytest.raises(ValueError, match="fix expected_shape"):
-        check_expected_shape(torch.zeros(2, 7), (2, 7, 1), "x")
+    assert out["fc"][-1].shape == (3,)
 
 
 def _imported_modules(path: Path) -> set[str]:

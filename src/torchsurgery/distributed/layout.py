@@ -35,8 +35,8 @@ class Layout:
     Attributes:
         tp_size, dp_size, pp_size: the sizes of the three axes.
         tp_rank, dp_rank, pp_rank: this rank's coordinates.
-        ranks: the global ranks of the layout, in layout order (position 0 writes
-            ``output_ptr``).
+        ranks: the global ranks of the layout, in layout order (position 0 alone receives
+            the captures with ``captures_on="first_rank"``).
         group: the whole layout's process group.
         tp_group, dp_group, pp_group: this rank's groups along each axis.
         stage_group: the ``dp x tp`` ranks of this rank's pipeline stage.
@@ -69,7 +69,7 @@ class Layout:
 
     @property
     def is_root(self) -> bool:
-        """Whether this rank writes ``output_ptr`` (position 0 of the layout)."""
+        """Whether this rank is position 0 of the layout (the receiver with ``captures_on="first_rank"``)."""
         return self.position == 0
 
     @property

@@ -5,7 +5,8 @@ For each hook call on each rank:
 1. **tensor parallel** (:mod:`~torchsurgery.distributed.tensor_parallel`): the local
    shard becomes the full tensor;
 2. **capture** (:mod:`~torchsurgery.distributed.shipping`): the first tensor-parallel
-   rank keeps a copy, shipped to rank 0 at the end of the pass;
+   rank keeps a copy, shipped at the end of the pass to every rank (or to the first);
+   with one replica and one stage, each tensor-parallel rank keeps its own instead;
 3. **edit** (:mod:`~torchsurgery.distributed.edits`): the ranks of the stage run the
    editing function and agree on whether it failed;
 4. **scatter**: each rank keeps its own batch rows and its own shard of the edited
@@ -32,7 +33,7 @@ from torchsurgery.distributed.shipping import CaptureShipping
 from torchsurgery.distributed.tensor_parallel import TensorParallel
 from torchsurgery.flex.captures import Captures
 from torchsurgery.flex.hook_function import GRADIENT_HOOK_TYPES, Binding, HookType, Shape
-from torchsurgery.flex.parallel import ParallelRequest, ParallelSizes
+from torchsurgery.flex.parallel import CapturesOn, ParallelRequest, ParallelSizes
 from torchsurgery.flex.routing import Edit
 
 __all__ = ["DistributedRouting", "distributed_routing"]
@@ -48,6 +49,7 @@ class DistributedRouting:
 
     Args:
         layout: this rank's place in the layout and its groups.
+        captures_on: which ranks' ``output_ptr`` receives the captures.
 
     Example:
         On every rank of a two-rank tensor-parallel world::
@@ -56,12 +58,12 @@ class DistributedRouting:
             routing.sizes  # ParallelSizes(tensor=2, pipeline=1, data=1)
     """
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, *, captures_on: CapturesOn = "every_rank") -> None:
         self.layout = layout
         self.sizes = ParallelSizes(tensor=layout.tp_size, pipeline=layout.pp_size, data=layout.dp_size)
         self._tensor_parallel = TensorParallel(layout)
         self._edits = StageEdits(layout)
-        self._shipping = CaptureShipping(layout)
+        self._shipping = CaptureShipping(layout, every_rank=captures_on == "every_rank")
         self._gradients = TrainableGradients(layout)
         self._pipeline = Pipeline(layout)
         self._in_backward = False  # inside backward(): pipeline stages ship captures afterwards
@@ -83,8 +85,10 @@ class DistributedRouting:
                     "through the pipeline; call flex.backward(loss) on every rank (loss on the last stage)"
                 )
             self._shipping.ship_after_backward(captures)
-        whole = self._tensor_parallel.gather(local, binding, module, everywhere=edit is not None)
-        if whole.full is not None and self.layout.tp_rank == 0:
+        every_tp_rank = self._shipping.every_tp_rank  # each tensor-parallel rank keeps its own copy
+        source = local if edit is not None else local.detach()  # a capture needs no gradient path
+        whole = self._tensor_parallel.gather(source, binding, module, everywhere=edit is not None or every_tp_rank)
+        if whole.full is not None and (self.layout.tp_rank == 0 or every_tp_rank):
             self._shipping.keep(captures, binding, whole.full)
         if edit is None or whole.full is None:
             return None
@@ -100,11 +104,11 @@ class DistributedRouting:
         return self._pipeline.forward(module, args, kwargs)
 
     def end_forward(self, captures: Captures, *, failed: bool = False) -> None:
-        """Ship this forward's captures to rank 0, which raises if a sender failed."""
+        """Deliver this forward's captures; the ranks that receive them raise if a sender failed."""
         self._shipping.ship(captures.output_ptr, failed=failed)
 
     def backward(self, captures: Captures, loss: torch.Tensor | None) -> None:
-        """Backward on every rank: through the pipeline stages, then captures to rank 0."""
+        """Backward on every rank: through the pipeline stages, then the captures delivered."""
         if self.layout.pp_size == 1:
             if not isinstance(loss, torch.Tensor):
                 raise TypeError(f"{_WHAT}.backward: expected the loss tensor, got {type(loss).__name__}")
@@ -162,4 +166,4 @@ def distributed_routing(request: ParallelRequest) -> DistributedRouting:
         process_group=request.process_group,
         device_mesh=request.device_mesh,
     )
-    return DistributedRouting(layout)
+    return DistributedRouting(layout, captures_on=request.captures_on)

@@ -37,25 +37,33 @@ def dim_from_expected_shape(
 ) -> int | None:
     """The sharded dimension that ``expected`` (a hook's ``expected_shape``) implies, or ``None``.
 
+    As in flex_model, a dimension whose hinted size differs from the local one is sharded;
+    a hint that names no such dimension implies none (whether it fits the activation is
+    checked elsewhere, as a hint nothing needs). A hint that names a sharded dimension must
+    be right, since the gather follows it.
+
     Raises:
-        ValueError: the hint has the wrong rank, more than one dimension differs, or a
-            full size is not ``tp_size`` times the local one.
+        ValueError: the hint names a sharded dimension but has the wrong number of
+            dimensions, more than one dimension differs, or a full size is not
+            ``tp_size`` times the local one.
 
     Example:
         >>> dim_from_expected_shape(torch.zeros(2, 3, 4), (None, None, 8), "layers.0.mlp", 2)
         2
+        >>> dim_from_expected_shape(torch.zeros(2, 3, 4), (None, None, None, None), "layers.0.mlp", 2) is None
+        True
     """
     if expected is None:
         return None
     what = f"torchsurgery.FlexModel: {name!r}"
+    differ = [i for i, (e, a) in enumerate(zip(expected, local.shape, strict=False)) if e is not None and e != a]
+    if not differ:
+        return None
     if len(expected) != local.dim():
         raise ValueError(
             f"{what}: expected_shape {list(expected)} has {len(expected)} dimensions but this rank's "
             f"activation has shape {list(local.shape)}; give one entry per dimension (None for any)"
         )
-    differ = [i for i, (e, a) in enumerate(zip(expected, local.shape, strict=True)) if e is not None and e != a]
-    if not differ:
-        return None
     if len(differ) > 1:
         raise ValueError(
             f"{what}: expected_shape {list(expected)} differs from this rank's shape {list(local.shape)} in "

@@ -1,18 +1,31 @@
-"""Captures shipped to the layout's root rank, in one message per rank and pass.
+"""Captures shipped to the ranks that hold ``output_ptr``: every rank, or the layout's first.
 
-The first tensor-parallel rank of each data-parallel replica and pipeline stage keeps a
-CPU copy of every capture; at the end of the forward (or of the backward, for gradient
-hooks) each of those ranks sends rank 0 one frame: a fixed head (failed?, size) and as
-many capture bytes as rank 0's buffer for it holds. Both sides grow that capacity alike
-from the sizes seen (:func:`~torchsurgery.distributed._wire.next_capacity`), so after
-the first pass a frame arrives in one message; a bigger one follows in a second. Point
-to point only: a collective here would cost every rank a round trip per forward.
+With one replica and one stage, captures go straight to ``output_ptr``: on the first
+tensor-parallel rank, or on each of them for every rank (each keeps its own copy of the
+whole activation, which it has or gathers). Otherwise the first tensor-parallel rank of
+each replica and stage (a *sender*) keeps a CPU copy of every capture, and at the end of
+the forward (or of the backward, for gradient hooks) the captures of the pass travel
+once, in one buffer per sender:
 
-On rank 0 the data-parallel pieces of a key are concatenated along the batch dimension
+- ``captures_on="every_rank"`` (the default, where flex_model has them): every rank
+  all-gathers one frame per rank, a fixed head (failed?, size) and as many capture bytes
+  as the frames hold; a sender whose captures do not fit broadcasts them next. Every rank
+  sees every size and adopts the same next capacity
+  (:func:`~torchsurgery.distributed._wire.next_capacity`), so after the first pass one
+  all-gather carries a pass. Every rank merges the same pieces the same way, so every
+  ``output_ptr`` ends up with the same captures.
+- ``captures_on="first_rank"``: each sender sends rank 0 one frame, its capacity grown
+  alike on both sides from the sizes seen, so after the first pass a frame arrives in one
+  message; a bigger one follows in a second. Point to point only: the other ranks never
+  wait for one another here.
+
+Merging: the data-parallel pieces of a key are concatenated along the batch dimension
 (sizes may differ) and each stage's keys are added in stage order. A parameter's
 gradient (``register_hook``) has no batch dimension: the replicas' gradients are
-averaged, as DDP averages them. Activation gradients are divided by the data-parallel
-size (see :func:`~torchsurgery.distributed.edits.replica_scale`).
+averaged, as DDP averages them; each capture travels under a name that says which
+(``cat:`` or ``mean:``), since a rank of another stage cannot know which keys name
+parameters. Activation gradients are divided by the data-parallel size (see
+:func:`~torchsurgery.distributed.edits.replica_scale`).
 """
 
 from __future__ import annotations
@@ -42,11 +55,29 @@ def _receive_all(into: list[tuple[torch.Tensor, int]], group: dist.ProcessGroup)
             work.wait()
 
 
+def _named(pending: OutputPtr, averaged: set[str]) -> list[tuple[str, torch.Tensor]]:
+    """The captures as they travel: each name says how the replicas' pieces join."""
+    return [(f"{'mean' if key in averaged else 'cat'}:{key}", t) for key, values in pending.items() for t in values]
+
+
+def _part(items: list[tuple[str, torch.Tensor]], averaged: set[str]) -> OutputPtr:
+    """A sender's captures from what travelled (keys of parameter gradients added to ``averaged``)."""
+    part: OutputPtr = {}
+    for name, tensor in items:
+        join, key = name.split(":", 1)
+        if join == "mean":
+            averaged.add(key)
+        # views of a buffer received for this pass alone: no copy needed on a CPU
+        part.setdefault(key, []).append(tensor.cpu())
+    return part
+
+
 class CaptureShipping:
-    """This rank's captures of a pass, and their way to rank 0.
+    """This rank's captures of a pass, and their way to the ranks that hold ``output_ptr``.
 
     Args:
         layout: this rank's place in the layout and its groups.
+        every_rank: deliver to every rank of the layout (else to its first rank alone).
 
     Example:
         On every rank, for each hook call and once per pass::
@@ -56,15 +87,19 @@ class CaptureShipping:
             shipping.ship(captures.output_ptr, failed=False)
     """
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, *, every_rank: bool = True) -> None:
         self.layout = layout
-        # captures go straight to output_ptr when no other rank has any to send
+        self.every_rank = every_rank
+        # one replica, one stage: captures go straight to output_ptr, no message needed
         self.direct = layout.dp_size == 1 and layout.pp_size == 1
+        # ... and, for every rank, each tensor-parallel rank keeps its own (whole) copy
+        self.every_tp_rank = self.direct and every_rank
         self._pending: OutputPtr = {}
         self._averaged: set[str] = set()  # parameter-gradient keys: the replicas' pieces are averaged
         self._sends: list[tuple[Any, torch.Tensor]] = []
         # frame capacity per sender position (rank 0 keeps every sender's; a sender its own at 0)
         self._capacity: dict[int, int] = dict.fromkeys(range(len(layout.ranks)), 0)
+        self._shared_capacity = 0  # every rank's frame capacity, delivering to every rank
         self._after_backward = False  # a ship is queued for the end of the running backward
 
     def keep(self, captures: Captures, binding: Binding, full: torch.Tensor) -> None:
@@ -93,21 +128,25 @@ class CaptureShipping:
         self._after_backward = False
 
     def ship(self, output_ptr: OutputPtr, *, failed: bool) -> None:
-        """Send this pass's captures to rank 0; on rank 0, add everyone's to ``output_ptr``.
+        """Deliver this pass's captures: add everyone's to ``output_ptr`` where it is held.
 
         Every rank of the layout calls this once per pass.
 
         Raises:
-            RuntimeError: on rank 0, when another rank failed in this pass (it is named).
+            RuntimeError: on the ranks that hold ``output_ptr`` and did not fail, when
+                another rank failed in this pass (it is named).
         """
         if self.direct:
             return
         pending, self._pending = self._pending, {}
-        if not self.layout.is_root:
-            if self.layout.tp_rank == 0:
-                self._send(pending, failed)
-            return
-        received = self._receive()
+        if self.every_rank:
+            self._finish(output_ptr, self._exchange(pending, failed), failed)
+        elif self.layout.is_root:
+            self._finish(output_ptr, {0: (int(failed), pending), **self._receive()}, failed)
+        elif self.layout.tp_rank == 0:
+            self._send(pending, failed)
+
+    def _finish(self, output_ptr: OutputPtr, received: dict[int, tuple[int, OutputPtr]], failed: bool) -> None:
         if failed:
             return  # this rank's own exception is already on its way
         bad = [self.layout.ranks[p] for p, (status, _) in received.items() if status]
@@ -116,12 +155,41 @@ class CaptureShipping:
                 f"{_WHAT}: rank(s) {bad} failed in this pass, so their captures are missing; "
                 "see the traceback of those ranks"
             )
-        parts = {p: part for p, (_, part) in received.items()}
-        self._merge(output_ptr, {0: pending, **parts})
+        self._merge(output_ptr, {p: part for p, (_, part) in received.items()})
+
+    def _exchange(self, pending: OutputPtr, failed: bool) -> dict[int, tuple[int, OutputPtr]]:
+        """Every rank's (status, captures), by position: one all-gather of equal frames, then
+        a broadcast for each sender whose captures outgrew them."""
+        layout, device = self.layout, self.layout.device
+        items = _named(pending, self._averaged) if layout.tp_rank == 0 and not failed else []
+        data = _wire.pack(items, device=device) if items else None
+        capacity = self._shared_capacity
+        first, rest = _wire.frame(data, status=int(failed), capacity=capacity, device=device)
+        frames = [torch.empty_like(first) for _ in layout.ranks]
+        dist.all_gather(frames, first, group=layout.group)
+        heads = [_wire.read_head(frame) for frame in frames]
+        received: dict[int, tuple[int, OutputPtr]] = {}
+        for p, (status, size) in enumerate(heads):
+            part: OutputPtr = {}
+            if p == layout.position:
+                part = pending
+                if rest is not None:
+                    dist.broadcast(rest, group_src=p, group=layout.group)
+            elif size:
+                if size > capacity:
+                    buffer = torch.empty(size, dtype=torch.uint8, device=device)
+                    dist.broadcast(buffer, group_src=p, group=layout.group)
+                else:
+                    buffer = frames[p][_wire.FRAME_HEAD : _wire.FRAME_HEAD + size]
+                part = _part(_wire.unpack(buffer)[1], self._averaged)
+            received[p] = (status, part)
+        # every rank saw every size: they all adopt the same capacity
+        self._shared_capacity = _wire.next_capacity(capacity, max(size for _, size in heads))
+        return received
 
     def _send(self, pending: OutputPtr, failed: bool) -> None:
         layout, device = self.layout, self.layout.device
-        items = [(key, t) for key, values in pending.items() for t in values]
+        items = _named(pending, self._averaged)
         data = _wire.pack(items, device=device) if items and not failed else None
         first, rest = _wire.frame(data, status=int(failed), capacity=self._capacity[0], device=device)
         self._capacity[0] = _wire.next_capacity(self._capacity[0], 0 if data is None else data.numel())
@@ -144,9 +212,7 @@ class CaptureShipping:
             part: OutputPtr = {}
             if size:
                 buffer = overflow.get(p, firsts[p][_wire.FRAME_HEAD : _wire.FRAME_HEAD + size])
-                for key, tensor in _wire.unpack(buffer)[1]:
-                    # views of a buffer received for this pass alone: no copy needed on a CPU
-                    part.setdefault(key, []).append(tensor.cpu())
+                part = _part(_wire.unpack(buffer)[1], self._averaged)
             self._capacity[p] = _wire.next_capacity(self._capacity[p], size)
             received[p] = (status, part)
         return received

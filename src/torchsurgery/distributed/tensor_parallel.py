@@ -3,8 +3,9 @@
 A ``DTensor`` is gathered with ``full_tensor()`` and redistributed to its placements; a
 plain tensor is gathered along the dimension that :mod:`~torchsurgery.distributed.sharding`
 finds (from the hook's ``expected_shape``, else from the module's parallelisation plan)
-and chunked back. Capture-only hooks gather to the first tensor-parallel rank alone;
-editing hooks gather to every rank, differentiably, so gradients reach every shard.
+and chunked back. Capture-only hooks gather to the first tensor-parallel rank alone, or
+to every rank when each keeps its own capture; editing hooks gather to every rank,
+differentiably, so gradients reach every shard.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torchsurgery.distributed.collectives import gather_along, gather_to_root
 from torchsurgery.distributed.layout import Layout
 from torchsurgery.distributed.sharding import dim_from_expected_shape, dim_from_plan
 from torchsurgery.flex.hook_function import Binding, Shape
-from torchsurgery.flex.routing import check_expected_shape
+from torchsurgery.flex.shape_hints import HintCheck
 
 __all__ = ["Unsharded", "TensorParallel"]
 
@@ -58,18 +59,22 @@ class TensorParallel:
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
         self._plan_dims: dict[int, int | None] = {}  # id(module) -> the dim its plan shards
+        self.hints = HintCheck()  # hints that shard nothing: a mismatch is told, not raised
 
     def shard_dim(self, local: torch.Tensor, binding: Binding, module: nn.Module | None) -> int | None:
         """The dimension ``local`` is sharded on (``None``: whole on every rank)."""
         layout = self.layout
         expected = binding.hook.expected_shape
-        if expected is not None and layout.dp_size > 1:
+        if expected is not None and layout.dp_size > 1 and expected:
             expected = (None, *expected[1:])  # the batch entry is the global batch's
         if layout.tp_size == 1:
-            check_expected_shape(local, expected, binding.name)
+            self.hints.check(local, expected, binding.key, why="tensor_parallel_size is 1")
             return None
         if expected is not None:
-            return dim_from_expected_shape(local, expected, binding.name, layout.tp_size)
+            dim = dim_from_expected_shape(local, expected, binding.name, layout.tp_size)
+            if dim is None:
+                self.hints.check(local, expected, binding.key, why="the hint names no sharded dimension")
+            return dim
         if module is None or binding.hook_type not in ("forward", "full_backward_pre"):
             return None
         key = id(module)
@@ -108,7 +113,11 @@ class TensorParallel:
         """A parameter unsharded: a DTensor's ``full_tensor()``, or gathered by ``expected_shape``."""
         if isinstance(local, DTensor):
             return local.full_tensor()
+        if self.layout.tp_size == 1:
+            self.hints.check(local, expected_shape, name, why="tensor_parallel_size is 1")
+            return local
         dim = dim_from_expected_shape(local, expected_shape, name, self.layout.tp_size)
-        if dim is None or self.layout.tp_size == 1:
+        if dim is None:
+            self.hints.check(local, expected_shape, name, why="the hint names no sharded dimension")
             return local
         return self._gather_everywhere(local, dim)

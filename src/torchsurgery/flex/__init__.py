@@ -19,6 +19,7 @@ from torchsurgery.flex.routing import (
     RoutingFactory,
     register_parallel_routing,
 )
+from torchsurgery.flex.shape_hints import ShapeHintWarning
 
 __all__ = [
     # the wrapper and what it runs
@@ -26,6 +27,7 @@ __all__ = [
     "HookFunction",
     "DummyModule",
     "default_editing_function",
+    "ShapeHintWarning",
     # the routing extension point
     "Routing",
     "LocalRouting",

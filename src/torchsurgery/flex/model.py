@@ -16,8 +16,9 @@ In distributed runs (parallel sizes above 1, a process group or a device mesh) t
 routing is the one registered with :func:`~torchsurgery.flex.routing.register_parallel_routing`
 (``torchsurgery`` registers :class:`torchsurgery.distributed.DistributedRouting`): editing functions see
 whole tensors (tensor-parallel shards gathered, data-parallel batches assembled), the
-model gets its local part back, captures reach rank 0 alone, and with pipeline
-parallelism the wrapper runs this rank's stage and passes activations on.
+model gets its local part back, captures reach every rank (as in flex_model; or the first
+rank alone, with ``captures_on="first_rank"``), and with pipeline parallelism the wrapper
+runs this rank's stage and passes activations on.
 
 The wrapper shares the wrapped model's parameter, buffer and child dictionaries, so
 ``state_dict()``, ``parameters()``, ``to()``, ``train()`` and friends act on the wrapped
@@ -50,7 +51,7 @@ from torchsurgery.flex.hook_function import (
     remember_binding,
     shape_hint,
 )
-from torchsurgery.flex.parallel import ParallelRequest
+from torchsurgery.flex.parallel import CapturesOn, ParallelRequest
 from torchsurgery.flex.record import FlexRecord, finalize, remove_bindings
 from torchsurgery.flex.routing import routing_for
 from torchsurgery.flex.runtime import HookRuntime, make_torch_hook
@@ -90,20 +91,25 @@ class FlexModel(nn.Module):
         process_group: lay out only this group's ranks (default: the whole world).
         device_mesh: a ``DeviceMesh`` whose dimensions are named among ``pp``, ``dp``,
             ``tp``; it gives the sizes and the rank order.
+        captures_on: across ranks, ``"every_rank"`` (default, as flex_model): every rank's
+            ``output_ptr`` receives the same captures, every replica's rows and every
+            stage's hooks; ``"first_rank"``: only the layout's first rank's (global rank 0
+            by default), which saves the memory and traffic of the copies.
 
-    Across ranks: ``output_ptr`` is filled on the layout's first rank alone (global rank 0
-    by default), at the end of each forward (and each backward, for gradient hooks);
-    ``save_ctx`` is each rank's own; trainable modules are copied from rank 0 when
-    registered and their gradients are summed over the tensor-parallel ranks of a stage and
-    averaged over the replicas, so every rank holds the gradient one process would compute.
+    Across ranks: ``output_ptr`` is filled at the end of each forward (and each backward,
+    for gradient hooks) on the ranks ``captures_on`` names; ``save_ctx`` is each rank's
+    own; trainable modules are copied from rank 0 when registered and their gradients are
+    summed over the tensor-parallel ranks of a stage and averaged over the replicas, so
+    every rank holds the gradient one process would compute.
 
     Captures of one forward reach ``output_ptr`` together when it returns; the group choice
     and the captures belong to the call, so threads may share a wrapper.
 
     Raises:
         TypeError: ``module`` is not a module or ``output_ptr`` not a dict.
-        ValueError: a parallel size is not a positive integer, or the sizes do not
-            multiply to the number of ranks (the numbers are named).
+        ValueError: a parallel size is not a positive integer, the sizes do not
+            multiply to the number of ranks (the numbers are named), or ``captures_on``
+            is neither ``"every_rank"`` nor ``"first_rank"``.
         RuntimeError: parallel sizes were given but no process group exists (and this
             is not a torchrun launch), or torch was built without distributed support.
 
@@ -132,6 +138,7 @@ class FlexModel(nn.Module):
         process_group: ProcessGroup | None = None,
         *,
         device_mesh: DeviceMesh | None = None,
+        captures_on: CapturesOn = "every_rank",
     ) -> None:
         what = "torchsurgery.FlexModel"
         if not isinstance(module, nn.Module):
@@ -142,7 +149,8 @@ class FlexModel(nn.Module):
             raise TypeError(f"{what}: output_ptr must be a dict, got {type(output_ptr).__name__}")
         request = ParallelRequest.of(
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-            data_parallel_size=data_parallel_size, process_group=process_group, device_mesh=device_mesh, what=what,
+            data_parallel_size=data_parallel_size, process_group=process_group, device_mesh=device_mesh,
+            captures_on=captures_on, what=what,
         )
         super().__init__()
         routing = routing_for(request, what)
@@ -348,7 +356,7 @@ class FlexModel(nn.Module):
         With pipeline stages, call it on every rank after the forward: with the loss on the
         last stage's ranks and ``None`` on the others, which go on from the gradients the
         next stage sends back. Gradient hooks then run on every stage and their captures
-        reach rank 0 when it returns.
+        reach ``output_ptr`` when it returns.
 
         Raises:
             TypeError: no loss tensor where one is needed (one process, or the last stage).

@@ -22,6 +22,7 @@ from torch import nn
 from torchsurgery.flex.captures import Captures
 from torchsurgery.flex.hook_function import Binding, HookType, Shape
 from torchsurgery.flex.parallel import ParallelRequest, ParallelSizes
+from torchsurgery.flex.shape_hints import HintCheck
 
 __all__ = [
     "Edit",
@@ -30,7 +31,6 @@ __all__ = [
     "LocalRouting",
     "register_parallel_routing",
     "routing_for",
-    "check_expected_shape",
 ]
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
@@ -137,32 +137,11 @@ def routing_for(request: ParallelRequest, what: str = "torchsurgery.FlexModel") 
     return _PARALLEL[0](request)
 
 
-def check_expected_shape(tensor: torch.Tensor, expected: Shape | None, name: str) -> None:
-    """Compare ``tensor`` with a hook's ``expected_shape`` (``None`` entries match anything).
-
-    Raises:
-        ValueError: the shapes differ (both are named).
-
-    Example:
-        >>> check_expected_shape(torch.zeros(2, 3), (None, 3), "fc")
-        >>> check_expected_shape(torch.zeros(2, 3), (None, 4), "fc")
-        Traceback (most recent call last):
-        ...
-        ValueError: torchsurgery.HookFunction: the activation of 'fc' has shape [2, 3], but expected_shape ...
-    """
-    if expected is None:
-        return
-    actual = tuple(tensor.shape)
-    if len(expected) != len(actual) or any(e is not None and e != a for e, a in zip(expected, actual, strict=False)):
-        raise ValueError(
-            f"torchsurgery.HookFunction: the activation of {name!r} has shape "
-            f"{list(actual)}, but expected_shape is {list(expected)}; fix expected_shape "
-            "(None entries match any size)"
-        )
-
-
 class LocalRouting:
     """Everything in one process: the local tensor is the full tensor.
+
+    Nothing is sharded, so no ``expected_shape`` is needed: a hint that does not match is
+    told once per hook as a :class:`~torchsurgery.flex.shape_hints.ShapeHintWarning`.
 
     Example:
         >>> from torchsurgery.flex.hook_function import HookFunction
@@ -176,10 +155,13 @@ class LocalRouting:
 
     sizes = ParallelSizes()
 
+    def __init__(self) -> None:
+        self.hints = HintCheck()
+
     def route(
         self, binding: Binding, module: nn.Module | None, local: torch.Tensor, edit: Edit | None, captures: Captures
     ) -> torch.Tensor | None:
-        check_expected_shape(local, binding.hook.expected_shape, binding.hook.module_name)
+        self.hints.check(local, binding.hook.expected_shape, binding.key, why="one process")
         captures.capture(binding.key, local)
         return edit(local) if edit is not None else None
 
@@ -198,7 +180,7 @@ class LocalRouting:
         return found
 
     def gather_parameter(self, local: torch.Tensor, name: str, expected_shape: Shape | None) -> torch.Tensor:
-        check_expected_shape(local, expected_shape, name)
+        self.hints.check(local, expected_shape, name, why="one process")
         return local
 
     def prepare_trainable(self, module: nn.Module) -> None:
