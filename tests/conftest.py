@@ -1,16 +1,39 @@
-"""Shared fixtures: a fixed seed for every test, the native kernel built first, and the CUDA marker."""
+"""Shared fixtures: a fixed seed for every test, the native kernel built first, and the
+accelerator the suite runs on.
+
+Where torch reports an accelerator (a GPU), the accelerator tests run on it. Everywhere else
+the suite builds and registers its own, ``tardy`` (``tests/tardy``): an asynchronous device on
+the CPU whose copies land late, so that the same tests run and a missing wait fails them. If
+it cannot be built the session stops with the build's error: nothing is skipped silently.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
+
+import tardy
 
 # No test may reach the network: models are built from configs or come from packages.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if torch.accelerator.is_available() and not tardy.registered():
+        return  # a real accelerator: the tests run on it
+    try:
+        tardy.register()
+    except Exception as exc:
+        pytest.exit(
+            f"tests/tardy: the test accelerator could not be built, so the accelerator tests cannot run "
+            f"(a C++ compiler and ninja are needed; torch's extension build says: {type(exc).__name__}: {exc})",
+            returncode=3,
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -31,10 +54,27 @@ def _native_kernel_built() -> None:
     narrow_matvec.wait()
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+@pytest.fixture(autouse=True)
+def _no_hazards() -> Iterator[None]:
+    """Memory a test freed while another stream's use of it was unordered fails that test."""
+    yield
+    if tardy.registered():
+        found = tardy.hazards()
+        if found:
+            pytest.fail("tardy found hazards: " + "; ".join(found))
+
+
+@pytest.fixture
+def accelerator() -> torch.device:
+    """The accelerator of this run: the machine's own, or ``tardy:0``."""
+    device = torch.accelerator.current_accelerator()
+    assert device is not None
+    return torch.device(device.type, 0)
+
+
+@pytest.fixture
+def on_tardy(accelerator: torch.device) -> torch.device:
+    """``tardy:0``, for tests of what only the test device can show (poison, lazy copies, hazards)."""
+    if accelerator.type != tardy.NAME:
+        pytest.skip("runs on the tardy test device only")
+    return accelerator
