@@ -6,6 +6,11 @@ those tests, and puts the file back (also on Ctrl-C). It prints one row per muta
 exits 1 if any mutation survives (its tests still pass) or no longer applies (the source
 moved: update the mutation).
 
+The mutations named "sync: ..." take out the synchronisation points of streaming to an
+accelerator (each wait, record and synchronize, the temporary and staging buffers, copies
+from pageable memory); their tests run on the suite's test device (tests/tardy) where no
+GPU is present. docs/hardware.md has the table (``--only sync:``).
+
 Run: .venv/bin/python scripts/mutate.py [--only SUBSTRING] [--list]
 """
 
@@ -132,6 +137,75 @@ MUTATIONS = [
         "src/torchsurgery/_swap.py",
         "        replacement.grad = grad.to(device=replacement.device, dtype=replacement.dtype)", "        pass",
         ("tests/offloading/test_dynamic_swap.py::test_training_through_it_updates_the_stored_weights",),
+    ),
+    # the synchronisation points of streaming to an accelerator, caught on the suite's test
+    # device (tests/tardy): a missing wait reads poisoned memory or raises a hazard there
+    Mutation(
+        "sync: the compute stream waits for a group's copy before reading its slot",
+        "src/torchsurgery/offloading/streams.py",
+        "        device.wait(device.current_stream(), self.ready[slot])\n", "",
+        ("tests/offloading/test_device.py::test_streaming_on_the_accelerator_is_exact_while_copies_land_late[pinned-lazy]",),
+    ),
+    Mutation(
+        "sync: the compute stream waits for a copy from pageable memory",
+        "src/torchsurgery/offloading/streams.py",
+        "        device.wait(device.current_stream(), self.ready[slot])\n", "",
+        ("tests/offloading/test_device.py::test_streaming_on_the_accelerator_is_exact_while_copies_land_late[pageable-lazy]",),
+    ),
+    Mutation(
+        "sync: a copy into a slot waits for the slot's last use",
+        "src/torchsurgery/offloading/streams.py",
+        "            device.wait(self.side, self.released[slot])  # never overwrite", "            pass  # never overwrite",
+        ("tests/offloading/test_device.py::test_streaming_on_the_accelerator_is_exact_while_copies_land_late[pinned-random-delays]",),
+    ),
+    Mutation(
+        "sync: a slot's last use is recorded after the compute that reads it",
+        "src/torchsurgery/offloading/streams.py",
+        "        self.released[slot] = self.device.record(self.device.current_stream())", "        pass",
+        ("tests/offloading/test_device.py::test_streaming_on_the_accelerator_is_exact_while_copies_land_late[pinned-random-delays]",),
+    ),
+    Mutation(
+        "sync: the temporary buffer of a group met while every slot is busy is filled in the compute stream's order",
+        "src/torchsurgery/offloading/streams.py",
+        "device.copy_(buffer, temporary, device.current_stream())", "device.copy_(buffer, temporary, self.side)",
+        ("tests/offloading/test_streams.py::test_on_the_accelerator_a_nested_group_comes_through_a_temporary_buffer_in_stream_order",),
+    ),
+    Mutation(
+        "sync: the staging buffer is refilled only once its last copy has read it",
+        "src/torchsurgery/offloading/streams.py",
+        "                device.synchronize(self.staged)  # the staging", "                pass  # the staging",
+        ("tests/offloading/test_device.py::test_streaming_from_a_safetensors_file_on_the_accelerator_through_the_staging_buffer",),
+    ),
+    Mutation(
+        "sync: remove() lets the copies in flight land before the ring's buffers go",
+        "src/torchsurgery/offloading/engine.py",
+        "        self._seam.synchronize()\n", "",
+        ("tests/offloading/test_device.py::test_remove_on_the_accelerator_lets_the_copies_in_flight_land_first",),
+    ),
+    Mutation(
+        "sync: AcceleratorDevice.wait makes the stream wait for the event",
+        "src/torchsurgery/offloading/device.py",
+        "            stream.wait_event(event)", "            pass",
+        ("tests/offloading/test_device.py::test_streaming_on_the_accelerator_is_exact_while_copies_land_late[pinned-lazy]",),
+    ),
+    Mutation(
+        "sync: AcceleratorDevice.record records the event on the stream",
+        "src/torchsurgery/offloading/device.py",
+        "        event.record(stream)\n", "",
+        ("tests/offloading/test_device.py::test_streaming_on_the_accelerator_is_exact_while_copies_land_late[pinned-lazy]",),
+    ),
+    Mutation(
+        "sync: AcceleratorDevice.synchronize blocks the host",
+        "src/torchsurgery/offloading/device.py",
+        "            what.synchronize()\n        elif not self.host_compute:\n            torch.accelerator.synchronize(self.device)",
+        "            pass\n        elif False:\n            pass",
+        ("tests/offloading/test_device.py::test_remove_on_the_accelerator_lets_the_copies_in_flight_land_first",),
+    ),
+    Mutation(
+        "sync: a forward's captures in pinned memory have landed when it returns",
+        "src/torchsurgery/flex/captures.py",
+        "            stream.synchronize()", "            pass",
+        ("tests/flex/test_captures.py::test_accelerator_captures_are_pinned_and_finished_when_forward_returns",),
     ),
 ]
 

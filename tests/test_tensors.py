@@ -213,7 +213,7 @@ def test_convert_bad_arguments() -> None:
     with pytest.raises(TypeError, match="nn.Module"):
         convert_("layer", dtype=torch.float64)  # type: ignore[type-var]
     for device in ("mps", "xpu"):  # devices this build has no backend for
-        with pytest.raises(ValueError, match=f"convert_: device '{device}' is not available: this PyTorch reports only 'cpu'"):
+        with pytest.raises(ValueError, match=f"convert_: device '{device}' is not available: this PyTorch reports"):
             convert_(layer, device=device)
     assert layer.weight.dtype == torch.float32 and layer.weight.device.type == "cpu"
 
@@ -1273,3 +1273,23 @@ def test_convert_of_an_offloaded_model_is_refused_until_the_offload_is_removed()
     torchsurgery.convert_(model, dtype=torch.float64)  # the same model converts once it is back
     with torch.no_grad():
         assert model(x.double()).dtype == torch.float64
+
+
+@pytest.mark.accelerator
+def test_convert_and_load_onto_the_accelerator_keep_every_object(accelerator: torch.device, tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).eval()
+    x = torch.randn(3, 4)
+    expected = copy.deepcopy(model).to(accelerator)(x.to(accelerator))
+    ids = {n: id(t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    convert_(model, device=accelerator, optimizer=opt)
+    assert {n: id(t) for n, t in [*model.named_parameters(), *model.named_buffers()]} == ids
+    assert all(t.device == accelerator for t in [*model.parameters(), *model.buffers()])
+    torch.testing.assert_close(model(x.to(accelerator)), expected, rtol=0, atol=0)
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.cpu().contiguous() for k, v in model.state_dict().items()}, path)
+    with skeleton():
+        fresh = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).eval()
+    load_(fresh, path, device=accelerator)
+    assert all(t.device == accelerator for t in [*fresh.parameters(), *fresh.buffers()])
+    torch.testing.assert_close(fresh(x.to(accelerator)), expected, rtol=0, atol=0)

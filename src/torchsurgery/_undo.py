@@ -140,9 +140,9 @@ class ChangeSet:
         for param, old_flag, _ in self.grad_flags:
             param.requires_grad_(old_flag)
         for tensor, alias, kind in self.storage:
-            if type(tensor) is kind:
+            if type(tensor) is kind and torch._has_compatible_shallow_copy_type(tensor, alias):
                 tensor.data = alias
-            else:  # swapped into another class: swapped back, the object kept
+            else:  # swapped into another class, or across backends `.data =` refuses: swapped back, the object kept
                 swap_in(tensor, wrap_like(tensor, alias, kind))
         with torch.no_grad():
             for tensor, copy in self.values:

@@ -3,6 +3,8 @@ torch.compile wrappers."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from _flex_models import IDS, tiny_gpt2
@@ -26,7 +28,10 @@ def test_glob_expands_and_unknown_names_suggest() -> None:
 
 
 @pytest.mark.parametrize("wrap", ["DataParallel", "compile"])
-def test_wrapped_model_hooks_accept_both_name_forms(wrap: str) -> None:
+def test_wrapped_model_hooks_accept_both_name_forms(wrap: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # DataParallel scatters through CUDA's collectives only: it wraps the model on the host
+    # here, as on a machine without GPUs
+    monkeypatch.setattr(sys.modules["torch.nn.parallel.data_parallel"], "_get_available_device_type", lambda: None)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     x = torch.randn(2, 3)

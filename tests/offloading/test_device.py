@@ -9,6 +9,7 @@ the resident model.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -18,6 +19,7 @@ from _residency import best_stall, in_order
 from simulated_device import POISON, Hazard, SimulatedDevice
 from torch import nn
 
+import tardy
 import torchsurgery
 from torchsurgery import Residency, offload
 from torchsurgery.offloading.device import AcceleratorDevice, resolve_device
@@ -415,6 +417,81 @@ def test_an_exception_in_a_forward_with_copies_in_flight_leaves_streaming_exact(
             exact(model(X), reference(X))
         assert handle.stats().prefetch_hits == hits + 4  # prefetching goes on: every block after the first was ahead
         handle.remove()
+
+
+# ---------------------------------------------------------------------- streaming on the accelerator
+#
+# The machine's own accelerator, or the suite's test device (tests/tardy): there the engine
+# runs through AcceleratorDevice with real streams, events and pinned memory, copies land
+# late into poisoned memory, and a use of memory another stream touched without an event
+# in between raises.
+
+
+def late(accelerator: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """On the test device: copies run only when something waits for them. Elsewhere: as the device is."""
+    return tardy.settings(lazy=True) if accelerator.type == tardy.NAME else contextlib.nullcontext()
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("lazy", [False, True], ids=["random-delays", "lazy"])
+@pytest.mark.parametrize("pin_memory", [True, False], ids=["pinned", "pageable"])
+def test_streaming_on_the_accelerator_is_exact_while_copies_land_late(accelerator: torch.device, pin_memory: bool, lazy: bool) -> None:
+    model = Blocks([8, 32, 8, 32, 16, 8])
+    resident = copy.deepcopy(model).to(accelerator)
+    x = X.to(accelerator)
+    ids = identity_map(model)
+    with late(accelerator) if lazy else contextlib.nullcontext(), torch.no_grad():
+        expected = resident(x)
+        pageable = tardy.pageable_copies() if tardy.registered() else 0
+        handle = offload(model, accelerator, skip=None, pin_memory=pin_memory, **stream_all(model, 2))
+        for _ in range(4):
+            exact(model(x), expected)
+        assert handle.stats().prefetch_hits > 0
+        if tardy.registered():  # the host buffers are pinned, or the copies came from pageable memory
+            assert (tardy.pageable_copies() > pageable) != pin_memory
+        handle.remove()
+    assert identity_map(model) == ids
+
+
+@pytest.mark.accelerator
+def test_remove_on_the_accelerator_lets_the_copies_in_flight_land_first(accelerator: torch.device) -> None:
+    model = Blocks([8, 16, 8, 16, 8, 16, 8, 16])
+    reference = copy.deepcopy(model)
+    ids = identity_map(model)
+    x = X.to(accelerator)
+    with late(accelerator), torch.no_grad():
+        handle = offload(model, accelerator, **stream_all(model, 2))
+        model(x)
+        hook = model.blocks[4].register_forward_pre_hook(_stop)
+        with pytest.raises(_Stop):
+            model(x)  # block 3 ran and asked for blocks 4 and 5 ahead: those copies are in flight
+        hook.remove()
+        handle.remove()  # the ring's buffers go: what is copied into them must have landed
+        assert not tardy.registered() or tardy.in_flight() == 0
+    assert identity_map(model) == ids
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        exact(a, b)
+
+
+@pytest.mark.accelerator
+def test_streaming_from_a_safetensors_file_on_the_accelerator_through_the_staging_buffer(
+    accelerator: torch.device, tmp_path: Any
+) -> None:
+    from safetensors.torch import save_file
+
+    reference = Blocks([8, 16, 32, 8, 16])
+    path = tmp_path / "blocks.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, path)
+    with torchsurgery.skeleton():
+        model = Blocks([8, 16, 32, 8, 16])
+    resident = copy.deepcopy(reference).to(accelerator)
+    x = X.to(accelerator)
+    with late(accelerator), torch.no_grad():
+        handle = offload(model, accelerator, storage=path, **stream_all(reference, 2))
+        for _ in range(3):  # the staging buffer is refilled only once its last copy has read it
+            exact(model(x), resident(x))
+        handle.remove()
+    assert all(p.is_meta for p in model.parameters())
 
 
 # ---------------------------------------------------------------------- the suite catches ordering mistakes

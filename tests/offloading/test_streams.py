@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import pytest
 import torch
 from simulated_device import SimulatedDevice
 
+import tardy
 from torchsurgery.offloading.device import resolve_device
 from torchsurgery.offloading.packing import FlatLayout, pack_runs
 from torchsurgery.offloading.streams import PackedGroup, Ring
@@ -58,3 +62,20 @@ def test_a_slot_still_in_use_is_never_overwritten() -> None:
         ring.exit(outer)
         slot, views, _ = ring.enter(groups[2], [])
         assert slot == outer and _same(views, weights[2])
+
+
+@pytest.mark.accelerator
+def test_on_the_accelerator_a_nested_group_comes_through_a_temporary_buffer_in_stream_order(accelerator: torch.device) -> None:
+    groups, weights = _groups(3)  # in pageable memory: asynchronous copies from it too
+    with tardy.settings(lazy=True) if tardy.registered() else contextlib.nullcontext():
+        ring = Ring(groups, resolve_device(accelerator, "test"), slots=1)
+        outer, outer_views, _ = ring.enter(groups[0], [groups[1]])
+        inner, inner_views, _ = ring.enter(groups[1], [])  # every slot busy: a temporary buffer
+        assert inner == -1 and _same(inner_views, weights[1])  # read on the compute stream
+        ring.exit(inner)
+        assert _same(outer_views, weights[0])
+        ring.exit(outer)
+        slot, views, _ = ring.enter(groups[2], [])
+        assert _same(views, weights[2])
+        ring.exit(slot)
+        torch.accelerator.synchronize()

@@ -45,7 +45,7 @@ class Settings:
         seed: seeds the delays.
     """
 
-    capacity: int = 2 << 30
+    capacity: int = 24 << 30  # as a common GPU's (FramePack's pattern keeps 6 GiB free)
     delay: tuple[float, float] = (0.0, 0.001)
     lazy: bool = False
     seed: int = 0
@@ -87,6 +87,7 @@ def register() -> torch.device:
         torch.utils.rename_privateuse1_backend(NAME)
         build()
         torch._register_device_module(NAME, sys.modules[__name__])
+        configure(_current)
     return torch.device(NAME, 0)
 
 
@@ -177,6 +178,11 @@ class device:  # torch calls it as torch.<backend>.device
 
 def _is_in_bad_fork() -> bool:
     return False
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    """The dtypes autocast may compute in (read by torch.autocast and torch.utils.checkpoint)."""
+    return [torch.float16, torch.bfloat16]
 
 
 def manual_seed(seed: int) -> None:

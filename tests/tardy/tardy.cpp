@@ -132,7 +132,7 @@ struct State {
   Clock host{};  // what the host has synchronised with
   int next_side = 0;
   // settings
-  int64_t capacity = int64_t(2) << 30;
+  int64_t capacity = int64_t(24) << 30;  // tests/tardy/__init__.py configures it
   double delay_low = 0.0;
   double delay_high = 0.001;
   bool lazy = false;
@@ -141,6 +141,8 @@ struct State {
   c10::CachingDeviceAllocator::DeviceStats stats;
   int64_t reserved = 0;
   std::unordered_set<const void*> pinned;
+  // finished work, let go of by the next call into the device (see run_front)
+  std::vector<Item> graveyard;
   // what the tests read
   std::vector<std::string> hazards;
   int64_t copies = 0;
@@ -215,10 +217,30 @@ void run_front(State& st, int sid, Lock& lock) {
   s.completed += 1;
   s.busy = false;
   st.changed.notify_all();
-  lock.unlock();
-  finished = Item();  // lets go of host tensors outside the lock (their deleters take it)
-  lock.lock();
+  // a host tensor's last reference may be its Python object's, whose release takes the GIL,
+  // which a thread waiting for this one may hold: the next call into the device lets go of it
+  st.graveyard.push_back(std::move(finished));
 }
+
+// Lets go of finished work (called without the lock, from a call into the device).
+void bury(State& st) {
+  std::vector<Item> dead;
+  {
+    Lock lock(st.mutex);
+    dead.swap(st.graveyard);
+  }
+}
+
+// Declared before a call's lock: on the way in and out of the call (after the lock is let
+// go), finished work is let go of, so a finished copy holds no tensor longer than on CUDA.
+struct Burial {
+  Burial() {
+    bury(state());
+  }
+  ~Burial() {
+    bury(state());
+  }
+};
 
 // Blocks until stream `sid` has run its first `target` items, running them on this thread
 // where no other thread is at them: a wait is what makes lazy work run. A copy that has
@@ -570,6 +592,7 @@ at::Tensor copy_from(const at::Tensor& src, const at::Tensor& dst, bool non_bloc
                                           : src;
   item.dst = on_device(dst) ? view_on(cpu_storage(dst.storage(), false), dst, c10::DispatchKey::CPU) : dst;
   State& st = state();
+  Burial burial;
   Lock lock(st.mutex);
   raise_hazards(st);
   int sid = tls_stream;
@@ -595,6 +618,11 @@ at::Tensor copy_from(const at::Tensor& src, const at::Tensor& dst, bool non_bloc
     host_saw(st, sid, index + 1);
   }
   return dst;
+}
+
+// Tensor.record_stream: the memory's reuse waits for `stream` too (neither a read nor a write).
+void record_stream(at::Tensor& self, c10::Stream stream) {
+  device_memory.recordStream(self.storage().data_ptr(), stream);
 }
 
 // ------------------------------------------------------------------ compute: the CPU fallback
@@ -627,7 +655,8 @@ struct Call {
     return nullptr;
   }
 
-  at::Tensor to_cpu(const at::Tensor& t, bool writes) {
+  // `uses`: whether the kernel touches the bytes (a view only aliases them); `writes`: whether it writes them
+  at::Tensor to_cpu(const at::Tensor& t, bool uses, bool writes) {
     if (!t.defined()) return t;
     if (t.device().is_cpu()) {
       TORCH_CHECK(t.dim() == 0,
@@ -637,22 +666,23 @@ struct Call {
     }
     TORCH_CHECK(on_device(t), "tardy: ", op, " got a tensor on ", t.device(), " next to tardy tensors");
     at::Tensor view = view_on(alias(t.storage()).cpu, t, c10::DispatchKey::CPU);
-    if (Block* b = block_of(t.storage())) used.emplace_back(b, writes);
+    Block* b = uses ? block_of(t.storage()) : nullptr;
+    if (b) used.emplace_back(b, writes);
     if (writes) written.emplace_back(t, view);
     return view;
   }
 
-  c10::IValue to_cpu(const c10::IValue& value, bool writes) {
-    if (value.isTensor()) return to_cpu(value.toTensor(), writes);
+  c10::IValue to_cpu(const c10::IValue& value, bool uses, bool writes) {
+    if (value.isTensor()) return to_cpu(value.toTensor(), uses, writes);
     if (value.isTensorList()) {
       c10::List<at::Tensor> out;
-      for (const at::Tensor& t : value.toTensorList()) out.push_back(to_cpu(t, writes));
+      for (const at::Tensor& t : value.toTensorList()) out.push_back(to_cpu(t, uses, writes));
       return out;
     }
     if (value.isOptionalTensorList()) {
       c10::List<std::optional<at::Tensor>> out;
       for (const std::optional<at::Tensor>& t : value.toOptionalTensorList()) {
-        out.push_back(t.has_value() ? std::optional<at::Tensor>(to_cpu(*t, writes)) : std::nullopt);
+        out.push_back(t.has_value() ? std::optional<at::Tensor>(to_cpu(*t, uses, writes)) : std::nullopt);
       }
       return out;
     }
@@ -723,10 +753,12 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   auto first = stack->end() - int64_t(arguments.size());
   std::vector<c10::IValue> given(first, stack->end());
   for (size_t i = 0; i < arguments.size(); ++i) {
+    // an argument annotated as aliased without a write is one a view is taken of: not read
     const c10::AliasInfo* alias = arguments[i].alias_info();
-    first[int64_t(i)] = call.to_cpu(given[i], alias && alias->isWrite());
+    first[int64_t(i)] = call.to_cpu(given[i], !alias || alias->isWrite(), alias && alias->isWrite());
   }
   State& st = state();
+  Burial burial;
   {
     Lock lock(st.mutex);
     raise_hazards(st);
@@ -892,6 +924,7 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
 
   void synchronizeStream(const c10::Stream& s) const override {
     State& st = state();
+    Burial burial;
     Lock lock(st.mutex);
     int sid = int(s.id());
     int64_t target = st.streams[sid].enqueued;
@@ -904,6 +937,7 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
     auto* handle = static_cast<EventHandle*>(event);
     if (!handle || !handle->mark) return;
     State& st = state();
+    Burial burial;
     Lock lock(st.mutex);
     run_until(st, handle->mark->stream, handle->mark->index + 1, lock);
     host_saw(st, *handle->mark);
@@ -912,6 +946,7 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
 
   void synchronizeDevice(const c10::DeviceIndex) const override {
     State& st = state();
+    Burial burial;
     Lock lock(st.mutex);
     synchronize_all(st, lock);
     raise_hazards(st);
@@ -1042,6 +1077,14 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty.memory_format", TORCH_FN(empty_memory_format));
   m.impl("empty_strided", TORCH_FN(empty_strided));
   m.impl("_copy_from", TORCH_FN(copy_from));
+  m.impl("record_stream", TORCH_FN(record_stream));
+}
+
+// Composite operators that pick a kernel by backend would ask a PrivateUse1 backend for its
+// "overrideable" variants: taken whole through the fallback instead, they run as on the CPU.
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("convolution", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  m.impl("convolution_backward", torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

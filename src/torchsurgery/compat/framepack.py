@@ -8,8 +8,8 @@ A FramePack script switches by changing one import line::
         DynamicSwapInstaller, unload_complete_models, load_model_as_complete,
     )
 
-Each target device gets one shared pool (no limit of its own: GPU pools use what is
-free). A model joins the pool of a device the first time a function moves it there, with
+Each target device gets one shared pool (no limit of its own: accelerator pools use what
+is free, as the device's memory statistics report it). A model joins the pool of a device the first time a function moves it there, with
 its weights in their own dtype; a model you added yourself to a
 :class:`~torchsurgery.DevicePool` of that device (with a budget, a storage dtype) stays
 in that pool. What changes from moving modules one ``.to()`` at a time:
@@ -25,7 +25,7 @@ in that pool. What changes from moving modules one ``.to()`` at a time:
   shared pool (its hook and undo record go with it), and the functions hold no strong
   reference to a model, so one the app drops is freed.
 
-On a CPU (``gpu`` is the CPU when no CUDA device exists) the models already live in
+On a CPU (``gpu`` is the CPU when PyTorch reports no accelerator) the models already live in
 the memory they would be moved to, so there is no device memory to preserve:
 ``preserved_memory_gb`` is ignored (the two ``..._memory_preservation`` functions load
 and keep the model within its pool's own limit), and :func:`get_cuda_free_memory_gb`
@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchsurgery._swap import swap_in, wrap_like
 from torchsurgery._validate import check_device
 from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, Setting
 from torchsurgery.offloading.dynamic_swap import DynamicSwapInstaller
@@ -65,8 +66,15 @@ _GIB = 1 << 30
 cpu = torch.device("cpu")
 """The host."""
 
-gpu = torch.device("cuda", 0) if torch.cuda.is_available() else cpu
-"""The first CUDA device, or the CPU where there is none (the scripts then run on the CPU)."""
+
+def _first_accelerator() -> torch.device:
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return cpu if accelerator is None else torch.device(accelerator.type, 0)
+
+
+gpu = _first_accelerator()
+"""The first device of the accelerator PyTorch reports (``cuda:0`` on a GPU), or the CPU
+where there is none (the scripts then run on the CPU)."""
 
 _WHAT = "torchsurgery.compat.framepack"
 _pools: dict[torch.device, DevicePool] = {}
@@ -83,8 +91,8 @@ def _device(device: Any, function: str) -> torch.device:
             f"{str(device)!r} holds no values: a model moved there cannot compute", "give {}",
             Setting("target_device", "cuda"),
         )
-    if target.type == "cuda" and target.index is None:
-        target = torch.device("cuda", 0)
+    if target.type != "cpu" and target.index is None:
+        target = torch.device(target.type, 0)
     return target
 
 
@@ -109,7 +117,16 @@ def _to_host(model: nn.Module) -> None:
     elif pool is not None:
         pool.unload(model)
     else:
-        model.to(device=cpu)
+        _host_tensors(model)
+
+
+def _host_tensors(model: nn.Module) -> None:
+    """What ``model.to(cpu)`` does, by swapping: the same objects, also for weights an
+    installer keeps in their stored dtype (which refuse ``.to()``) and across backends
+    ``.data =`` refuses (e.g. what :func:`fake_diffusers_current_device` moved)."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type != "cpu":
+            swap_in(tensor, wrap_like(tensor, tensor.detach().to(cpu)))
 
 
 def _shared_pool(target: torch.device) -> DevicePool:
@@ -136,8 +153,8 @@ def _pool_for(model: nn.Module, target: torch.device) -> DevicePool:
 def get_cuda_free_memory_gb(device: str | torch.device | None = None) -> float:
     """GiB a new allocation on ``device`` (default ``gpu``) can take now.
 
-    On a GPU: free in the driver plus what torch's allocator holds unused. On a CPU:
-    the host's available memory.
+    On an accelerator: free on the device plus what torch's allocator holds unused (from
+    ``torch.accelerator``'s memory statistics). On a CPU: the host's available memory.
 
     Example:
         >>> from torchsurgery.compat.framepack import cpu, get_cuda_free_memory_gb
@@ -233,8 +250,8 @@ def unload_complete_models(*extra_models: nn.Module) -> None:
     for model in [*(m for m in (ref() for ref in _complete) if m is not None), *extra]:
         _to_host(model)
     _complete.clear()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    if torch.accelerator.is_available():
+        torch.accelerator.empty_cache()  # a no-op before the device's allocator is initialised
 
 
 def fake_diffusers_current_device(model: nn.Module, target_device: str | torch.device) -> None:
@@ -257,4 +274,6 @@ def fake_diffusers_current_device(model: nn.Module, target_device: str | torch.d
     target = _device(target_device, "fake_diffusers_current_device")
     first = next(iter(model.parameters()), None)
     if first is not None and first.device != target:
-        first.data = first.data.to(target)
+        # swapped, not `.data =`: torch refuses that between the host and a backend it does
+        # not know as dense (any registered PrivateUse1 backend)
+        swap_in(first, wrap_like(first, first.detach().to(target)))

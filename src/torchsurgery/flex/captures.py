@@ -6,6 +6,10 @@ choice and their own captures. A forward's captures reach ``output_ptr`` togethe
 returns (:meth:`Captures.publish`), and not at all when it fails. Hooks that run outside
 a forward (``generate`` calling the model's parts, a backward) write straight to
 ``output_ptr``.
+
+Inside a forward, activations on the accelerator PyTorch reports are copied into pinned
+host memory without blocking, on the stream that computed them; the forward waits for
+those streams once, when it returns.
 """
 
 from __future__ import annotations
@@ -25,21 +29,29 @@ OutputPtr = dict[str, list[torch.Tensor]]
 """flex_model's capture dict: module name to one CPU tensor per forward."""
 
 
+def _accelerated(device: torch.device) -> bool:
+    """Whether ``device`` belongs to the accelerator PyTorch reports (its host memory can be pinned)."""
+    if not torch.accelerator.is_available():
+        return False
+    accelerator = torch.accelerator.current_accelerator()
+    return accelerator is not None and device.type == accelerator.type
+
+
 class ForwardCall:
     """What belongs to one forward through the wrapper: its group choice and its captures.
 
     Attributes:
         active: the hook functions that run (``None``: every one).
         captures: what this forward captured so far.
-        pending_copies: a non-blocking device-to-host copy is still in flight.
+        pending: the streams that non-blocking device-to-host copies were issued on.
     """
 
-    __slots__ = ("active", "captures", "pending_copies")
+    __slots__ = ("active", "captures", "pending")
 
     def __init__(self, active: Set[HookFunction] | None) -> None:
         self.active = active
         self.captures: OutputPtr = {}
-        self.pending_copies = False
+        self.pending: list[torch.Stream] = []
 
 
 class Captures:
@@ -81,8 +93,8 @@ class Captures:
     def end(self, call: ForwardCall, token: contextvars.Token[ForwardCall]) -> None:
         """Leave the forward :meth:`begin` started, its copies finished (not yet published)."""
         self._call.reset(token)
-        if call.pending_copies:
-            torch.cuda.current_stream().synchronize()
+        for stream in call.pending:
+            stream.synchronize()
 
     def runs(self, hook: HookFunction) -> bool:
         """Whether ``hook`` is on in the current forward (outside one, every hook is)."""
@@ -96,12 +108,14 @@ class Captures:
         value = tensor.detach()
         if value.device.type == "cpu":
             value = value.clone()  # an alias would change with later in-place edits
-        elif call is not None and torch.cuda.is_available():
-            # pinned and non-blocking; end() synchronises once when the forward returns
+        elif call is not None and _accelerated(value.device):
+            # pinned and non-blocking; end() waits for the stream once when the forward returns
             host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
             host.copy_(value, non_blocking=True)
             value = host
-            call.pending_copies = True
+            stream = torch.accelerator.current_stream(tensor.device)
+            if stream not in call.pending:
+                call.pending.append(stream)
         else:
             value = value.to("cpu")
         if into is not None:

@@ -164,7 +164,8 @@ class OffloadPlan:
         groups: the groups, in model order.
         budget: device bytes the weights may take (``None``: no limit).
         measured_budget: the part of the budget left for groups the first forward's
-            measurements make resident (``None``: no planning after the first forward).
+            measurements make resident (the first forward without gradients; ``None``: no
+            planning after a forward).
         prefetch: groups brought in ahead.
         pin_memory: whether streamed host buffers are page-locked.
         storage: the checkpoint streamed groups are read from, if any.

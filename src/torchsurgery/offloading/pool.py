@@ -15,7 +15,9 @@ takes a model out of its pool.
 
 Sizes are counted as the weights take them on the device, in their compute dtype; the
 device footprint of a streamed model is its resident groups plus ``prefetch + 1`` of
-its largest group in flight. On a CPU device the limit works the same way (the
+its largest group in flight. The device is the CPU or the accelerator PyTorch reports
+(``torch.accelerator``: CUDA, ROCm, XPU, MPS or a registered backend), whose free memory
+comes from its own statistics. On a CPU device the limit works the same way (the
 "device" is host memory holding the compute-dtype copies); ``keep_free`` there is
 measured against the host's available memory.
 """
@@ -34,7 +36,7 @@ import torch
 from torch import nn
 
 from torchsurgery import _undo
-from torchsurgery._validate import check_bytes
+from torchsurgery._validate import check_bytes, check_device
 from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle, OffloadRecord, offload
 from torchsurgery.offloading.grouping import find_groups
 from torchsurgery.offloading.plan import already_offloaded
@@ -48,12 +50,12 @@ _WHAT = "torchsurgery.DevicePool"
 def _free_bytes(device: torch.device) -> int:
     """Bytes a new allocation on ``device`` can take now.
 
-    On a GPU: what the driver reports free plus what torch's caching allocator holds
-    unused. On a CPU: the host's available memory (``MemAvailable``).
+    On an accelerator: what the device reports free plus what torch's caching allocator
+    holds unused. On a CPU: the host's available memory (``MemAvailable``).
     """
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        stats = torch.cuda.memory_stats(device)
+    if device.type != "cpu":
+        free, _ = torch.accelerator.get_memory_info(device)
+        stats = torch.accelerator.memory_stats(device)
         return int(free + stats.get("reserved_bytes.all.current", 0) - stats.get("active_bytes.all.current", 0))
     try:
         with open("/proc/meminfo") as f:
@@ -65,12 +67,20 @@ def _free_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _accelerator() -> torch.device | None:
+    """The accelerator PyTorch reports, if one is available."""
+    return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+
+
 def _device_gone(device: torch.device) -> str | None:
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return "CUDA is not available"
-        if (device.index or 0) >= torch.cuda.device_count():
-            return f"there are only {torch.cuda.device_count()} CUDA devices"
+    if device.type == "cpu":
+        return None
+    accelerator = _accelerator()
+    if accelerator is None or accelerator.type != device.type:
+        return f"this PyTorch reports {'no accelerator' if accelerator is None else repr(accelerator.type)}"
+    count = torch.accelerator.device_count()
+    if (device.index or 0) >= count:
+        return f"there are only {count} {device.type} devices"
     return None
 
 
@@ -235,11 +245,12 @@ class DevicePool:
     """Several models sharing one device within a limit; least recently used go back first.
 
     Args:
-        device: the shared device (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
+        device: the shared device: ``"cpu"`` or the accelerator PyTorch reports (``"cuda"``,
+            ``"cuda:1"``, ``"xpu"``, ...); ``None``: that accelerator.
         budget: device bytes all loaded models may take together.
         keep_free: instead of a budget: load only while this many bytes of the device
-            stay free (measured when loading). Without either, a GPU pool may use what is
-            free, and a CPU pool is unlimited.
+            stay free (measured when loading). Without either, an accelerator pool may use
+            what is free, and a CPU pool is unlimited.
 
     Raises:
         ValueError: a device that does not exist, both limits, or a negative one.
@@ -260,19 +271,18 @@ class DevicePool:
     """
 
     def __init__(
-        self, device: str | torch.device = "cuda", *, budget: int | None = None, keep_free: int | None = None
+        self, device: str | torch.device | None = None, *, budget: int | None = None, keep_free: int | None = None
     ) -> None:
-        try:
-            target = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"{_WHAT}: {device!r} is not a device ({exc})") from exc
-        if target.type not in ("cpu", "cuda"):
-            raise ValueError(f"{_WHAT}: device must be 'cpu' or a CUDA device, got {device!r}")
-        gone = _device_gone(target)
-        if gone:
-            raise ValueError(f"{_WHAT}: device {device!r} asked for, but {gone}")
-        if target.type == "cuda" and target.index is None:
-            target = torch.device("cuda", torch.cuda.current_device())
+        if device is None:
+            accelerator = _accelerator()
+            if accelerator is None:
+                raise ValueError(f"{_WHAT}: PyTorch reports no accelerator for the default device; give device='cpu'")
+            device = accelerator
+        target = check_device(device, _WHAT)
+        if target is None or target.type == "meta":
+            raise ValueError(f"{_WHAT}: device {device!r} holds no values; give 'cpu' or the accelerator PyTorch reports")
+        if target.type != "cpu" and target.index is None:
+            target = torch.device(target.type, torch.accelerator.current_device_index())
         self.budget = check_bytes(budget, _WHAT, "budget")
         self.keep_free = check_bytes(keep_free, _WHAT, "keep_free")
         if self.budget is not None and self.keep_free is not None:
@@ -305,7 +315,7 @@ class DevicePool:
             groups: offload groups, as for :func:`~torchsurgery.offload`.
             skip: modules that keep their dtype, as for :func:`~torchsurgery.offload`.
             prefetch: groups brought in ahead when streamed.
-            pin_memory: pin streamed host storage (default: on a GPU).
+            pin_memory: pin streamed host storage (default: on an accelerator).
 
         Returns:
             ``model``.
@@ -457,8 +467,8 @@ class DevicePool:
     def free_bytes(self) -> int:
         """Bytes a new allocation on the pool's device can take now.
 
-        On a GPU: what the driver reports free plus what torch's caching allocator holds
-        unused. On a CPU: the host's available memory.
+        On an accelerator: what the device reports free plus what torch's caching allocator
+        holds unused. On a CPU: the host's available memory.
 
         Example:
             >>> import torchsurgery
@@ -565,7 +575,7 @@ class DevicePool:
         limits = []
         if self.budget is not None:
             limits.append(self.budget - others - (entry.granted if entry.loaded else 0))
-        if keep is not None or (self.budget is None and self.device.type == "cuda"):
+        if keep is not None or (self.budget is None and self.device.type != "cpu"):
             limits.append(_free_bytes(self.device) - (keep or 0))
         room = min(limits) if limits else 1 << 62  # a CPU pool without a limit is unlimited
         return max(0, room), others

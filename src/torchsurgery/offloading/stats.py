@@ -19,7 +19,10 @@ class OffloadStats:
             group that arrived in time costs nothing).
         seconds_transferring: time the copies and casts of streamed groups took, measured
             between events on the stream they ran on.
-        peak_device_bytes: most weight bytes held on the device at once.
+        peak_device_bytes: most weight bytes held on the device at once: the resident
+            groups, the ring's slots (allocated for as long as groups stream through it) and
+            what a running group holds besides (casts to the compute dtype, copies made
+            for a forward that records gradients).
         resident_bytes: weight bytes of the resident groups.
         resident_groups: groups kept on the device.
         streamed_groups: groups brought in for each forward.

@@ -152,6 +152,7 @@ class Ring:
         self.device = device
         size = max((g.layout.nbytes for g in groups), default=0)
         self.buffers = [device.empty(size) for _ in range(max(1, slots))]
+        self.nbytes = size * len(self.buffers)  # held on the device for as long as the ring lives
         self.holding: list[PackedGroup | None] = [None] * len(self.buffers)
         self.copied: list[int] = [0] * len(self.buffers)  # the group's version when it was copied in
         self.ready: list[Any] = [None] * len(self.buffers)  # copy-done events
@@ -384,7 +385,10 @@ class _Streaming:
 
 
 class _EndForward:
-    """A forward hook on the model closing the recorded execution order (picklable)."""
+    """A forward hook on the model closing the recorded execution order (picklable).
+
+    ``after_first`` runs once, at the end of the first forward without gradients.
+    """
 
     def __init__(self, order: OrderRecorder, after_first: Callable[[], None] | None = None) -> None:
         self.order = order
@@ -394,9 +398,13 @@ class _EndForward:
         if torch.compiler.is_compiling():
             return  # compiled forwards read the stored weights in the graph: nothing streams
         self.order.end_forward()
-        if self.after_first is not None:
+        if self.after_first is not None and not torch.is_grad_enabled():
+            # e.g. plan residency from the first forward's measurements; not after a forward
+            # that recorded gradients: making a group resident swaps its weights, which would
+            # poison the graph whose backward is still to run (and such a forward copies
+            # without the ring, so its timings are not the ring's)
             after, self.after_first = self.after_first, None
-            after()  # e.g. plan residency from the first forward's measurements
+            after()
 
 
 class _GroupStreamer:
@@ -419,6 +427,7 @@ class _GroupStreamer:
         self.depth = 0
         self.slot: int | None = None
         self.measure: _Measure | None = None
+        self.fresh = 0  # device bytes held for the group's current run besides the ring
         # weights read from a checkpoint file cannot come in inside a compiled graph
         self.traceable = packed is None or not packed.from_file
 
@@ -442,15 +451,22 @@ class _GroupStreamer:
                 )
             if streaming.restart:
                 streaming.start()
+            fresh = 0  # device bytes this group allocates besides the ring's slots
             if self.packed is not None and streaming.ring is not None and not torch.is_grad_enabled():
                 upcoming = [streaming.packed[n] for n in streaming.order.ahead(self.name, streaming.prefetch) if n in streaming.packed]
                 self.slot, views, copy = streaming.ring.enter(self.packed, upcoming)
+                if self.slot < 0:  # every slot busy: a temporary buffer
+                    fresh += self.packed.layout.nbytes
                 for (owner, pname, _, dtype), view in zip(self.packed_entries, views, strict=True):
-                    owner._parameters[pname] = view if view.dtype == dtype else view.to(dtype)  # type: ignore[assignment]
+                    if view.dtype != dtype:
+                        view = view.to(dtype)
+                        fresh += view.nbytes
+                    owner._parameters[pname] = view  # type: ignore[assignment]
             else:
                 direct = self.packed_entries + self.other_entries  # autograd keeps these until backward
             for owner, pname, p, dtype in direct:
                 owner._parameters[pname] = p.to(device=device.device, dtype=dtype, non_blocking=True)  # type: ignore[assignment]
+                fresh += p.numel() * dtype.itemsize
         except BaseException:
             self.depth = 1
             self.release()
@@ -460,8 +476,10 @@ class _GroupStreamer:
         stats = streaming.stats
         stats.bytes_moved += self.nbytes
         stats.transfers += 1
-        streaming.current += self.nbytes
-        stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + streaming.current)
+        self.fresh = fresh
+        streaming.current += fresh
+        ring = streaming.ring.nbytes if streaming.ring is not None else 0
+        stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + ring + streaming.current)
 
     @torch.compiler.disable
     def release(self) -> None:
@@ -485,7 +503,8 @@ class _GroupStreamer:
         if self.slot is not None and streaming.ring is not None:
             streaming.ring.exit(self.slot)
             self.slot = None
-        streaming.current = max(0, streaming.current - self.nbytes)
+        streaming.current = max(0, streaming.current - self.fresh)
+        self.fresh = 0
 
 
 class _StreamedGroup(Patch, nn.Module):
