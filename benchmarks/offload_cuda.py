@@ -8,9 +8,12 @@ Variants, each on a freshly built model (so host memory does not add up):
 * diffusers           ``apply_group_offloading(block_level, use_stream=True)``
 * access-time swap    the video app's installer: every weight read converts to CUDA
 
-Printed per variant: ms per forward (median), peak device memory, peak host memory, and the
-ratio to the physical floor ``max(resident compute, streamed bytes / pinned H2D bandwidth)``
-with the bandwidth measured here.
+Printed per variant: ms per forward (median), peak device memory above what was allocated
+before the variant (the input), peak host memory while the variant ran (``VmHWM``, reset
+before each variant), and the ratio to the physical floor ``max(resident compute, streamed
+bytes / pinned H2D bandwidth)`` with the bandwidth measured here. Each variant is undone and
+its model freed (``gc.collect()``: models with hooks hold reference cycles) before the next
+one starts, so no variant's leftovers count in another's peak.
 
 Run: .venv/bin/python benchmarks/offload_cuda.py [--blocks 12] [--d 4096] [--tokens 512]
 """
@@ -24,7 +27,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import psutil
 import torch
 from torch import nn
 
@@ -48,6 +50,21 @@ def pinned_bandwidth(nbytes: int = 1 << 30) -> float:
         device.copy_(host, non_blocking=True)
     torch.cuda.synchronize()
     return 5 * nbytes / (time.perf_counter() - start)
+
+
+def reset_host_peak() -> None:
+    """Start a new peak of this process's resident memory (Linux: VmHWM)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def host_peak() -> int:
+    """This process's peak resident memory since :func:`reset_host_peak`, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def access_time_swap(model: nn.Module) -> None:
@@ -103,10 +120,12 @@ def main() -> None:
     rows: dict[str, tuple[float, float, float] | str] = {}
     for name, setup in setups(budget).items():
         model = make(args.blocks, args.d)
-        gc.collect()
+        handle: Any = None
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        proc = psutil.Process()
+        before = torch.cuda.memory_allocated()
+        reset_host_peak()
         try:
             handle = setup(model)
             with torch.no_grad():
@@ -118,22 +137,26 @@ def main() -> None:
                     model(x)
                     torch.cuda.synchronize()
                     times.append(time.perf_counter() - start)
-            rows[name] = (statistics.median(times), torch.cuda.max_memory_allocated(), proc.memory_info().rss)
-            if handle is not None and hasattr(handle, "stats"):
+            rows[name] = (statistics.median(times), torch.cuda.max_memory_allocated() - before, host_peak())
+            if hasattr(handle, "stats"):
                 print(f"torchsurgery stats: {handle.stats()}")
         except Exception as exc:  # a peer that cannot run here is reported, not fatal
             rows[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
-        del model
+        finally:
+            if hasattr(handle, "remove"):
+                handle.remove()
+            del model, handle
+            gc.collect()  # hooks and patches hold reference cycles: free the model now
     compute = rows["resident"][0] if isinstance(rows["resident"], tuple) else float("nan")
     floor = max(compute, (size - budget) / bandwidth)
     print(f"\nfloor: max(compute {compute * 1e3:.1f} ms, streamed bytes / bandwidth {(size - budget) / bandwidth * 1e3:.1f} ms)")
-    print(f"{'variant':<18}{'ms/forward':>12}{'vs floor':>10}{'peak GPU GiB':>14}{'host RSS GiB':>14}")
+    print(f"{'variant':<18}{'ms/forward':>12}{'vs floor':>10}{'peak GPU GiB':>14}{'peak host GiB':>15}")
     for name, row in rows.items():
         if isinstance(row, str):
             print(f"{name:<18}  {row}")
         else:
             seconds, device_peak, host = row
-            print(f"{name:<18}{seconds * 1e3:>12.1f}{seconds / floor:>9.2f}x{device_peak / 2**30:>14.2f}{host / 2**30:>14.2f}")
+            print(f"{name:<18}{seconds * 1e3:>12.1f}{seconds / floor:>9.2f}x{device_peak / 2**30:>14.2f}{host / 2**30:>15.2f}")
 
 
 if __name__ == "__main__":
