@@ -47,9 +47,12 @@ def test_accelerator_captures_are_pinned_and_finished_when_forward_returns(accel
     out: dict[str, list[torch.Tensor]] = {}
     flex = FlexModel(model, out)
     flex.register_forward_hook(HookFunction("transformer.h.*.mlp"))
+    flex.register_forward_hook(HookFunction("lm_head"))  # the last computation: no later one runs its copy
     # on the test device the copies into pinned memory run only when waited for
     with tardy.settings(lazy=True) if tardy.registered() else contextlib.nullcontext():
         result = flex(ids)
+        # read on the host before anything else calls into the device (which would run the copies)
+        landed = {name: values[0].clone() for name, values in out.items()}
     reference = {}
     flex.restore()
     for i in range(2):
@@ -57,10 +60,11 @@ def test_accelerator_captures_are_pinned_and_finished_when_forward_returns(accel
             lambda m, a, o, i=i: reference.__setitem__(i, o.detach().cpu())
         )
     torch.testing.assert_close(model(ids).logits, result.logits)
+    torch.testing.assert_close(landed["lm_head"], result.logits.cpu(), rtol=0, atol=0)
     for i in range(2):
         captured = out[f"transformer.h.{i}.mlp"][0]
         assert captured.device.type == "cpu" and captured.is_pinned()
-        torch.testing.assert_close(captured, reference[i], rtol=0, atol=0)
+        torch.testing.assert_close(landed[f"transformer.h.{i}.mlp"], reference[i], rtol=0, atol=0)
         torch.testing.assert_close(captured, reference[i])
 
 
