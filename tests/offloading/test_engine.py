@@ -1066,3 +1066,30 @@ def test_surgery_is_refused_while_another_thread_runs_the_model() -> None:
         model[1].go.set()
         thread.join(timeout=60)
     handle.remove()
+
+
+def test_running_out_of_device_memory_raises_and_leaves_the_model_usable(on_tardy: torch.device) -> None:
+    import tardy
+
+    model = tiny_llama()
+    resident = copy.deepcopy(model).to(on_tardy)
+    ids = IDS.to(on_tardy)
+    with torch.no_grad():
+        expected = resident(ids).logits
+    del resident
+    ids_before = identity_map(model)
+    torch.accelerator.synchronize()
+    held = torch.accelerator.memory_allocated()
+    with torch.no_grad():
+        # a budget the device cannot hold: refused by the device, the model as it was
+        with tardy.settings(capacity=held + _group_budget(model, 1)), pytest.raises(torch.OutOfMemoryError, match="out of memory"):
+            offload(model, on_tardy, budget=_group_budget(model, 4))
+        assert identity_map(model) == ids_before and torchsurgery.surgery_log(model) == []
+        handle = offload(model, on_tardy, budget=_group_budget(model, 3))
+        model(ids)
+        # a forward that runs out of device memory midway: the error, then the model computes as before
+        with tardy.settings(capacity=torch.accelerator.memory_allocated() + 1024), pytest.raises(torch.OutOfMemoryError):
+            model(ids)
+        torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
+    handle.remove()
+    assert identity_map(model) == ids_before
