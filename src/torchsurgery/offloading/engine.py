@@ -51,10 +51,11 @@ from torchsurgery.offloading.plan import (
     ParamPlan,
     Residency,
     _param,
+    in_flight_reserve,
     plan_offload,
     reads_as_computed,
 )
-from torchsurgery.offloading.planner import plan_residency
+from torchsurgery.offloading.planner import GroupCost, plan_residency
 from torchsurgery.offloading.stats import OffloadStats
 from torchsurgery.offloading.streams import (
     PackedGroup,
@@ -385,8 +386,15 @@ class OffloadHandle:
         costs, bandwidth = streaming.measured(names)  # timings read through the device seam
         if not costs:
             return
-        for name in plan_residency(costs, budget, bandwidth, streaming.prefetch):
+        # sized as the ring and the runs take them, so that resident groups, the ring
+        # (remade for the groups that still stream) and a run's casts fit the budget together
+        sizes, per_run = in_flight_reserve([g for g in self.plan.groups if g.name in names], streaming.prefetch)
+        counted = [GroupCost(c.name, sizes[c.name], c.compute_s) for c in costs]
+        chosen = plan_residency(counted, budget - per_run, bandwidth, streaming.prefetch)
+        for name in chosen:
             self._make_resident(name)
+        if chosen:
+            streaming.remake_ring()
 
     def _make_resident(self, name: str) -> None:
         module = self.model.get_submodule(name)

@@ -25,6 +25,7 @@ from torch import nn
 from torchsurgery import _undo
 from torchsurgery._checkpoint import SafetensorsSource, open_source
 from torchsurgery._format import human_bytes
+from torchsurgery._tensor_layout import ALIGNMENT, align
 from torchsurgery._validate import check_bytes, check_dtype, dtype_name
 from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, BudgetError, Setting
 from torchsurgery.offloading.device import OffloadDevice, resolve_device
@@ -410,6 +411,45 @@ def _check_budget_holds_largest(budget: int, groups: list[GroupPlan], finer: boo
         raise BudgetError(_WHAT, budget, big.nbytes, big.name, finer=finer)
 
 
+def streaming_bytes(group: GroupPlan) -> tuple[int, int]:
+    """Device bytes ``group`` takes while it streams, besides what it takes when resident.
+
+    Returns:
+        (its ring slot: the weights the ring carries, in their storage dtype, each aligned
+        as the ring packs them; what a run adds: casts to the compute dtype and the weights
+        converted at each run, such as a tied weight another group holds).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> plan = torchsurgery.plan_offload(nn.Conv1d(4, 4, 1), storage_dtype=torch.bfloat16, dtype=torch.float32)
+        >>> streaming_bytes(plan.groups[0])  # weight at 0, bias at 256 (bf16); both cast to fp32 per run
+        (264, 80)
+    """
+    ring = [p for p in group.params if p.residency in (Residency.STREAMED, Residency.FILE)]
+    end = per_run = 0
+    for p in sorted(ring, key=lambda p: str(p.storage_dtype)):  # the order the engine packs them in
+        end = align(end, ALIGNMENT) + p.nbytes // p.compute_dtype.itemsize * p.storage_dtype.itemsize
+        if p.storage_dtype != p.compute_dtype:
+            per_run += p.nbytes
+    per_run += sum(p.nbytes for p in group.params if p.residency is Residency.CONVERTED)
+    return end, per_run
+
+
+def in_flight_reserve(groups: Sequence[GroupPlan], prefetch: int) -> tuple[dict[str, int], int]:
+    """What a budget keeps for streaming ``groups``: each group's size as the planner counts
+    it (the larger of its resident bytes and its ring slot) and the most a run adds.
+
+    The planner's ``prefetch + 1`` largest sizes then cover the ring (whose slots are sized
+    for the largest group streamed), and the run's additions are kept aside. A group stored
+    wider than it computes is counted at its slot's size also as a resident group (more than
+    it then takes): the budget holds, at the price of some residency.
+    """
+    sizes = {g.name: max(g.nbytes, streaming_bytes(g)[0]) for g in groups}
+    return sizes, max((streaming_bytes(g)[1] for g in groups), default=0)
+
+
 def _choose_residency(named: dict[str, nn.Module], groups: list[GroupPlan], options: _Options) -> tuple[int | None, int | None]:
     """Mark the groups resident from the start; returns (budget, budget left for measured residency)."""
     seam, budget = options.device, options.budget
@@ -427,7 +467,8 @@ def _choose_residency(named: dict[str, nn.Module], groups: list[GroupPlan], opti
     # by the narrow-weight path, or needing no conversion) are filled in order, also when
     # their weights are then read from a checkpoint file
     _route(named, groups, options, from_file=False)
-    room = budget - (options.prefetch + 1) * max(g.nbytes for g in groups)
+    sizes, per_run = in_flight_reserve(groups, options.prefetch)
+    room = budget - (options.prefetch + 1) * max(sizes.values()) - per_run
     for g in groups:
         rides_ring = any(p.residency not in (Residency.NARROW, Residency.IN_PLACE) for p in g.params)
         if not rides_ring and g.nbytes <= room:

@@ -334,6 +334,16 @@ class _Streaming:
         self.ring = Ring(list(self.packed.values()), self.device, slots=self.prefetch + 1)
         self.restart = False
 
+    def remake_ring(self) -> None:
+        """A ring sized for the groups that still stream (some became resident), once the copies
+        into the old one have landed; the old ring's counts stay in the statistics."""
+        if self.ring is None:
+            return
+        self.device.synchronize()
+        self.stats.prefetch_hits += self.ring.prefetched
+        self.stats.prefetch_misses += self.ring.misses
+        self.start()
+
     def stop_streaming(self, name: str) -> PackedGroup | None:
         """Take group ``name`` out of the ring (it became resident); its packed weights."""
         packed = self.packed.pop(name, None)
