@@ -37,6 +37,12 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "an e4m3fn NaN in a row makes the kernel's sums NaN (its pattern would read as 480)",
+        "src/torchsurgery/offloading/narrow_matvec.cpp",
+        "if (has_e4m3_nan(w, base, in)) {", "if (false) {",
+        ("tests/offloading/test_narrow_matvec.py::test_a_nan_weight_in_a_long_row_makes_its_outputs_nan_and_no_other",),
+    ),
+    Mutation(
         "while the native kernel builds, few rows are served through the cache, not compiled",
         "src/torchsurgery/offloading/narrow.py",
         'if getattr(narrow_matvec, "pending", False):', "if False:",

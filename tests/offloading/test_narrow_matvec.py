@@ -178,3 +178,22 @@ def test_a_build_killed_outright_does_not_stall_later_builds(tmp_path: Any) -> N
         )
         assert child.returncode != 0 and "missing.cpp" in child.stderr
     assert not stale.exists() and fresh.exists()
+
+
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
+def test_a_nan_weight_in_a_long_row_makes_its_outputs_nan_and_no_other(kernel: _NarrowMatvec, dtype: torch.dtype) -> None:
+    # rows long enough for the vector loop (fp8's NaN is found there by its bit pattern)
+    torch.manual_seed(4)
+    for inp in (64, 200, 1024):
+        weight = torch.randn(6, inp).to(dtype)
+        nan_bits = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7F, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}[dtype]
+        raw = weight.view(torch.uint8 if dtype.itemsize == 1 else torch.int16)
+        raw[2, inp // 3] = nan_bits
+        raw[4, inp - 20] = nan_bits | (0x80 if dtype.itemsize == 1 else -(1 << 15))  # negative NaN
+        for rows in (1, 3, NATIVE_MAX_ROWS):
+            x = torch.randn(rows, inp)
+            got = kernel(x, weight, None, False)
+            expected = reference(x, weight, None, False)
+            assert got is not None and torch.equal(got.isnan(), expected.isnan())
+            assert bool(got.isnan()[:, [2, 4]].all())
+            torch.testing.assert_close(got.nan_to_num(0.0), expected.nan_to_num(0.0), rtol=1e-5, atol=1e-5 * inp**0.5)

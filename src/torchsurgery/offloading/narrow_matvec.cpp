@@ -28,6 +28,7 @@ typedef float vf __attribute__((vector_size(64)));
 typedef uint32_t vu32 __attribute__((vector_size(64)));
 typedef uint16_t vu16 __attribute__((vector_size(32)));
 typedef uint8_t vu8 __attribute__((vector_size(16)));
+typedef int16_t vi16 __attribute__((vector_size(32)));
 
 enum Kind { kBF16, kF16, kE4M3, kE5M2 };
 
@@ -135,29 +136,76 @@ inline vf load(const float* p) {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, 64); }
 
+// e4m3fn for a dot product: the fp16 pattern (sign kept, the exponent's top bit clear) without
+// the 2^8 scale, which the caller applies to the sum (exact: a power of two), and without the
+// NaN blend: the caller looks for e4m3fn's NaN (0x7f, either sign) in the row first, whose
+// pattern would otherwise read as 1.875
+inline vf widen16_e4m3_unscaled(const void* p, int64_t i) {
+  vu8 b;
+  std::memcpy(&b, static_cast<const uint8_t*>(p) + i, 16);
+  return halves_to_floats((vu16)((vi16)(__builtin_convertvector(b, vu16) << 8) >> 1) & 0xBFFF);
+}
+
+template <int K>
+inline vf widen16_for_sum(const void* p, int64_t i) {
+  if constexpr (K == kE4M3) {
+    return widen16_e4m3_unscaled(p, i);
+  } else {
+    return widen16<K>(p, i);
+  }
+}
+
+typedef uint8_t vu8x64 __attribute__((vector_size(64)));
+
+// whether bytes [begin, begin + n) hold e4m3fn's NaN: 64 at a time (the row is then in the
+// cache for the dot products that follow, so this costs no memory traffic)
+inline bool has_e4m3_nan(const void* p, int64_t begin, int64_t n) {
+  const uint8_t* b = static_cast<const uint8_t*>(p) + begin;
+  vu8x64 found{};
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    vu8x64 v;
+    std::memcpy(&v, b + i, 64);
+    found |= (vu8x64)((v & 0x7f) == 0x7f);
+  }
+  uint64_t words[8];
+  std::memcpy(words, &found, 64);
+  uint64_t any = 0;
+  for (int j = 0; j < 8; ++j) any |= words[j];
+  for (; i < n; ++i) any |= (b[i] & 0x7f) == 0x7f;
+  return any != 0;
+}
+
 // R dot products: weight row o against x's rows, C accumulator chains per row, about 16
 // in all (measured: 8 chains leave the FMA units waiting half the time)
 template <int K, int R>
 inline void dots(const float* x, const void* w, int64_t in, int64_t o, float* sums) {
   constexpr int C = R >= 16 ? 1 : 16 / R;
+  constexpr float kScale = K == kE4M3 ? 256.0f : 1.0f;  // what widen16_for_sum left out
   const int64_t base = o * in;
   vf acc[C][R];
+  if constexpr (K == kE4M3) {
+    if (has_e4m3_nan(w, base, in)) {  // a NaN weight makes every sum of the row NaN
+      for (int r = 0; r < R; ++r) sums[r] = bits_to_float(0x7fc00000u);
+      return;
+    }
+  }
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < R; ++r) acc[c][r] = vf{};
   int64_t k = 0;
   for (; k + C * kLanes <= in; k += C * kLanes)
     for (int c = 0; c < C; ++c) {
-      vf wv = widen16<K>(w, base + k + c * kLanes);
+      vf wv = widen16_for_sum<K>(w, base + k + c * kLanes);
       for (int r = 0; r < R; ++r) acc[c][r] += wv * load(x + r * in + k + c * kLanes);
     }
   for (; k + kLanes <= in; k += kLanes) {
-    vf wv = widen16<K>(w, base + k);
+    vf wv = widen16_for_sum<K>(w, base + k);
     for (int r = 0; r < R; ++r) acc[0][r] += wv * load(x + r * in + k);
   }
   for (int r = 0; r < R; ++r) {
     vf a = acc[0][r];
     for (int c = 1; c < C; ++c) a += acc[c][r];
-    float s = hsum(a);
+    float s = hsum(a) * kScale;
     for (int64_t j = k; j < in; ++j) s += widen1<K>(w, base + j) * x[r * in + j];
     sums[r] = s;
   }
