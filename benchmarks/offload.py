@@ -22,6 +22,11 @@ Variants, each on its own copy of the model:
                       ``Parameter(p.to(fp32))``
 * diffusers           ``apply_layerwise_casting(storage_dtype=bf16, compute_dtype=fp32)``
 * bf16 model          (llama only) the model cast to bf16: bf16 storage and bf16 compute
+* torchsurgery fp8    (llama only) ``offload`` with fp8 (e4m3fn) storage, fp32 compute
+
+For the Llama-shaped model the script also times one decoding step (a KV cache of 8
+tokens) with bf16 and fp8 storage against its floor, and splits it into the time inside
+the native kernel and the rest of the step.
 
 Rounds: the variants take turns inside each round (machine noise hits all of them alike);
 each round gives every variant a ratio to the fp32 model of that round; the table shows
@@ -141,6 +146,10 @@ def variants(kind: str) -> dict[str, tuple[nn.Module, Callable[[], None]]]:
     ours = copy.deepcopy(base)
     handle = torchsurgery.offload(ours, storage_dtype=torch.bfloat16, dtype=torch.float32)
     out["torchsurgery"] = (ours, handle.remove)
+    if kind == "llama":  # fp8 (e4m3fn) storage: half the bytes again
+        ours8 = copy.deepcopy(base)
+        handle8 = torchsurgery.offload(ours8, storage_dtype=torch.float8_e4m3fn, dtype=torch.float32)
+        out["torchsurgery fp8"] = (ours8, handle8.remove)
     if kind != "llama":  # (generation: the few-row layers are the same ones)
         ours2 = copy.deepcopy(base)
         handle2 = torchsurgery.offload(ours2, storage_dtype=torch.bfloat16, dtype=torch.float32)
@@ -262,7 +271,8 @@ def bench_steps(kind: str, token_counts: list[int], rounds: int, bandwidth: Band
             for name, (model, _) in models.items():
                 with CONTEXTS.get(name, contextlib.nullcontext)():
                     got = run(model)  # warm-up (builds or compiles the kernels)
-                torch.testing.assert_close(got.float(), reference, rtol=0.05, atol=0.05)
+                if "fp8" not in name:  # fp8's rounding is checked by the tests, against fp8-rounded weights
+                    torch.testing.assert_close(got.float(), reference, rtol=0.05, atol=0.05)
             steps = 2 if tokens >= 256 else few_steps
             samples, bandwidths = compare(models, run, rounds, steps, bandwidth if tokens <= 4 else None)
             stats = summarise(samples)
@@ -299,6 +309,83 @@ def bench_generation(rounds: int) -> None:
         cleanup()
 
 
+class _KernelClock:
+    """Time spent inside the native kernel's calls (the narrow products of a step)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._kernel = narrow.narrow_matvec
+
+    def __call__(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        out = self._kernel(*args)
+        self.seconds += time.perf_counter() - start
+        return out
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        narrow.narrow_matvec = self  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            narrow.narrow_matvec = self._kernel
+
+
+def bench_decode(rounds: int, bandwidth: Bandwidth, steps: int = 10) -> None:
+    """One decoding step of the Llama-shaped model (a KV cache of 8 tokens), bf16 and fp8 storage.
+
+    Prints the step's time, its floor (the bytes of weights it reads over the bandwidth
+    measured in the same rounds), the ratio, and where the time goes: inside the native
+    kernel (with its own floor) and everything else (attention, norms, the cache, Python).
+    """
+    import transformers
+
+    torch.manual_seed(0)
+    base = make_llama()
+    models: dict[str, nn.Module] = {"fp32 model": base}
+    for label, dtype in (("bf16 storage", torch.bfloat16), ("fp8 storage", torch.float8_e4m3fn)):
+        model = copy.deepcopy(base)
+        torchsurgery.offload(model, storage_dtype=dtype, dtype=torch.float32)
+        models[label] = model
+    prompt, token = torch.randint(0, 32000, (1, 8), generator=torch.Generator().manual_seed(8)), torch.tensor([[5]])
+
+    def cache_for(model: nn.Module) -> Any:
+        cache = transformers.DynamicCache(config=model.config)
+        model(prompt, past_key_values=cache, use_cache=True)
+        return cache
+
+    times: dict[str, list[float]] = {name: [] for name in models}
+    kernel: dict[str, list[float]] = {name: [] for name in models}
+    bandwidths: list[float] = []
+    with torch.no_grad():
+        reference = base(token, past_key_values=cache_for(base), use_cache=True).logits
+        for name, model in models.items():
+            got = model(token, past_key_values=cache_for(model), use_cache=True).logits
+            if "fp8" not in name:  # fp8's rounding is checked by the tests, against fp8-rounded weights
+                torch.testing.assert_close(got, reference, rtol=0.05, atol=0.05)
+        for _ in range(rounds):
+            bandwidths.append(bandwidth.measure())
+            for name, model in models.items():
+                cache = cache_for(model)
+                model(token, past_key_values=cache, use_cache=True)  # the cache's first growth
+                clock = _KernelClock()
+                with clock.installed():
+                    start = time.perf_counter()
+                    for _ in range(steps):
+                        model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    times[name].append((time.perf_counter() - start) / steps)
+                kernel[name].append(clock.seconds / steps)
+    bw = statistics.median(bandwidths)
+    print(f"\nllama: one decoding step (KV cache of 8), medians of {rounds} rounds x {steps} steps; "
+          f"floor = weight bytes read / {bw / 1e9:.1f} GB/s")
+    print(f"{'variant':<14}{'step':>10}{'floor':>10}{'ratio':>8}{'in kernel':>12}{'kernel/floor':>14}{'the rest':>10}")
+    for name, model in models.items():
+        t, k = statistics.median(times[name]), statistics.median(kernel[name])
+        floor = read_bytes(model) / bw
+        kernel_text = f"{k * 1e3:9.2f} ms{k / floor:13.2f}x" if k else f"{'-':>12}{'-':>14}"
+        print(f"{name:<14}{t * 1e3:7.2f} ms{floor * 1e3:7.2f} ms{t / floor:7.2f}x{kernel_text}{(t - k) * 1e3:7.2f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7)
@@ -318,6 +405,7 @@ def main() -> None:
         if kind == "shapes12":
             bench_steps(kind, [1, 2, 3, 4], args.rounds, bandwidth, args.steps)
         elif kind == "llama":
+            bench_decode(args.rounds, bandwidth)
             bench_generation(args.rounds)
             bench_steps(kind, [512], max(3, args.rounds // 2), bandwidth)
         else:
