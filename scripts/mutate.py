@@ -37,6 +37,12 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "a cached build of the native kernel is loaded by offload, not in the background",
+        "src/torchsurgery/offloading/narrow_matvec.py",
+        "            if self._load_cached():\n", "            if False:\n",
+        ("tests/offloading/test_narrow.py::test_a_cached_build_is_loaded_before_the_first_forward",),
+    ),
+    Mutation(
         "an e4m3fn NaN in a row makes the kernel's sums NaN (its pattern would read as 480)",
         "src/torchsurgery/offloading/narrow_matvec.cpp",
         "if (has_e4m3_nan(w, base, in)) {", "if (false) {",

@@ -178,12 +178,33 @@ class _NarrowMatvec:
         return self._thread is not None and not self._done.is_set()
 
     def start(self) -> None:
-        """Start building (or loading the cached build) in the background, once; returns at once."""
+        """Load the cached build now, or start building in the background; once, returns at once.
+
+        A cached build is loaded in the calling thread (a fraction of a second, spent by
+        ``offload`` rather than by the first forward, which a load in the background would
+        hold up while it registers the kernel).
+        """
         with self._lock:
             if self._thread is not None:
                 return
             self._thread = threading.Thread(target=self._build, name="torchsurgery-narrow-kernel", daemon=True)
+            if self._load_cached():
+                self._done.set()
+                return
             self._thread.start()
+
+    def _load_cached(self) -> bool:
+        """Load the build from torch's extensions directory if it is there; whether it was."""
+        try:
+            spec = _spec()
+            paths = _built_library(spec["name"])
+            if paths is None or not os.path.exists(paths[0]):
+                return False
+            torch.ops.load_library(paths[0])
+            self._op = getattr(torch.ops, spec["name"]).matvec
+            return True
+        except Exception:  # a damaged cache: the background build says what is wrong
+            return False
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the build (starting it if needed); whether the kernel is available.
