@@ -139,7 +139,7 @@ class OffloadedTensor(torch.Tensor):
         shadow: Shadow | None = None,
         counter: torch.Tensor | None = None,
     ) -> OffloadedTensor:
-        return torch.Tensor._make_wrapper_subclass(
+        self: OffloadedTensor = torch.Tensor._make_wrapper_subclass(
             cls,
             stored.shape,
             strides=stored.stride(),
@@ -148,17 +148,6 @@ class OffloadedTensor(torch.Tensor):
             layout=stored.layout,
             requires_grad=requires_grad,
         )
-
-    def __init__(
-        self,
-        stored: torch.Tensor,
-        dtype: torch.dtype,
-        *,
-        requires_grad: bool = False,
-        reads: ReadContext | None = None,
-        shadow: Shadow | None = None,
-        counter: torch.Tensor | None = None,
-    ) -> None:
         d = self.__dict__
         d[_STORED] = stored  # a plain tensor needing no gradient (made so by the callers)
         d[_READS] = reads
@@ -166,6 +155,7 @@ class OffloadedTensor(torch.Tensor):
         # views and aliases made in __torch_dispatch__ (below autograd) get version counters of
         # their own: they count writes in the one of the tensor they came from
         d[_COUNTER] = d[_STORED] if counter is None else counter
+        return self
 
     @property
     def stored(self) -> torch.Tensor:
