@@ -232,13 +232,10 @@ class _NarrowMatvec:
                     )
                     if child.returncode != 0:
                         why = f"the build failed: {_last_line(child.stderr or child.stdout)}"
-                if why is None:
-                    if paths is not None and os.path.exists(paths[0]):
-                        torch.ops.load_library(paths[0])  # no build lock taken in this process
-                    else:
-                        from torch.utils.cpp_extension import load
+                if why is None and not self._load_cached():  # no build lock taken in this process
+                    from torch.utils.cpp_extension import load
 
-                        load(**spec)
+                    load(**spec)  # another torch, whose cache we cannot find: it loads what it built
                     self._op = getattr(torch.ops, spec["name"]).matvec
         except subprocess.TimeoutExpired:
             why = f"the build did not finish in {_BUILD_TIMEOUT_S:.0f} s"
