@@ -49,6 +49,25 @@ MUTATIONS = [
         ("tests/offloading/test_narrow_matvec.py::test_a_nan_weight_in_a_long_row_makes_its_outputs_nan_and_no_other",),
     ),
     Mutation(
+        "fp8 in 64-byte blocks: x is laid out in the order the byte unpacks leave the weights in",
+        "src/torchsurgery/offloading/narrow_matvec.cpp",
+        "kChunks[8] = {0, 2, 4, 6, 1, 3, 5, 7};", "kChunks[8] = {0, 1, 2, 3, 4, 5, 6, 7};",
+        ("tests/offloading/test_narrow_matvec.py::test_every_fp8_pattern_at_many_places_of_long_rows_is_exact",),
+    ),
+    Mutation(
+        "e4m3fn in 64-byte blocks: the sign is put back after the table lookup of the magnitude",
+        "src/torchsurgery/offloading/narrow_matvec.cpp",
+        "0xf8);  // A | (B & C)", "0xf0);  // A | (B & C)",
+        ("tests/offloading/test_narrow_matvec.py::test_every_fp8_pattern_at_many_places_of_long_rows_is_exact",),
+    ),
+    Mutation(
+        "e4m3fn in 64-byte blocks: the table gives NaN for e4m3fn's NaN pattern (not 480)",
+        "src/torchsurgery/offloading/narrow_matvec.cpp",
+        "bits = 0x7e00;  // NaN", "bits = 0x5f80;  // NaN",
+        ("tests/offloading/test_narrow_matvec.py::test_a_nan_weight_in_a_long_row_makes_its_outputs_nan_and_no_other",
+         "tests/offloading/test_narrow_matvec.py::test_every_fp8_pattern_at_many_places_of_long_rows_is_exact"),
+    ),
+    Mutation(
         "while the native kernel builds, few rows are served through the cache, not compiled",
         "src/torchsurgery/offloading/narrow.py",
         'if getattr(narrow_matvec, "pending", False):', "if False:",

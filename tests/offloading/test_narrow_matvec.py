@@ -180,6 +180,28 @@ def test_a_build_killed_outright_does_not_stall_later_builds(tmp_path: Any) -> N
     assert not stale.exists() and fresh.exists()
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_every_fp8_pattern_at_many_places_of_long_rows_is_exact(kernel: _NarrowMatvec, dtype: torch.dtype) -> None:
+    # fp8 rows are widened 64 bytes at a time in an interleaved order with x laid out to
+    # match: each of the 256 patterns alone in its row, at a column that moves through the
+    # blocks and the tails (149 = 2 x 64 + 16 + 5), against an x of distinct powers of two per
+    # column, so that a weight paired with the wrong x or widened inexactly shows
+    inp = 149
+    patterns = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    raw = torch.zeros(256, inp, dtype=torch.uint8)
+    cols = (torch.arange(256) * 37) % inp
+    raw[torch.arange(256), cols] = patterns
+    weight = raw.view(dtype)
+    powers = torch.exp2(torch.arange(inp, dtype=torch.float32) % 64 - 32)
+    for rows in range(1, NATIVE_MAX_ROWS + 1):
+        x = powers * torch.arange(1, rows + 1, dtype=torch.float32)[:, None]
+        got = kernel(x, weight, None, False)
+        assert got is not None
+        expected = patterns.view(dtype).float() * x[:, cols]  # one product per output: exact
+        same = (got == expected) | (got.isnan() & expected.isnan())
+        assert bool(same.all()), (rows, patterns[~same.all(0)][:8])
+
+
 @pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
 def test_a_nan_weight_in_a_long_row_makes_its_outputs_nan_and_no_other(kernel: _NarrowMatvec, dtype: torch.dtype) -> None:
     # rows long enough for the vector loop (fp8's NaN is found there by its bit pattern)

@@ -211,12 +211,138 @@ inline void dots(const float* x, const void* w, int64_t in, int64_t o, float* su
   }
 }
 
+#if defined(__AVX512VBMI__)  // byte permutes (Ice Lake, Zen 4 and later); elsewhere dots<K, R>
+// fp8 64 weights at a time. Each byte becomes an fp16 pattern of two bytes, interleaved by
+// the byte unpacks: for e5m2 the byte itself over a zero byte (e5m2 is fp16's top byte); for
+// e4m3fn two table lookups on the byte's magnitude (vpermi2b, 128 entries each) give the high
+// and low byte of its exact fp16 value, NaN included, and the sign is put back. This takes a
+// fraction of the vector operations of widening 16 bytes at a time (measured: the 16-wide
+// widening kept the e4m3fn kernel at half the memory's speed). The unpacks interleave within
+// each 16-byte lane, so the fp32 vectors hold the 8-element chunks 0,2 | 4,6 | 1,3 | 5,7 of
+// the 64: x is put in that order once per call (fp8_block_order).
+constexpr int kBlock8 = 64;
+constexpr int kPrefetch = 1024;  // bytes ahead (measured: e5m2 1.5x faster on one thread with it)
+
+struct E4M3Tables {
+  __m512i hi0, hi1, lo0, lo1;  // the high and low byte of fp16(e4m3fn(m)) for m in [0, 64) and [64, 128)
+};
+
+inline E4M3Tables e4m3_tables() {
+  alignas(64) uint8_t hi[128], lo[128];
+  for (int m = 0; m < 128; ++m) {
+    uint16_t bits;
+    if (m == 0x7f) {
+      bits = 0x7e00;  // NaN
+    } else {  // the 2^-8-scaled pattern, times 2^8 in the exponent: exact, fp16 holds every e4m3fn value
+      float v = half_to_float(e4m3_to_half_bits(uint8_t(m))) * 256.0f;
+      bits = _cvtss_sh(v, 0);
+    }
+    hi[m] = uint8_t(bits >> 8);
+    lo[m] = uint8_t(bits & 0xff);
+  }
+  return {_mm512_load_si512(hi), _mm512_load_si512(hi + 64), _mm512_load_si512(lo), _mm512_load_si512(lo + 64)};
+}
+
+// 64 fp8 weights to four fp32 vectors (in the unpacks' order, see above); e4m3fn exact
+template <int K>
+inline void widen64(const uint8_t* p, const E4M3Tables& t, __m512& f0, __m512& f1, __m512& f2, __m512& f3) {
+  const __m512i b = _mm512_loadu_si512(p);
+  __m512i hi, lo;
+  if constexpr (K == kE5M2) {
+    hi = b;
+    lo = _mm512_setzero_si512();
+  } else {
+    // the tables read the index's low 7 bits: the magnitude; the sign is or-ed back
+    hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, b, t.hi1), b, _mm512_set1_epi8(char(0x80)),
+                                   0xf8);  // A | (B & C)
+    lo = _mm512_permutex2var_epi8(t.lo0, b, t.lo1);
+  }
+  const __m512i h0 = _mm512_unpacklo_epi8(lo, hi), h1 = _mm512_unpackhi_epi8(lo, hi);
+  f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h0));
+  f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h0, 1));
+  f2 = _mm512_cvtph_ps(_mm512_castsi512_si256(h1));
+  f3 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h1, 1));
+}
+
+// x's rows with each whole block of 64 columns in widen64's order; the tail as it is
+void fp8_block_order(const float* x, float* xp, int64_t rows, int64_t in) {
+  static constexpr int kChunks[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+  const int64_t blocks = in / kBlock8;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = x + r * in;
+    float* dst = xp + r * in;
+    for (int64_t blk = 0; blk < blocks; ++blk)
+      for (int c = 0; c < 8; ++c) std::memcpy(dst + blk * kBlock8 + c * 8, src + blk * kBlock8 + kChunks[c] * 8, 32);
+    std::memcpy(dst + blocks * kBlock8, src + blocks * kBlock8, (in - blocks * kBlock8) * sizeof(float));
+  }
+}
+
+// dots<K, R> for fp8 with x in fp8_block_order: 4 accumulator chains per block, 2 blocks per
+// step for one row (8 chains)
+template <int K, int R>
+inline void dots_fp8(const float* xp, const void* w, const E4M3Tables& t, int64_t in, int64_t o, float* sums) {
+  constexpr int U = R == 1 ? 2 : 1;
+  const int64_t base = o * in;
+  const uint8_t* row = static_cast<const uint8_t*>(w) + base;
+  __m512 acc[U][4][R];
+  for (int u = 0; u < U; ++u)
+    for (int c = 0; c < 4; ++c)
+      for (int r = 0; r < R; ++r) acc[u][c][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + U * kBlock8 <= in; k += U * kBlock8)
+    for (int u = 0; u < U; ++u) {
+      __m512 f[4];
+      _mm_prefetch(reinterpret_cast<const char*>(row + k + u * kBlock8 + kPrefetch), _MM_HINT_T0);
+      widen64<K>(row + k + u * kBlock8, t, f[0], f[1], f[2], f[3]);
+      for (int c = 0; c < 4; ++c)
+        for (int r = 0; r < R; ++r)
+          acc[u][c][r] = _mm512_fmadd_ps(f[c], _mm512_loadu_ps(xp + r * in + k + u * kBlock8 + c * kLanes), acc[u][c][r]);
+    }
+  for (; k + kBlock8 <= in; k += kBlock8) {
+    __m512 f[4];
+    widen64<K>(row + k, t, f[0], f[1], f[2], f[3]);
+    for (int c = 0; c < 4; ++c)
+      for (int r = 0; r < R; ++r)
+        acc[0][c][r] = _mm512_fmadd_ps(f[c], _mm512_loadu_ps(xp + r * in + k + c * kLanes), acc[0][c][r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 a = acc[0][0][r];
+    for (int u = 0; u < U; ++u)
+      for (int c = 0; c < 4; ++c)
+        if (u || c) a = _mm512_add_ps(a, acc[u][c][r]);
+    float s = _mm512_reduce_add_ps(a);
+    int64_t j = k;
+    for (; j + kLanes <= in; j += kLanes)  // the tail, in x's own order, through widen16 (exact, NaN kept)
+      s += hsum(widen16<K>(w, base + j) * load(xp + r * in + j));
+    for (; j < in; ++j) s += widen1<K>(w, base + j) * xp[r * in + j];
+    sums[r] = s;
+  }
+}
+#endif
+
 // weight [out, in]: one output after the other, so that the weight is read front to back
 // (measured: reading two rows side by side, to share the loads of x, is up to 2x slower
 // from memory)
 template <int K, int R>
 void rows_kernel(const float* x, const void* w, const float* bias, float* y, int64_t in, int64_t out) {
   int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / std::max<int64_t>(in, 1));
+#if defined(__AVX512VBMI__)
+  if constexpr ((K == kE4M3 || K == kE5M2) && R <= 4) {
+    if (in >= kBlock8) {
+      std::unique_ptr<float[]> xp(new float[R * in]);
+      fp8_block_order(x, xp.get(), R, in);
+      at::parallel_for(0, out, grain, [&](int64_t begin, int64_t end) {
+        const E4M3Tables tables = e4m3_tables();
+        float sums[R];
+        for (int64_t o = begin; o < end; ++o) {
+          dots_fp8<K, R>(xp.get(), w, tables, in, o, sums);
+          for (int r = 0; r < R; ++r) y[r * out + o] = sums[r] + (bias ? bias[o] : 0.0f);
+        }
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, out, grain, [&](int64_t begin, int64_t end) {
     float sums[R];
     for (int64_t o = begin; o < end; ++o) {
