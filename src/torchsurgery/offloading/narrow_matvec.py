@@ -259,6 +259,10 @@ class _NarrowMatvec:
             stacklevel=4,
         )
 
+    @staticmethod
+    def _key(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> _Key:
+        return (transposed, x.numel() // max(1, x.shape[-1]), weight.dtype, tuple(weight.shape))
+
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool
     ) -> torch.Tensor | None:
@@ -277,15 +281,14 @@ class _NarrowMatvec:
             elif self._done.is_set():
                 self._tell()
             return None
-        key = (transposed, x.numel() // max(1, x.shape[-1]), weight.dtype, tuple(weight.shape))
-        if key in self.failed:
+        if self.failed and self._key(x, weight, transposed) in self.failed:
             return None
         try:
             result: torch.Tensor = op(x, weight, bias, transposed)
             return result
         except Exception as exc:  # remembered for this shape only
             with self._lock:
-                self.failed.add(key)
+                self.failed.add(self._key(x, weight, transposed))
             warnings.warn(
                 f"torchsurgery.offload: the native kernel failed for a {weight.dtype} weight of shape "
                 f"{list(weight.shape)} and an input of shape {list(x.shape)} ({type(exc).__name__}: {exc}); "

@@ -232,11 +232,11 @@ class OffloadedTensor(torch.Tensor):
     ) -> Any:
         kwargs = kwargs or {}
         product = _PRODUCTS.get(func)
-        if product is not None:
-            out = product(*args, **kwargs)
-            if out is not None:
-                return out
-        with torch._C.DisableTorchFunctionSubclass():
+        with torch._C.DisableTorchFunctionSubclass():  # the product's reads of the weight's fields, too
+            if product is not None:
+                out = product(*args, **kwargs)
+                if out is not None:
+                    return out
             return func(*args, **kwargs)
 
     @classmethod
