@@ -211,7 +211,7 @@ def prepare_kernel(dtype: torch.dtype, device: torch.device) -> None:
     """
     start = getattr(narrow_matvec, "start", None)
     if dtype in NATIVE_DTYPES and device.type == "cpu" and start is not None:
-        start()
+        start(dtype)
 
 
 def through_cache(

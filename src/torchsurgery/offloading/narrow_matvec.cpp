@@ -2,14 +2,10 @@
 //
 // y = x @ W.T + b (or x @ W + b for a weight stored [in, out]) for x of 1 to 8 fp32 rows and
 // W stored in bf16, fp16 or fp8 (e4m3fn, e5m2): each weight element is widened in registers
-// and accumulated in fp32, so a step reads the narrow bytes once. Built by
-// torch.utils.cpp_extension with -DTS_NAMESPACE=<the op namespace>; see narrow_matvec.py.
-
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/Exception.h>
-#include <torch/library.h>
+// and accumulated in fp32, so a step reads the narrow bytes once. A plain shared library with
+// one C entry point, ts_narrow_matvec, called through ctypes (see narrow_matvec.py): it
+// includes no torch header, so it builds in a second or two rather than the quarter of a
+// minute torch's headers take, and does not depend on torch's version.
 
 #include <algorithm>
 #include <cstdint>
@@ -20,8 +16,33 @@
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#ifndef TS_KIND  // one library per weight dtype: each builds in a fraction of the time of all four
+#error "build with -DTS_KIND=0 (bf16), 1 (fp16), 2 (e4m3fn) or 3 (e5m2)"
+#endif
 
 namespace {
+
+// f(begin, end) over [0, n) split into at most `threads` ranges of at least `grain` items
+// (OpenMP: torch's own runtime where torch is loaded first, the library of the same name)
+template <class F>
+void parallel_for(int64_t n, int64_t grain, int threads, const F& f) {
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, (n + grain - 1) / std::max<int64_t>(grain, 1)));
+#if defined(_OPENMP)
+  if (parts > 1) {
+#pragma omp parallel num_threads(int(parts))
+    {
+      const int64_t per = (n + parts - 1) / parts, begin = omp_get_thread_num() * per;
+      if (begin < n) f(begin, std::min(n, begin + per));
+    }
+    return;
+  }
+#endif
+  f(0, n);
+}
 
 constexpr int kLanes = 16;
 typedef float vf __attribute__((vector_size(64)));
@@ -324,14 +345,14 @@ inline void dots_fp8(const float* xp, const void* w, const E4M3Tables& t, int64_
 // (measured: reading two rows side by side, to share the loads of x, is up to 2x slower
 // from memory)
 template <int K, int R>
-void rows_kernel(const float* x, const void* w, const float* bias, float* y, int64_t in, int64_t out) {
+void rows_kernel(const float* x, const void* w, const float* bias, float* y, int64_t in, int64_t out, int threads) {
   int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / std::max<int64_t>(in, 1));
 #if defined(__AVX512VBMI__)
   if constexpr ((K == kE4M3 || K == kE5M2) && R <= 4) {
     if (in >= kBlock8) {
       std::unique_ptr<float[]> xp(new float[R * in]);
       fp8_block_order(x, xp.get(), R, in);
-      at::parallel_for(0, out, grain, [&](int64_t begin, int64_t end) {
+      parallel_for(out, grain, threads, [&](int64_t begin, int64_t end) {
         const E4M3Tables tables = e4m3_tables();
         float sums[R];
         for (int64_t o = begin; o < end; ++o) {
@@ -343,7 +364,7 @@ void rows_kernel(const float* x, const void* w, const float* bias, float* y, int
     }
   }
 #endif
-  at::parallel_for(0, out, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(out, grain, threads, [&](int64_t begin, int64_t end) {
     float sums[R];
     for (int64_t o = begin; o < end; ++o) {
       dots<K, R>(x, w, in, o, sums);
@@ -356,12 +377,12 @@ void rows_kernel(const float* x, const void* w, const float* bias, float* y, int
 // partial sums are loaded and stored once per IB rows), the partial sums of a block of
 // columns (32 KiB) kept in the first-level cache
 template <int K, int R>
-void cols_kernel(const float* x, const void* w, const float* bias, float* y, int64_t in, int64_t out) {
+void cols_kernel(const float* x, const void* w, const float* bias, float* y, int64_t in, int64_t out, int threads) {
   constexpr int IB = R <= 2 ? 1 : R <= 4 ? 2 : 4;
   constexpr int64_t kBlock = 8192 / R / kLanes * kLanes;
   int64_t vectors = (out + kLanes - 1) / kLanes;
   int64_t grain = std::max<int64_t>(4, (int64_t(1) << 16) / std::max<int64_t>(in, 1) / kLanes);
-  at::parallel_for(0, vectors, grain, [&](int64_t vbegin, int64_t vend) {
+  parallel_for(vectors, grain, threads, [&](int64_t vbegin, int64_t vend) {
     std::unique_ptr<float[]> part(new float[R * kBlock]);
     int64_t stop = std::min(vend * kLanes, out);
     for (int64_t c0 = vbegin * kLanes; c0 < stop; c0 += kBlock) {
@@ -402,66 +423,39 @@ void cols_kernel(const float* x, const void* w, const float* bias, float* y, int
 }
 
 template <int K>
-void run(bool transposed, int64_t rows, const float* x, const void* w, const at::Tensor* bias, float* y, int64_t in,
-         int64_t out) {
-  const float* b = nullptr;
+int run(bool transposed, int64_t rows, const float* x, const void* w, const void* bias, bool narrow_bias, float* y,
+        int64_t in, int64_t out, int threads) {
+  const float* b = static_cast<const float*>(bias);
   std::unique_ptr<float[]> wide;
-  if (bias != nullptr && bias->scalar_type() == at::kFloat) {
-    b = bias->data_ptr<float>();
-  } else if (bias != nullptr) {  // stored as narrow as the weight
+  if (bias != nullptr && narrow_bias) {  // stored as narrow as the weight
     wide.reset(new float[out]);
-    for (int64_t j = 0; j < out; ++j) wide[j] = widen1<K>(bias->data_ptr(), j);
+    for (int64_t j = 0; j < out; ++j) wide[j] = widen1<K>(bias, j);
     b = wide.get();
   }
-#define TS_ROWS(R)                                \
-  case R:                                         \
-    if (transposed)                               \
-      cols_kernel<K, R>(x, w, b, y, in, out);     \
-    else                                          \
-      rows_kernel<K, R>(x, w, b, y, in, out);     \
-    return;
+#define TS_ROWS(R)                                         \
+  case R:                                                  \
+    if (transposed)                                        \
+      cols_kernel<K, R>(x, w, b, y, in, out, threads);     \
+    else                                                   \
+      rows_kernel<K, R>(x, w, b, y, in, out, threads);     \
+    return 0;
   switch (rows) {
     TS_ROWS(1) TS_ROWS(2) TS_ROWS(3) TS_ROWS(4) TS_ROWS(5) TS_ROWS(6) TS_ROWS(7) TS_ROWS(8)
     default:
-      TORCH_CHECK(false, "narrow matvec: 1 to 8 rows, got ", rows);
+      return 2;
   }
 #undef TS_ROWS
 }
 
-at::Tensor narrow_matvec(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                         bool transposed) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "narrow matvec: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous(),
-              "narrow matvec: x must be a contiguous float32 tensor");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "narrow matvec: the weight must be contiguous and 2-d");
-  int64_t in = transposed ? weight.size(0) : weight.size(1);
-  int64_t out = transposed ? weight.size(1) : weight.size(0);
-  TORCH_CHECK(x.size(-1) == in && in > 0, "narrow matvec: x has ", x.size(-1), " columns, the weight takes ", in);
-  int64_t rows = x.numel() / in;
-  const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
-  TORCH_CHECK(b == nullptr || ((b->scalar_type() == at::kFloat || b->scalar_type() == weight.scalar_type()) &&
-                               b->device().is_cpu() && b->is_contiguous() && b->numel() == out),
-              "narrow matvec: the bias must be a contiguous float32 tensor (or one of the weight's dtype) of ",
-              out, " elements");
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.back() = out;
-  at::Tensor y = at::empty(sizes, x.options());
-  const float* xp = x.data_ptr<float>();
-  const void* wp = weight.data_ptr();
-  float* yp = y.data_ptr<float>();
-  switch (weight.scalar_type()) {
-    case at::kBFloat16: run<kBF16>(transposed, rows, xp, wp, b, yp, in, out); break;
-    case at::kHalf: run<kF16>(transposed, rows, xp, wp, b, yp, in, out); break;
-    case at::kFloat8_e4m3fn: run<kE4M3>(transposed, rows, xp, wp, b, yp, in, out); break;
-    case at::kFloat8_e5m2: run<kE5M2>(transposed, rows, xp, wp, b, yp, in, out); break;
-    default: TORCH_CHECK(false, "narrow matvec: no kernel for a ", weight.scalar_type(), " weight");
-  }
-  return y;
-}
-
 }  // namespace
 
-TORCH_LIBRARY(TS_NAMESPACE, m) {
-  m.def("matvec(Tensor x, Tensor weight, Tensor? bias, bool transposed) -> Tensor");
-  m.impl("matvec", c10::DispatchKey::CPU, TORCH_FN(narrow_matvec));
+// y[rows, out] = x[rows, in] @ W.T + bias (W [out, in]), or x @ W + bias (W [in, out], transposed):
+// x and y contiguous fp32, W contiguous in `kind` (0 bf16, 1 fp16, 2 e4m3fn, 3 e5m2), bias
+// none, `out` fp32 values or (narrow_bias) `out` values in W's dtype. Returns 0, or 1 for an
+// unknown kind, 2 for rows outside 1..8, 3 for an empty shape; the caller checks the rest.
+extern "C" int ts_narrow_matvec(const float* x, const void* w, const void* bias, int narrow_bias, float* y,
+                                int64_t rows, int64_t in, int64_t out, int kind, int transposed, int threads) {
+  if (in <= 0 || out <= 0) return 3;
+  if (kind != TS_KIND) return 1;
+  return run<TS_KIND>(transposed, rows, x, w, bias, narrow_bias, y, in, out, threads);
 }

@@ -6,47 +6,52 @@ widened in registers and accumulated in fp32, so a step reads the narrow bytes o
 writes nothing weight-sized. torch's CPU matmuls take only one dtype, so this is the
 one way to read a narrow weight at memory speed without a compiled graph per shape.
 
-The source is ``narrow_matvec.cpp``, next to this module. It is compiled for this machine's
-instruction set with the C++ compiler torch's extensions use and cached by torch in its
-extensions directory (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``):
-one build per machine and source, shared by every process after it.
+The source is ``narrow_matvec.cpp``, next to this module: a plain shared library with one C
+entry point, called through :mod:`ctypes` (which lets go of the GIL during the call). It
+includes no torch header, so it needs nothing but a C++ compiler, does not depend on
+torch's version, and builds in about 2.5 seconds per dtype (a torch extension took 16-18 s,
+most of it in torch's headers). It is compiled for this machine's instruction set, one
+library per weight dtype, and cached in ``torchsurgery/`` under torch's extensions directory
+(``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), shared by every
+process after it. A library is written under a temporary name and renamed into place, so
+a build killed half-way leaves nothing that is loaded, and builds need no lock.
 
-No call waits for the build. The first call (or :meth:`_NarrowMatvec.start`, which
-``offload`` calls when it stores weights narrow) starts it in the background, in a child
-process at a lower priority, so that it takes little from the forwards running meanwhile;
+No call waits for a build. ``offload`` (through :meth:`_NarrowMatvec.start`) loads a cached
+library at once, or starts the build for the dtype it stores in the background, the
+compiler at a lower priority so that it takes little from the forwards running meanwhile;
 until it is done every call answers None and the caller takes its fallback (a cast through
-a cache-sized buffer, see :mod:`torchsurgery.offloading.narrow`). A cached build loads in
-well under a second. Where no compiler is found or the build fails, one warning says so
-and every call answers None; a call that fails for one (layout, rows, dtype, shape) is
-remembered and answered None from then on, the other shapes keep the kernel.
+a cache-sized buffer, see :mod:`torchsurgery.offloading.narrow`). Where no compiler is found
+or the build fails, one warning says so and every call answers None; a call that fails for
+one (layout, rows, dtype, shape) is remembered and answered None from then on, the other
+shapes keep the kernel.
 
-Why a background build rather than one at install time: the kernel is compiled against the
-torch that is installed and for the machine it runs on (``-march=native``); an install-time
-build would tie the package to one torch build and one instruction set, and pip would need
-torch inside its isolated build environment (several GB of wheels where a CUDA build is the
-default).
+Why at first use rather than at install time: the kernel is compiled for the machine it
+runs on (``-march=native``: AVX-512 byte permutes widen fp8 where the machine has them),
+and a wheel cannot know that machine; an install-time build would also need a compiler
+inside pip's isolated build environment.
 
 Layouts, both read as contiguous streams:
 
 * weight ``[out, in]`` (``nn.Linear``): one output after the other, each a pass over its
-  weight row with 16 accumulator chains in all;
+  weight row with 8 to 16 accumulator chains in all;
 * weight ``[in, out]`` (transformers' ``Conv1D``): ``y[r, :] += x[r, i] * W[i, :]`` over
   the weight's rows, the partial sums of a block of columns kept in the first-level cache.
 
-Threads: the output columns are split by ``at::parallel_for`` (torch's thread count);
-concurrent calls from several Python threads share nothing but the read-only weight.
+Threads: the output columns are split over torch's thread count (OpenMP: the runtime torch
+has loaded); concurrent calls from several Python threads share nothing but the read-only
+weight.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.resources
-import json
 import os
 import platform
 import shutil
 import subprocess
-import sys
+import tempfile
 import threading
 import warnings
 from collections.abc import Callable
@@ -56,7 +61,13 @@ import torch
 
 NATIVE_MAX_ROWS = 8
 NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
-
+_KINDS = {dtype: kind for kind, dtype in enumerate(NATIVE_DTYPES)}  # the source's enum Kind
+_BUILD_TIMEOUT_S = 480.0  # a build still running after this is given up on
+_ARGTYPES: list[Any] = [
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+]
+_ERRORS = {1: "no kernel for this dtype", 2: "1 to 8 rows only", 3: "an empty shape"}
 
 
 def _cpu_features() -> str:
@@ -72,75 +83,37 @@ def _cpu_features() -> str:
 
 
 def _flags() -> list[str]:
-    """Compiler flags: this machine's vector units, and OpenMP on Linux, where torch's
-    ``at::parallel_for`` is OpenMP inlined into the extension (the library is the one
-    torch has loaded already); elsewhere the kernel runs on one thread."""
+    """Compiler flags: this machine's vector units, and OpenMP on Linux (the ``libgomp`` that
+    torch has loaded already answers to the same name); elsewhere the kernel runs on one thread."""
     machine = platform.machine().lower()
     arch = ["-march=native"] if machine in ("x86_64", "amd64") else ["-mcpu=native"] if machine in ("aarch64", "arm64") else []
     openmp = ["-fopenmp"] if platform.system() == "Linux" else []
-    return ["-O3", "-fno-math-errno", *arch, *openmp]
+    return ["-O3", "-fno-math-errno", "-shared", "-fPIC", *arch, *openmp]
 
 
-_Key = tuple[bool, int, torch.dtype, tuple[int, ...]]
-
-# Run in a child process: build (or find cached) the extension described by argv[1].
-# Run in a child process at a lower priority (inherited by the compiler it runs), so that
-# the forwards running meanwhile keep the cores: build, or find cached, the extension. A
-# build killed outright leaves torch's lock file behind, on which every later build would
-# wait forever; one older than any build takes is removed first.
-_CHILD = (
-    "import json, os, sys, time\n"
-    "if hasattr(os, 'nice'): os.nice(10)\n"
-    "from torch.utils.cpp_extension import load\n"
-    "spec, lock = json.loads(sys.argv[1]), sys.argv[2]\n"
-    "if lock and os.path.exists(lock) and time.time() - os.path.getmtime(lock) > float(sys.argv[3]):\n"
-    "    os.remove(lock)\n"
-    "load(**spec)\n"
-)
-_STALE_LOCK_S = 300.0  # a lock file older than this is left by a build that was killed
-_BUILD_TIMEOUT_S = 480.0  # a build still running after this is given up on
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")
 
 
 def _source_path() -> str:
     return str(importlib.resources.files("torchsurgery.offloading").joinpath("narrow_matvec.cpp"))
 
 
-def _spec() -> dict[str, Any]:
-    """``torch.utils.cpp_extension.load``'s arguments for this machine, source and torch."""
-    path = _source_path()
-    with open(path, encoding="utf-8") as f:
+def _library_path(kind: int) -> str:
+    """Where the library for ``kind`` is cached: named by its source, flags, compiler and machine."""
+    with open(_source_path(), encoding="utf-8") as f:
         source = f.read()
-    flags = _flags()
-    digest = hashlib.sha256("\0".join([source, *flags, _cpu_features(), torch.__version__]).encode()).hexdigest()[:16]
-    name = f"torchsurgery_narrow_{digest}"
-    return {
-        "name": name, "sources": [path], "extra_cflags": [*flags, f"-DTS_NAMESPACE={name}"],
-        "extra_ldflags": [f for f in flags if f == "-fopenmp"], "is_python_module": False,
-    }
+    parts = [source, *_flags(), _compiler(), _cpu_features(), str(kind)]
+    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    return os.path.join(root, "torchsurgery", f"narrow_matvec_{kind}_{digest}.so")
 
 
 def _no_compiler() -> str | None:
-    """Why no build can run here (no C++ compiler, no ninja), or None."""
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler {compiler!r} found (install g++ or clang++, or set CXX)"
-    try:
-        import ninja  # noqa: F401  (torch's extension builder runs it)
-    except ImportError:
-        if shutil.which("ninja") is None:
-            return "ninja is not installed (pip install ninja)"
+    """Why no build can run here (no C++ compiler), or None."""
+    if shutil.which(_compiler()) is None:
+        return f"no C++ compiler {_compiler()!r} found (install g++ or clang++, or set CXX)"
     return None
-
-
-def _built_library(name: str) -> tuple[str, str] | None:
-    """Where torch's extensions directory keeps ``name``: (the library, the build lock), or None."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        directory = _get_build_directory(name, False)
-    except Exception:  # another torch: the child finds the cache itself, load() then loads it
-        return None
-    return os.path.join(directory, f"{name}.so"), os.path.join(directory, "lock")
 
 
 def _last_line(text: str) -> str:
@@ -148,13 +121,63 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "no output"
 
 
+def _load(path: str) -> Callable[..., int] | None:
+    """The entry point of the library at ``path``, or None where there is none (or it is damaged)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        fn = ctypes.CDLL(path).ts_narrow_matvec
+    except (OSError, AttributeError):  # damaged: built again over it
+        return None
+    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    return fn
+
+
+def _build(kind: int, path: str) -> str | None:
+    """Compile the library for ``kind`` into ``path`` (under a temporary name, then renamed); why not, or None."""
+    why = _no_compiler()
+    if why is not None:
+        return why
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, temporary = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    nice = ["nice", "-n", "10"] if shutil.which("nice") else []  # the compiler yields to the forwards
+    try:
+        done = subprocess.run(
+            [*nice, _compiler(), *_flags(), f"-DTS_KIND={kind}", _source_path(), "-o", temporary],
+            capture_output=True, text=True, check=False, timeout=_BUILD_TIMEOUT_S,
+        )
+        if done.returncode != 0:
+            return f"the build failed: {_last_line(done.stderr or done.stdout)}"
+        os.replace(temporary, path)
+        return None
+    except subprocess.TimeoutExpired:
+        return f"the build did not finish in {_BUILD_TIMEOUT_S:.0f} s"
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+_Key = tuple[bool, int, torch.dtype, tuple[int, ...]]
+
+
+class _Library:
+    """The kernel for one weight dtype: loaded, being built, or unavailable (and why)."""
+
+    def __init__(self) -> None:
+        self.fn: Callable[..., int] | None = None
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.unavailable: str | None = None
+
+
 class _NarrowMatvec:
-    """The kernel, built in the background; per-(layout, rows, dtype, shape) failures remembered.
+    """The kernel, one library per weight dtype, built in the background; failures remembered per shape.
 
     Example:
         >>> import torch
         >>> from torchsurgery.offloading.narrow_matvec import narrow_matvec
-        >>> narrow_matvec.start()  # returns at once; calls answer None until the kernel is ready
+        >>> narrow_matvec.start(torch.bfloat16)  # returns at once; calls answer None until the kernel is ready
         >>> if narrow_matvec.wait():
         ...     w = torch.eye(2, dtype=torch.bfloat16)
         ...     print(narrow_matvec(torch.ones(1, 2), w, None, False).tolist())
@@ -165,89 +188,82 @@ class _NarrowMatvec:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._op: Callable[..., torch.Tensor] | None = None
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._libraries: dict[torch.dtype, _Library] = {}
         self._warned = False
-        self.unavailable: str | None = None  # why the kernel could not be built
         self.failed: set[_Key] = set()
 
     @property
+    def unavailable(self) -> str | None:
+        """Why the kernel could not be built (for the first dtype that could not), or None."""
+        for library in list(self._libraries.values()):
+            if library.unavailable is not None:
+                return library.unavailable
+        return None
+
+    @property
     def pending(self) -> bool:
-        """True while a build runs (calls answer None, but the kernel may come)."""
-        return self._thread is not None and not self._done.is_set()
+        """True while a build runs (calls for its dtype answer None, but the kernel may come)."""
+        return any(lib.thread is not None and not lib.done.is_set() for lib in list(self._libraries.values()))
 
-    def start(self) -> None:
-        """Load the cached build now, or start building in the background; once, returns at once.
+    def start(self, dtype: torch.dtype | None = None) -> None:
+        """Load the cached library for ``dtype`` (every native dtype when None) now, or start its build; returns at once.
 
-        A cached build is loaded in the calling thread (a fraction of a second, spent by
-        ``offload`` rather than by the first forward, which a load in the background would
-        hold up while it registers the kernel).
+        A cached library is loaded in the calling thread (a few milliseconds, spent by
+        ``offload`` rather than by the first forward).
         """
-        with self._lock:
-            if self._thread is not None:
-                return
-            self._thread = threading.Thread(target=self._build, name="torchsurgery-narrow-kernel", daemon=True)
-            if self._load_cached():
-                self._done.set()
-                return
-            self._thread.start()
+        for each in NATIVE_DTYPES if dtype is None else (dtype,):
+            if each not in _KINDS:
+                continue
+            with self._lock:
+                if each in self._libraries:
+                    continue
+                library = self._libraries[each] = _Library()
+                try:
+                    path = _library_path(_KINDS[each])
+                except OSError as exc:  # the source is missing from the install
+                    library.unavailable = f"{type(exc).__name__}: {exc}"
+                    library.done.set()
+                    continue
+                library.fn = _load(path)
+                if library.fn is not None:
+                    library.done.set()
+                    continue
+                library.thread = threading.Thread(
+                    target=self._build, args=(library, _KINDS[each], path), name="torchsurgery-narrow-kernel", daemon=True
+                )
+                library.thread.start()
 
-    def _load_cached(self) -> bool:
-        """Load the build from torch's extensions directory if it is there; whether it was."""
+    @staticmethod
+    def _build(library: _Library, kind: int, path: str) -> None:
         try:
-            spec = _spec()
-            paths = _built_library(spec["name"])
-            if paths is None or not os.path.exists(paths[0]):
-                return False
-            torch.ops.load_library(paths[0])
-            self._op = getattr(torch.ops, spec["name"]).matvec
-            return True
-        except Exception:  # a damaged cache: the background build says what is wrong
-            return False
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the build (starting it if needed); whether the kernel is available.
-
-        Args:
-            timeout: seconds to wait at most; None waits for the build to end.
-        """
-        self.start()
-        self._done.wait(timeout)
-        self._tell()
-        return self._op is not None
-
-    def _build(self) -> None:
-        try:
-            why = _no_compiler()
-            spec = _spec() if why is None else None
-            if spec is not None:
-                # the compiler runs in a child; this process then loads what it left in the
-                # cache (or finds it there already)
-                paths = _built_library(spec["name"])
-                if paths is None or not os.path.exists(paths[0]):
-                    child = subprocess.run(
-                        [sys.executable, "-c", _CHILD, json.dumps(spec), paths[1] if paths else "", str(_STALE_LOCK_S)],
-                        capture_output=True, text=True, check=False, timeout=_BUILD_TIMEOUT_S,
-                    )
-                    if child.returncode != 0:
-                        why = f"the build failed: {_last_line(child.stderr or child.stdout)}"
-                if why is None and not self._load_cached():  # no build lock taken in this process
-                    from torch.utils.cpp_extension import load
-
-                    load(**spec)  # another torch, whose cache we cannot find: it loads what it built
-                    self._op = getattr(torch.ops, spec["name"]).matvec
-        except subprocess.TimeoutExpired:
-            why = f"the build did not finish in {_BUILD_TIMEOUT_S:.0f} s"
+            why = _build(kind, path)
+            if why is None:
+                library.fn = _load(path)
+                why = None if library.fn is not None else "the library built could not be loaded"
         except Exception as exc:  # anything else: the callers take another path
             why = f"{type(exc).__name__}: {_last_line(str(exc))}"
-        if self._op is None:
-            self.unavailable = (why or "unknown")[:300]
-        self._done.set()
+        if library.fn is None:
+            library.unavailable = (why or "unknown")[:300]
+        library.done.set()
+
+    def wait(self, timeout: float | None = None, dtype: torch.dtype | None = None) -> bool:
+        """Wait for the build for ``dtype`` (every native dtype when None), starting it if needed; whether it is available.
+
+        Args:
+            timeout: seconds to wait at most (for each build); None waits for the builds to end.
+            dtype: the weight dtype whose kernel is waited for; None: all of them.
+        """
+        self.start(dtype)
+        libraries = [self._libraries[d] for d in (NATIVE_DTYPES if dtype is None else (dtype,)) if d in self._libraries]
+        for library in libraries:
+            library.done.wait(timeout)
+        self._tell()
+        return bool(libraries) and all(library.fn is not None for library in libraries)
 
     def _tell(self) -> None:
         """The one warning that the kernel is unavailable, in the caller's thread."""
-        if self.unavailable is None or self._warned:
+        why = self.unavailable
+        if why is None or self._warned:
             return
         with self._lock:
             if self._warned:
@@ -255,7 +271,7 @@ class _NarrowMatvec:
             self._warned = True
         warnings.warn(
             f"torchsurgery.offload: the native narrow-weight CPU kernel could not be built "
-            f"({self.unavailable}); narrow weights take the compiled or the cast path",
+            f"({why}); narrow weights take the compiled or the cast path",
             stacklevel=4,
         )
 
@@ -270,32 +286,62 @@ class _NarrowMatvec:
 
         ``x`` is a contiguous fp32 ``[..., in]`` tensor of 1 to :data:`NATIVE_MAX_ROWS` rows
         (the leading dimensions together), the result ``[..., out]``; ``weight`` a contiguous
-        2-d tensor of one of :data:`NATIVE_DTYPES`, ``bias`` None or ``out`` elements in fp32
+        2-d CPU tensor of one of :data:`NATIVE_DTYPES`, ``bias`` None or ``out`` elements in fp32
         or the weight's dtype; none of them needs a gradient. None means: no kernel for this
         call (not yet, or not at all), take another path.
         """
-        op = self._op
-        if op is None:
-            if self._thread is None:
-                self.start()
-            elif self._done.is_set():
+        library = self._libraries.get(weight.dtype)
+        fn = library.fn if library is not None else None
+        if fn is None:
+            if library is None:
+                self.start(weight.dtype)
+            elif library.done.is_set():
                 self._tell()
             return None
         if self.failed and self._key(x, weight, transposed) in self.failed:
             return None
         try:
-            result: torch.Tensor = op(x, weight, bias, transposed)
-            return result
-        except Exception as exc:  # remembered for this shape only
+            return self._run(fn, x, weight, bias, transposed)
+        except ValueError as exc:  # remembered for this shape only
             with self._lock:
                 self.failed.add(self._key(x, weight, transposed))
             warnings.warn(
                 f"torchsurgery.offload: the native kernel failed for a {weight.dtype} weight of shape "
-                f"{list(weight.shape)} and an input of shape {list(x.shape)} ({type(exc).__name__}: {exc}); "
+                f"{list(weight.shape)} and an input of shape {list(x.shape)} ({exc}); "
                 "that shape takes another path",
                 stacklevel=3,
             )
             return None
+
+    @staticmethod
+    def _run(
+        fn: Callable[..., int], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool
+    ) -> torch.Tensor:
+        """The call itself, after the checks the library leaves to its caller (ValueError)."""
+        if x.device.type != "cpu" or weight.device.type != "cpu":
+            raise ValueError("CPU tensors only")
+        if x.dtype != torch.float32 or x.dim() < 1 or not x.is_contiguous():
+            raise ValueError("x must be a contiguous float32 tensor")
+        if weight.dim() != 2 or not weight.is_contiguous():
+            raise ValueError("the weight must be contiguous and 2-d")
+        inp, out = (weight.shape[0], weight.shape[1]) if transposed else (weight.shape[1], weight.shape[0])
+        if x.shape[-1] != inp:
+            raise ValueError(f"x has {x.shape[-1]} columns, the weight takes {inp}")
+        if bias is not None and not (
+            bias.dtype in (torch.float32, weight.dtype) and bias.device.type == "cpu" and bias.is_contiguous()
+            and bias.numel() == out
+        ):
+            raise ValueError(f"the bias must be a contiguous CPU tensor of {out} elements, in float32 or the weight's dtype")
+        rows = x.numel() // inp if inp else 0
+        y = torch.empty(*x.shape[:-1], out)
+        narrow_bias = int(bias is not None and bias.dtype != torch.float32)
+        code = fn(
+            x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), narrow_bias, y.data_ptr(),
+            rows, inp, out, _KINDS[weight.dtype], int(transposed), torch.get_num_threads(),
+        )
+        if code != 0:
+            raise ValueError(_ERRORS.get(code, f"error {code}"))
+        return y
 
 
 narrow_matvec = _NarrowMatvec()
