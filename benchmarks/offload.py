@@ -82,12 +82,12 @@ def make_gpt2() -> nn.Module:
     return transformers.GPT2Model(transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257)).eval()
 
 
-def make_llama() -> nn.Module:
+def make_llama(hidden_size: int = 1024, intermediate_size: int = 2816, vocab_size: int = 32000) -> nn.Module:
     import transformers
 
     config = transformers.LlamaConfig(
-        hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-        num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False,
+        hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=8, num_attention_heads=16,
+        num_key_value_heads=4, vocab_size=vocab_size, max_position_embeddings=2048, tie_word_embeddings=False,
     )
     return transformers.LlamaForCausalLM(config).eval()
 
@@ -342,6 +342,9 @@ def bench_decode(rounds: int, bandwidth: Bandwidth, steps: int = 10) -> None:
 
     torch.manual_seed(0)
     base = make_llama()
+    # the same layers with tiny weights: the step's work that reads no weights to speak of
+    # (attention, norms, rotary embeddings, the cache, transformers' Python), a floor of its own
+    tiny = make_llama(hidden_size=64, intermediate_size=128, vocab_size=64)
     models: dict[str, nn.Module] = {"fp32 model": base}
     for label, dtype in (("bf16 storage", torch.bfloat16), ("fp8 storage", torch.float8_e4m3fn)):
         model = copy.deepcopy(base)
@@ -351,15 +354,18 @@ def bench_decode(rounds: int, bandwidth: Bandwidth, steps: int = 10) -> None:
 
     def cache_for(model: nn.Module) -> Any:
         cache = transformers.DynamicCache(config=model.config)
-        model(prompt, past_key_values=cache, use_cache=True)
+        model(prompt % model.config.vocab_size, past_key_values=cache, use_cache=True)
         return cache
 
+    models["tiny weights"] = tiny
     times: dict[str, list[float]] = {name: [] for name in models}
     kernel: dict[str, list[float]] = {name: [] for name in models}
     bandwidths: list[float] = []
     with torch.no_grad():
         reference = base(token, past_key_values=cache_for(base), use_cache=True).logits
         for name, model in models.items():
+            if model is tiny:
+                continue
             got = model(token, past_key_values=cache_for(model), use_cache=True).logits
             if "fp8" not in name:  # fp8's rounding is checked by the tests, against fp8-rounded weights
                 torch.testing.assert_close(got, reference, rtol=0.05, atol=0.05)
@@ -378,12 +384,20 @@ def bench_decode(rounds: int, bandwidth: Bandwidth, steps: int = 10) -> None:
     bw = statistics.median(bandwidths)
     print(f"\nllama: one decoding step (KV cache of 8), medians of {rounds} rounds x {steps} steps; "
           f"floor = weight bytes read / {bw / 1e9:.1f} GB/s")
-    print(f"{'variant':<14}{'step':>10}{'floor':>10}{'ratio':>8}{'in kernel':>12}{'kernel/floor':>14}{'the rest':>10}")
+    own = statistics.median(times.pop("tiny weights"))
+    print(f"{'variant':<14}{'step':>10}{'floor':>10}{'ratio':>8}{'in kernel':>12}{'kernel/floor':>14}{'the rest':>10}"
+          f"{'rest - own':>12}{'step/(floor+own)':>18}")
     for name, model in models.items():
+        if model is tiny:
+            continue
         t, k = statistics.median(times[name]), statistics.median(kernel[name])
         floor = read_bytes(model) / bw
         kernel_text = f"{k * 1e3:9.2f} ms{k / floor:13.2f}x" if k else f"{'-':>12}{'-':>14}"
-        print(f"{name:<14}{t * 1e3:7.2f} ms{floor * 1e3:7.2f} ms{t / floor:7.2f}x{kernel_text}{(t - k) * 1e3:7.2f} ms")
+        rest = f"{(t - k - own) * 1e3:9.2f} ms" if k else f"{'-':>12}"
+        print(f"{name:<14}{t * 1e3:7.2f} ms{floor * 1e3:7.2f} ms{t / floor:7.2f}x{kernel_text}{(t - k) * 1e3:7.2f} ms"
+              f"{rest}{t / (floor + own):17.2f}x")
+    print(f"the model's own work (the same layers with tiny weights): {own * 1e3:.2f} ms a step; 'rest - own' is "
+          "what offload adds outside the kernel (its Python per product, the output buffers)")
 
 
 def main() -> None:

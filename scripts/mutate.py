@@ -69,6 +69,12 @@ MUTATIONS = [
          "tests/offloading/test_narrow_matvec.py::test_every_fp8_pattern_at_many_places_of_long_rows_is_exact"),
     ),
     Mutation(
+        "a compiled forward calls the narrow product, not a widened copy of each weight",
+        "src/torchsurgery/offloading/tensor.py",
+        "    _aten.mm.default: _matmul,\n", "",
+        ("tests/offloading/test_engine.py::test_a_compiled_forward_reads_the_narrow_weights_without_widening_them",),
+    ),
+    Mutation(
         "while the native kernel builds, few rows are served through the cache, not compiled",
         "src/torchsurgery/offloading/narrow.py",
         'if getattr(narrow_matvec, "pending", False):', "if False:",

@@ -279,6 +279,31 @@ def _few_rows(
     return None
 
 
+@torch.library.custom_op("torchsurgery::narrow_product", mutates_args=())
+def narrow_product_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """:func:`narrow_product` as one operator, for graphs that ``torch.compile`` builds.
+
+    A compiled forward of an offloaded model calls it where the plain model multiplies by a
+    narrow weight (see :mod:`torchsurgery.offloading.tensor`), so the graph reads the narrow
+    values at run time (the native kernel for a few rows) instead of a widened copy of the
+    weight made in the graph at every call. No gradient: it is used where none is recorded.
+    The result is always new memory (an operator's output may not alias its inputs).
+
+    Example:
+        >>> import torch
+        >>> from torchsurgery.offloading.narrow import narrow_product_op
+        >>> narrow_product_op(torch.ones(1, 2), torch.eye(2, dtype=torch.bfloat16), None, False).tolist()
+        [[1.0, 1.0]]
+    """
+    out = narrow_product(x, weight, bias, transposed, None)
+    return out.clone() if out.data_ptr() in (x.data_ptr(), weight.data_ptr()) else out
+
+
+@narrow_product_op.register_fake
+def _narrow_product_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[1] if transposed else weight.shape[0]))
+
+
 def narrow_product(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool, scratch: Scratch | None
 ) -> torch.Tensor:

@@ -528,11 +528,13 @@ class _StreamedGroup(Patch, nn.Module):
         if torch.compiler.is_compiling() and streamer.traceable:
             # compiled: bringing the weights in is part of the graph (a copy and a cast per
             # weight, no ring, no prefetch, no per-call Python state), so fullgraph holds; on a
-            # CPU the copy is nothing and the cast reads the stored values in the graph
+            # CPU the copy is nothing and the cast reads the stored values in the graph. Always
+            # a copy (even where .to() would keep a weight that reads as the compute dtype), so
+            # the group computes with plain weights, as its eager forward does
             entries = streamer.packed_entries + streamer.other_entries
             device = streamer.streaming.device.device
             for owner, pname, p, dtype in entries:
-                owner._parameters[pname] = p.to(device=device, dtype=dtype)  # type: ignore[assignment]
+                owner._parameters[pname] = torch.ops.aten._to_copy.default(p, device=device, dtype=dtype)  # type: ignore[assignment]
             try:
                 return super().forward(*args, **kwargs)
             finally:
