@@ -534,7 +534,7 @@ class _StreamedGroup(Patch, nn.Module):
             entries = streamer.packed_entries + streamer.other_entries
             device = streamer.streaming.device.device
             for owner, pname, p, dtype in entries:
-                owner._parameters[pname] = torch.ops.aten._to_copy.default(p, device=device, dtype=dtype)  # type: ignore[assignment]
+                owner._parameters[pname] = torch.ops.aten._to_copy.default(p, device=device, dtype=dtype)
             try:
                 return super().forward(*args, **kwargs)
             finally:
