@@ -60,7 +60,7 @@ offload_s = time.perf_counter() - start
 first = timed(model)
 pending = narrow_matvec.pending
 start = time.perf_counter()
-ready = narrow_matvec.wait()
+ready = narrow_matvec.wait(dtype=dtype)  # this dtype's library only
 waited = time.perf_counter() - start
 timed(model)
 steady = statistics.median(timed(model) for _ in range(steps))
