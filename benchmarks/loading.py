@@ -3,12 +3,16 @@
 * file-backed     ``with skeleton(): model = Model(config)`` then ``load_(model, dir)``
 * forced copy     the same with ``load_(model, dir, copy=True)`` (reads spread over up to 4
                   threads), and with one reading thread, to show what the threads bring
-* in place        ``load_(model, dir)`` into a model that already has its weights
+* in place        ``load_(model, dir)`` into a model that already has its weights (undoable:
+                  the values it overwrites are first kept aside), and the same with
+                  ``undoable=False`` (nothing kept: the reads alone)
 * naive           ``model = Model(config)`` then ``model.load_state_dict(load_file(path))``
 * from_pretrained ``transformers``' own loader
 * read floor      the file's bytes read with one ``readinto`` into one buffer: a fresh one
                   (its pages are faulted in by the read, as for any new memory) and one
-                  already in memory (the bound for an in-place load)
+                  already in memory (the bound for an in-place load). An undoable in-place
+                  load also copies the bytes it overwrites into new memory: its bound is
+                  the two floors added (a read into memory, one copy into new memory)
 
 The model is a ``transformers`` Llama built from a config (random weights, fp32), saved
 once with ``save_pretrained`` (so the file is in the page cache for every method). Each
@@ -46,7 +50,10 @@ CONFIG = dict(
     max_position_embeddings=512,
     tie_word_embeddings=False,
 )
-METHODS = ("file-backed", "forced copy", "forced copy, 1 thread", "in place", "naive", "from_pretrained", "floor, fresh buffer", "floor, buffer in memory")
+METHODS = (
+    "file-backed", "forced copy", "forced copy, 1 thread", "in place", "in place, undoable=False", "naive", "from_pretrained",
+    "floor, fresh buffer", "floor, buffer in memory",
+)
 
 
 def _anonymous() -> int:
@@ -81,7 +88,7 @@ def child(method: str, folder: str, layers: int) -> None:
     model = None
     buffer = None
     size = sum(f.stat().st_size for f in files)
-    if method == "in place":
+    if method.startswith("in place"):
         model = transformers.LlamaForCausalLM(config)
     elif method == "floor, buffer in memory":
         buffer = torch.zeros(size, dtype=torch.uint8)
@@ -93,9 +100,9 @@ def child(method: str, folder: str, layers: int) -> None:
         with torchsurgery.skeleton():
             model = transformers.LlamaForCausalLM(config)
         torchsurgery.load_(model, folder, copy=method != "file-backed")
-    elif method == "in place":
+    elif method.startswith("in place"):
         assert model is not None
-        torchsurgery.load_(model, folder)
+        torchsurgery.load_(model, folder, undoable=not method.endswith("undoable=False"))
     elif method == "naive":
         model = transformers.LlamaForCausalLM(config)
         state = {}
@@ -166,19 +173,23 @@ def main() -> None:
     def median(method: str, figure: str) -> float:
         return statistics.median(r[figure] for r in results[method])
 
+    def medians(methods: str, figure: str) -> float:
+        """The sum of the medians of methods joined by " + "."""
+        return sum(median(m, figure) for m in methods.split(" + "))
+
     def spread(method: str, figure: str) -> str:
         values = [r[figure] for r in results[method]]
         return f"{min(values):.2f}-{max(values):.2f}"
 
     size = results["file-backed"][0]["model_bytes"]
     print(f"\nmodel: {size / 2**30:.2f} GiB fp32; medians (and ranges) of {args.repeats} runs, each in a fresh process")
-    print(f"{'method':<25}{'peak':>7}{'private':>9}{'load s':>8}{'range':>11}{'+ 1st forward s':>17}{'range':>11}")
+    print(f"{'method':<26}{'peak':>7}{'private':>9}{'load s':>8}{'range':>11}{'+ 1st forward s':>17}{'range':>11}")
     for method in METHODS:
         private = f"{median(method, 'private') / size:.2f}x" if "private" in results[method][0] else "-"
         total = f"{median(method, 'with_forward'):.3f}" if "with_forward" in results[method][0] else "-"
         total_range = spread(method, "with_forward") if "with_forward" in results[method][0] else "-"
         print(
-            f"{method:<25}{median(method, 'peak') / size:>6.2f}x{private:>9}{median(method, 'seconds'):>8.3f}"
+            f"{method:<26}{median(method, 'peak') / size:>6.2f}x{private:>9}{median(method, 'seconds'):>8.3f}"
             f"{spread(method, 'seconds'):>11}{total:>17}{total_range:>11}"
         )
     print("\nratios of medians:")
@@ -188,11 +199,13 @@ def main() -> None:
         ("forced copy load / floor (fresh buffer)", "forced copy", "floor, fresh buffer", "seconds"),
         ("in-place load / floor (fresh buffer)", "in place", "floor, fresh buffer", "seconds"),
         ("in-place load / floor (buffer in memory)", "in place", "floor, buffer in memory", "seconds"),
+        ("in-place load, undoable=False / floor (buffer in memory)", "in place, undoable=False", "floor, buffer in memory", "seconds"),
+        ("in-place load / both floors added (read + copy aside)", "in place", "floor, buffer in memory + floor, fresh buffer", "seconds"),
         ("forced copy load / the same with 1 reading thread", "forced copy", "forced copy, 1 thread", "seconds"),
         ("naive load / forced copy load", "naive", "forced copy", "seconds"),
     ]
     for label, ours, theirs, figure in ratios:
-        print(f"  {label:<55}{median(ours, figure) / median(theirs, figure):>6.2f}x")
+        print(f"  {label:<58}{median(ours, figure) / medians(theirs, figure):>6.2f}x")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 import torchsurgery
@@ -802,6 +802,72 @@ def test_a_file_cut_short_between_header_check_and_read_changes_nothing(
     snapshot = _snapshot(model)
     with pytest.raises(CheckpointError, match="ends early"):
         load_(model, path, copy=copy)
+    _unchanged(model, snapshot)
+
+
+@pytest.mark.parametrize("undoable", [True, False])
+def test_a_load_in_place_writes_the_files_values_into_the_same_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, undoable: bool
+) -> None:
+    from torchsurgery import _checkpoint
+
+    monkeypatch.setattr(_checkpoint, "_CHUNK", 1000)  # tensors split over several system calls
+    monkeypatch.setattr("torchsurgery.tensors._STAGE_BYTES", 4096)  # and the load over several runs
+    path = tmp_path / "m.safetensors"
+    save_file(_Mixed().state_dict(), path)
+    expected = load_file(path)
+    model = _Mixed()
+    snapshot = _snapshot(model)
+    assert load_(model, path, undoable=undoable) == ([], [])
+    state = model.state_dict(keep_vars=True)
+    assert sorted(state) == sorted(expected)
+    for k, v in expected.items():
+        ident, ptr, dtype, _, _ = snapshot[k]
+        assert (id(state[k]), state[k].data_ptr(), state[k].dtype) == (ident, ptr, dtype), k
+        assert _same_bytes(state[k].detach(), v), k
+    assert len(torchsurgery.surgery_log(model)) == (1 if undoable else 0)
+    torchsurgery.restore(model)
+    if undoable:  # the values the load overwrote, bitwise, in the same memory
+        _unchanged(model, snapshot)
+    else:  # nothing was kept: the loaded values stay
+        assert all(_same_bytes(state[k].detach(), v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_read_failing_without_undo_says_the_module_is_partly_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    from torchsurgery import _checkpoint
+
+    monkeypatch.setattr(_checkpoint, "_CHUNK", 512)  # many system calls: many points to fail at
+    monkeypatch.setattr(_checkpoint, "_THREADS", threads)
+    monkeypatch.setattr(_checkpoint, "_PARALLEL_BYTES", 0)
+    path = tmp_path / "m.safetensors"
+    save_file(_Mixed().state_dict(), path)
+    expected = load_file(path)
+    calls = _failing_at(monkeypatch, "preadv", 0, OSError(5, "Input/output error"))
+    load_(_Mixed(), path, undoable=False)
+    assert calls[0] >= 3
+    for at in range(1, calls[0] + 1):
+        model = _Mixed()
+        objects = {k: (id(v), v.data_ptr()) for k, v in model.state_dict(keep_vars=True).items()}
+        _failing_at(monkeypatch, "preadv", at, OSError(5, "Input/output error"))
+        with pytest.raises(RuntimeError, match="undoable=False nothing was kept to put back") as info:
+            load_(model, path, undoable=False)
+        assert isinstance(info.value.__cause__, OSError)
+        assert torchsurgery.surgery_log(model) == []
+        assert {k: (id(v), v.data_ptr()) for k, v in model.state_dict(keep_vars=True).items()} == objects
+        monkeypatch.setattr(_checkpoint.os, "preadv", os.preadv)
+        load_(model, path, undoable=False)  # what the message advises: every value then comes in
+        assert all(_same_bytes(model.state_dict()[k], v) for k, v in expected.items())
+    # an interrupt stays an interrupt; a checkpoint that does not fit is refused before any write
+    _failing_at(monkeypatch, "preadv", 2, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        load_(_Mixed(), path, undoable=False)
+    model = _Mixed()
+    snapshot = _snapshot(model)
+    with pytest.raises(RuntimeError, match="nothing was loaded"):
+        load_(model, {**expected, "ids": torch.arange(3)}, undoable=False)
     _unchanged(model, snapshot)
 
 

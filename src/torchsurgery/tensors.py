@@ -28,8 +28,11 @@ surgery) into the same objects:
   included. Loads into the same module one after another, with no other surgery between
   them, share one entry that keeps the first one's values only.
 
-Keeping values costs host memory as large as what is kept; ``undoable=False`` records
-nothing and keeps nothing, as ``module.to()`` and ``load_state_dict`` do.
+Keeping values costs host memory as large as what is kept, and for a load in place the
+time of copying it there (several times the read itself, as the kernel must find new
+pages for it; see docs/benchmarks.md); ``undoable=False`` records nothing and keeps
+nothing, as ``module.to()`` and ``load_state_dict`` do, and a load in place is then the
+reads alone.
 
 **File-backed tensors.** A ``meta`` tensor (or, with ``assign=True``, any tensor) that
 :func:`load_` would give the stored bytes unchanged (CPU, same dtype, aligned in the
@@ -44,11 +47,15 @@ safe, but rewriting it in place changes the values of pages not yet written, and
 truncating it makes the process crash (SIGBUS) when a lost page is used. ``copy=True``
 gives every loaded tensor memory of its own instead.
 
-Real tensors are read in bulk (``os.preadv``, several tensors per system call, threads
-for large or sharded checkpoints on machines with 4 or more cores). Every key, shape and
-the file's header are checked before the first write, and the values about to be
-overwritten are kept aside, so a load that fails for any reason (an I/O error, a file cut
-short after its header was read, ``KeyboardInterrupt``) leaves every tensor exactly as it was.
+Real tensors are read in bulk, straight into their memory (``os.preadv``, several
+tensors per system call, threads for large or sharded checkpoints on machines with 4 or
+more cores). Every key, shape and the file's header are checked before the first write.
+An undoable load keeps the values about to be overwritten aside first, so a load that
+fails for any reason (an I/O error, a file cut short after its header was read,
+``KeyboardInterrupt``) leaves every tensor exactly as it was. With ``undoable=False``
+nothing is kept: a read failing after the checks (those same causes) leaves some tensors
+with the checkpoint's values, and raises a ``RuntimeError`` saying so (an interrupt
+stays a ``KeyboardInterrupt``).
 """
 
 from __future__ import annotations
@@ -472,7 +479,9 @@ def load_(
     half-way leaves every tensor as it was. ``torchsurgery.restore`` gives every tensor
     back what it held before: the values overwritten in place are kept in host memory (an
     in-memory file, outside the process's resident size) until then, and the tensors
-    replaced keep their old memory; ``undoable=False`` keeps and records nothing.
+    replaced keep their old memory; ``undoable=False`` keeps and records nothing, which
+    makes a load in place the reads alone, and a read that fails after the checks then
+    leaves the tensors partly loaded (a ``RuntimeError`` says so).
 
     Args:
         module: the module to load into.
@@ -484,13 +493,15 @@ def load_(
         device: where ``meta`` tensors are materialised, and where all tensors go when given.
         dtype: cast floating point tensors to this dtype.
         copy: give new tensors memory of their own rather than file-backed views.
-        undoable: record the load in the undo log (keeping what it overwrites).
+        undoable: record the load in the undo log, keeping what it overwrites (which also
+            lets a load that fails half-way put every tensor back).
 
     Returns:
         A :class:`LoadResult` with the missing and unexpected keys.
 
     Raises:
-        RuntimeError: keys or shapes do not fit (all are listed at once, with near names).
+        RuntimeError: keys or shapes do not fit (all are listed at once, with near names);
+            or, with ``undoable=False``, a read failed after the first write.
         CheckpointError: the file is truncated, corrupt, crafted or unsafe.
         FileNotFoundError: the file does not exist.
         TypeError: an argument is of the wrong kind.
@@ -706,11 +717,13 @@ def _load(
             kept = stored[key].dtype if assign and dtype is None else target_dtype
             fresh.append(_Fresh(name, t, key, target_device, kept))
     # first everything that can fail and changes nothing in the module: the new values
-    # read or mapped, and the values about to be overwritten kept aside
+    # read or mapped, and (for an undoable load) the values about to be overwritten kept
+    # aside, which both the undo and a load failing half-way give back. Without undo nothing
+    # is kept: the load is then the reads alone, and a read failing half-way is reported
     values = _new_values(reader, fresh, stored, assign, copy)
-    stash = Stash([t for t, _ in in_place])
+    stash = Stash([t for t, _ in in_place]) if undoable else None
     try:
-        previous = stash.keep() if undoable else []
+        previous = stash.keep() if stash is not None else []
         for run in _in_chunks(in_place, [stored[key].dtype.itemsize * t.numel() for t, key in in_place]):
             reader.read_many([(key, t.detach()) for t, key in run])
             for t, _ in run:
@@ -722,11 +735,20 @@ def _load(
             for item, value in zip(fresh, values, strict=True)
         ]
         _swap_all(swaps, False, what)
-    except BaseException:
-        stash.restore()
+    except BaseException as exc:
+        if stash is not None:
+            stash.restore()
+        elif in_place and isinstance(exc, Exception):
+            raise RuntimeError(
+                f"{what}: the load failed after it began writing into the module's tensors ({type(exc).__name__}: "
+                f"{exc}); with undoable=False nothing was kept to put back, so some tensors may now hold the "
+                "checkpoint's values and others their old ones: load again, or load with undoable=True, which "
+                "leaves every tensor as it was when a load fails"
+            ) from exc
         raise
     finally:
-        stash.close()
+        if stash is not None:
+            stash.close()
     result = LoadResult(missing, unexpected)
     if not undoable or not plan:
         return result, None
