@@ -318,26 +318,28 @@ class _NarrowMatvec:
         fn: Callable[..., int], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool
     ) -> torch.Tensor:
         """The call itself, after the checks the library leaves to its caller (ValueError)."""
-        if x.device.type != "cpu" or weight.device.type != "cpu":
+        if not (x.is_cpu and weight.is_cpu):
             raise ValueError("CPU tensors only")
         if x.dtype != torch.float32 or x.dim() < 1 or not x.is_contiguous():
             raise ValueError("x must be a contiguous float32 tensor")
-        if weight.dim() != 2 or not weight.is_contiguous():
+        shape = weight.shape
+        if len(shape) != 2 or not weight.is_contiguous():
             raise ValueError("the weight must be contiguous and 2-d")
-        inp, out = (weight.shape[0], weight.shape[1]) if transposed else (weight.shape[1], weight.shape[0])
+        inp, out = (shape[0], shape[1]) if transposed else (shape[1], shape[0])
+        leading = x.shape[:-1]
         if x.shape[-1] != inp:
             raise ValueError(f"x has {x.shape[-1]} columns, the weight takes {inp}")
-        if bias is not None and not (
-            bias.dtype in (torch.float32, weight.dtype) and bias.device.type == "cpu" and bias.is_contiguous()
-            and bias.numel() == out
-        ):
-            raise ValueError(f"the bias must be a contiguous CPU tensor of {out} elements, in float32 or the weight's dtype")
-        rows = x.numel() // inp if inp else 0
-        y = torch.empty(*x.shape[:-1], out)
-        narrow_bias = int(bias is not None and bias.dtype != torch.float32)
+        narrow_bias = 0
+        if bias is not None:
+            if not (bias.dtype in (torch.float32, weight.dtype) and bias.is_cpu and bias.is_contiguous() and bias.numel() == out):
+                raise ValueError(
+                    f"the bias must be a contiguous CPU tensor of {out} elements, in float32 or the weight's dtype"
+                )
+            narrow_bias = int(bias.dtype != torch.float32)
+        y = torch.empty((*leading, out))
         code = fn(
             x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), narrow_bias, y.data_ptr(),
-            rows, inp, out, _KINDS[weight.dtype], int(transposed), torch.get_num_threads(),
+            x.numel() // inp if inp else 0, inp, out, _KINDS[weight.dtype], transposed, torch.get_num_threads(),
         )
         if code != 0:
             raise ValueError(_ERRORS.get(code, f"error {code}"))

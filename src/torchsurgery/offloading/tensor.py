@@ -310,21 +310,28 @@ def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor |
     tensors, so the product goes through ``__torch_dispatch__`` and widens in the graph, and
     nothing here (statistics, kernel choice) runs in compiled code.
     """
-    if not (type(x) is torch.Tensor and isinstance(weight, OffloadedTensor) and weight.dim() == 2 and x.dim() >= 1):
+    if not (type(x) is torch.Tensor and isinstance(weight, OffloadedTensor)):
         return None
     d = weight.__dict__
+    stored: torch.Tensor = d[_STORED]
+    if stored.dim() != 2 or x.dim() < 1:
+        return None
     reads: ReadContext | None = d[_READS]
+    shadow: Shadow | None = d[_SHADOW]
     # autograd (and, with a master copy, every forward that records gradients) reads the
     # stored values whole, and so do inputs the plain layer would refuse (it refuses them
     # the same way); without gradients the narrow ones are read in place
+    dtype = weight.dtype
     fits = (
-        x.dtype == weight.dtype and x.device == weight.device and (bias is None or bias.dtype == weight.dtype)
-        and x.numel() > 0 and weight.numel() > 0  # empty products: as the plain layer computes them
+        x.dtype == dtype and x.device == stored.device
+        and (bias is None or bias.dtype == dtype)
+        and x.numel() > 0 and stored.numel() > 0  # empty products: as the plain layer computes them
     )
-    whole = not fits or (d[_SHADOW] is not None and torch.is_grad_enabled()) or _needs_graph(x, weight, bias)
-    values = d[_STORED] if whole else weight._narrow()
+    grad = torch.is_grad_enabled()
+    whole = not fits or (grad and (shadow is not None or _needs_graph(x, weight, bias)))
+    values = stored if whole or shadow is None else shadow.current()
     if reads is not None:
-        reads.count(values, weight.dtype)
+        reads.count(values, dtype)
     if whole:
         w, b = _whole(weight), None if bias is None else _whole(bias)
         if transposed:
