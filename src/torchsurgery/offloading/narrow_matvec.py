@@ -141,7 +141,7 @@ def _build(kind: int, path: str) -> str | None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, temporary = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
-    nice = ["nice", "-n", "10"] if shutil.which("nice") else []  # the compiler yields to the forwards
+    nice = ["nice", "-n", "19"] if shutil.which("nice") else []  # the compiler yields to the forwards
     try:
         done = subprocess.run(
             [*nice, _compiler(), *_flags(), f"-DTS_KIND={kind}", _source_path(), "-o", temporary],
