@@ -475,13 +475,11 @@ def load_(
     documentation: file-backed tensors). Tied weights stay tied whether the checkpoint
     names one or both of their names. Tensor subclasses are honoured through
     ``Tensor.module_load``: with ``assign=False`` the module's subclass decides, with
-    ``assign=True`` the checkpoint's tensor (and class) is taken. A load that fails
-    half-way leaves every tensor as it was. ``torchsurgery.restore`` gives every tensor
-    back what it held before: the values overwritten in place are kept in host memory (an
-    in-memory file, outside the process's resident size) until then, and the tensors
-    replaced keep their old memory; ``undoable=False`` keeps and records nothing, which
-    makes a load in place the reads alone, and a read that fails after the checks then
-    leaves the tensors partly loaded (a ``RuntimeError`` says so).
+    ``assign=True`` the checkpoint's tensor (and class) is taken. ``torchsurgery.restore``
+    gives every tensor back what it held before: the values overwritten in place are kept
+    in host memory (an in-memory file, outside the resident size), and a load that fails
+    half-way puts them back. ``undoable=False`` keeps and records nothing: a load in place
+    is then the reads alone, and one failing after the checks says so (``RuntimeError``).
 
     Args:
         module: the module to load into.
