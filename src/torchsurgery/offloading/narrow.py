@@ -119,7 +119,6 @@ class _FusedKernels:
 _fused = _FusedKernels()
 
 
-_FP8_NAN = 0x7F  # e4m3fn's NaN, with either sign (it has no infinities)
 
 
 def widen_into(out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -141,11 +140,13 @@ def widen_into(out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return out.copy_(weight)
     bits = weight.view(torch.uint8)
     if weight.dtype == torch.float8_e4m3fn:
-        if bits.bitwise_and(_FP8_NAN).eq_(_FP8_NAN).any():
+        signed = bits.view(torch.int8)
+        if int(bits.max()) == 0xFF or int(signed.max()) == 0x7F:  # e4m3fn's NaNs: the largest bytes either way
             return out.copy_(weight)
-        # the byte in the high half, moved down one bit: sign kept, the exponent's top bit clear
-        half = bits.to(torch.int16).bitwise_left_shift_(8).bitwise_right_shift_(1).bitwise_and_(-16385)
-        return out.copy_(half.view(torch.float16)).mul_(256.0)
+        # the byte sign-extended and moved up 7 bits: the sign in bits 15 and 14, exponent and
+        # mantissa below; with bit 14 cleared, the value as an fp16 pattern 2^8 too small
+        half = signed.to(torch.int16).bitwise_left_shift_(7).bitwise_and_(-16385)
+        return torch.mul(half.view(torch.float16), 256.0, out=out)
     return out.copy_(bits.to(torch.int16).bitwise_left_shift_(8).view(torch.float16))
 
 
