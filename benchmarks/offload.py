@@ -351,8 +351,8 @@ def bench_decode(rounds: int, bandwidth: Bandwidth, steps: int = 10) -> None:
     # the same model with every Linear answering an uninitialised output of its shape: the
     # step's work that reads no weights (attention, norms, rotary embeddings, the cache,
     # transformers' Python, at the model's own sizes), a floor of its own
-    tiny = copy.deepcopy(base)
-    for module in tiny.modules():
+    no_weights = copy.deepcopy(base)
+    for module in no_weights.modules():
         if isinstance(module, nn.Linear):
             module.forward = functools.partial(_no_weights, out=module.out_features)  # type: ignore[method-assign]
     models: dict[str, nn.Module] = {"fp32 model": base}
@@ -367,14 +367,14 @@ def bench_decode(rounds: int, bandwidth: Bandwidth, steps: int = 10) -> None:
         model(prompt, past_key_values=cache, use_cache=True)
         return cache
 
-    models["no weights"] = tiny
+    models["no weights"] = no_weights
     times: dict[str, list[float]] = {name: [] for name in models}
     kernel: dict[str, list[float]] = {name: [] for name in models}
     bandwidths: list[float] = []
     with torch.no_grad():
         reference = base(token, past_key_values=cache_for(base), use_cache=True).logits
         for name, model in models.items():
-            if model is tiny:
+            if model is no_weights:
                 continue
             got = model(token, past_key_values=cache_for(model), use_cache=True).logits
             if "fp8" not in name:  # fp8's rounding is checked by the tests, against fp8-rounded weights
@@ -398,7 +398,7 @@ def bench_decode(rounds: int, bandwidth: Bandwidth, steps: int = 10) -> None:
     print(f"{'variant':<14}{'step':>10}{'floor':>10}{'ratio':>8}{'in kernel':>12}{'kernel/floor':>14}{'the rest':>10}"
           f"{'rest - own':>12}{'step/(floor+own)':>18}")
     for name, model in models.items():
-        if model is tiny:
+        if model is no_weights:
             continue
         t, k = statistics.median(times[name]), statistics.median(kernel[name])
         floor = read_bytes(model) / bw

@@ -733,19 +733,25 @@ def _unchanged(model: nn.Module, snapshot: dict[str, Any]) -> None:
         assert meta or _same_bytes(v.detach(), values), k
 
 
+def _saved_for_many_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int) -> Path:
+    """A saved ``_Mixed`` whose load takes many system calls (many points to fail at) on ``threads`` threads."""
+    from torchsurgery import _checkpoint
+
+    monkeypatch.setattr(_checkpoint, "_CHUNK", 512)
+    monkeypatch.setattr(_checkpoint, "_THREADS", threads)
+    monkeypatch.setattr(_checkpoint, "_PARALLEL_BYTES", 0)
+    path = tmp_path / "m.safetensors"
+    save_file(_Mixed().state_dict(), path)
+    return path
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("error", [OSError(5, "Input/output error"), KeyboardInterrupt()], ids=["eio", "interrupt"])
 @pytest.mark.parametrize("load", sorted(LOADS))
 def test_a_read_failing_at_any_point_leaves_every_tensor_as_it_was(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int, error: BaseException, load: str
 ) -> None:
-    from torchsurgery import _checkpoint
-
-    monkeypatch.setattr(_checkpoint, "_CHUNK", 512)  # many system calls: many points to fail at
-    monkeypatch.setattr(_checkpoint, "_THREADS", threads)
-    monkeypatch.setattr(_checkpoint, "_PARALLEL_BYTES", 0)
-    path = tmp_path / "m.safetensors"
-    save_file(_Mixed().state_dict(), path)
+    path = _saved_for_many_reads(tmp_path, monkeypatch, threads)
     make, copy = LOADS[load]
     calls = _failing_at(monkeypatch, "preadv", 0, error)
     load_(make(), path, copy=copy)
@@ -758,7 +764,7 @@ def test_a_read_failing_at_any_point_leaves_every_tensor_as_it_was(
             with pytest.raises(type(error)):
                 load_(model, path, copy=copy)
             _unchanged(model, snapshot)
-        monkeypatch.setattr(_checkpoint.os, name, getattr(os, name))
+        monkeypatch.setattr(f"torchsurgery._checkpoint.os.{name}", getattr(os, name))
 
 
 def test_a_file_that_cannot_be_mapped_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -837,13 +843,7 @@ def test_a_load_in_place_writes_the_files_values_into_the_same_memory(
 def test_a_read_failing_without_undo_says_the_module_is_partly_loaded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
-    from torchsurgery import _checkpoint
-
-    monkeypatch.setattr(_checkpoint, "_CHUNK", 512)  # many system calls: many points to fail at
-    monkeypatch.setattr(_checkpoint, "_THREADS", threads)
-    monkeypatch.setattr(_checkpoint, "_PARALLEL_BYTES", 0)
-    path = tmp_path / "m.safetensors"
-    save_file(_Mixed().state_dict(), path)
+    path = _saved_for_many_reads(tmp_path, monkeypatch, threads)
     expected = load_file(path)
     calls = _failing_at(monkeypatch, "preadv", 0, OSError(5, "Input/output error"))
     load_(_Mixed(), path, undoable=False)
@@ -857,7 +857,7 @@ def test_a_read_failing_without_undo_says_the_module_is_partly_loaded(
         assert isinstance(info.value.__cause__, OSError)
         assert torchsurgery.surgery_log(model) == []
         assert {k: (id(v), v.data_ptr()) for k, v in model.state_dict(keep_vars=True).items()} == objects
-        monkeypatch.setattr(_checkpoint.os, "preadv", os.preadv)
+        monkeypatch.setattr("torchsurgery._checkpoint.os.preadv", os.preadv)
         load_(model, path, undoable=False)  # what the message advises: every value then comes in
         assert all(_same_bytes(model.state_dict()[k], v) for k, v in expected.items())
     # an interrupt stays an interrupt; a checkpoint that does not fit is refused before any write

@@ -287,8 +287,10 @@ def narrow_product_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     A compiled forward of an offloaded model calls it where the plain model multiplies by a
     narrow weight (see :mod:`torchsurgery.offloading.tensor`), so the graph reads the narrow
     values at run time (the native kernel for a few rows) instead of a widened copy of the
-    weight made in the graph at every call. No gradient: it is used where none is recorded.
-    The result is always new memory (an operator's output may not alias its inputs).
+    weight made in the graph at every call. It has no backward of its own: it is called
+    below autograd, which records the matmul it stands for.
+    The result is always new memory, as an operator's output must be: every path of
+    :func:`narrow_product` writes a new tensor.
 
     Example:
         >>> import torch
@@ -296,8 +298,7 @@ def narrow_product_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         >>> narrow_product_op(torch.ones(1, 2), torch.eye(2, dtype=torch.bfloat16), None, False).tolist()
         [[1.0, 1.0]]
     """
-    out = narrow_product(x, weight, bias, transposed, None)
-    return out.clone() if out.data_ptr() in (x.data_ptr(), weight.data_ptr()) else out
+    return narrow_product(x, weight, bias, transposed, None)
 
 
 @narrow_product_op.register_fake

@@ -352,8 +352,8 @@ void rows_kernel(const float* x, const void* w, const float* bias, float* y, int
     if (in >= kBlock8) {
       std::unique_ptr<float[]> xp(new float[R * in]);
       fp8_block_order(x, xp.get(), R, in);
+      static const E4M3Tables tables = e4m3_tables();  // once per process
       parallel_for(out, grain, threads, [&](int64_t begin, int64_t end) {
-        const E4M3Tables tables = e4m3_tables();
         float sums[R];
         for (int64_t o = begin; o < end; ++o) {
           dots_fp8<K, R>(xp.get(), w, tables, in, o, sums);

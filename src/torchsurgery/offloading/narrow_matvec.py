@@ -9,7 +9,7 @@ one way to read a narrow weight at memory speed without a compiled graph per sha
 The source is ``narrow_matvec.cpp``, next to this module: a plain shared library with one C
 entry point, called through :mod:`ctypes` (which lets go of the GIL during the call). It
 includes no torch header, so it needs nothing but a C++ compiler, does not depend on
-torch's version, and builds in about 2.5 seconds per dtype (a torch extension took 16-18 s,
+torch's version, and builds in about 3 seconds per dtype (a torch extension took 16-18 s,
 most of it in torch's headers). It is compiled for this machine's instruction set, one
 library per weight dtype, and cached in ``torchsurgery/`` under torch's extensions directory
 (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), shared by every

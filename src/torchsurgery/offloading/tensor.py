@@ -41,6 +41,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils._pytree import tree_map, tree_map_only
 
 from torchsurgery._swap import user_attributes
@@ -447,9 +449,6 @@ def _write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def _traced(t: Any) -> bool:
     """Whether ``t`` is one of the tensors ``torch.compile`` traces with (fake or functional)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
     return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
