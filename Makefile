@@ -19,11 +19,14 @@ $(VENV)/.torch:
 	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(CONSTRAINTS)
 	touch $@
 
-$(VENV)/.cli: $(VENV)/.torch pyproject.toml
+# The install builds the native kernel (setup.py): installed again when its source changes.
+KERNEL := setup.py src/torchsurgery/offloading/native_build.py src/torchsurgery/offloading/narrow_matvec.cpp
+
+$(VENV)/.cli: $(VENV)/.torch pyproject.toml $(KERNEL)
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[cli]"
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.torch pyproject.toml
+$(VENV)/.dev: $(VENV)/.torch pyproject.toml $(KERNEL)
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev]"
 	touch $@ $(VENV)/.cli
 
@@ -40,7 +43,7 @@ demo: $(VENV)/.cli
 		--out out/trace.safetensors --plot out/trace.png
 
 lint: $(VENV)/.dev
-	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m ruff check setup.py src tests benchmarks examples
 	$(PY) -m mypy
 
 # Tests marked slow are left to `make slow`: the suite must fit CI's time on 2 cores.

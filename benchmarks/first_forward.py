@@ -6,9 +6,12 @@ compute, then one-token forwards (a decoding step's shape, where the native kern
 matters). The first forward right after ``offload`` is timed, then the process waits for
 the kernel and times steady-state forwards (median of ``--steps``). Cases:
 
-* ``empty cache``  ``TORCH_EXTENSIONS_DIR`` points at an empty directory: the kernel is
-  built while the first forwards run (a fresh machine);
-* ``cached``       the build from the case before is found and loaded.
+* ``installed``    ``TORCH_EXTENSIONS_DIR`` points at an empty directory, and the library
+  that the install built (``setup.py``, next to the package's modules) is loaded: a fresh
+  machine where pip installed torchsurgery from source with a C++ compiler;
+* ``empty cache``  no library from the install either (as where the install found no
+  compiler): the kernel is built while the first forwards run;
+* ``cached``       the build from the case before is found in the cache and loaded.
 
 The fp32 model's own first and steady forwards are timed in the same processes: a first
 call of any model pays for allocations and lazy set-up, which is not the kernel's doing.
@@ -33,9 +36,12 @@ import json, statistics, sys, time
 import torch
 import transformers
 import torchsurgery
+from torchsurgery.offloading import narrow_matvec as module
 from torchsurgery.offloading.narrow_matvec import narrow_matvec
 
 dtype, threads, steps = getattr(torch, sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+if sys.argv[4] != "installed":
+    module._PACKAGE_DIR = None  # as if the install had built nothing
 torch.set_num_threads(threads)
 torch.manual_seed(0)
 config = transformers.LlamaConfig(
@@ -69,9 +75,9 @@ print(json.dumps(dict(first=first, steady=steady, plain_first=plain_first, plain
 """
 
 
-def run_case(dtype: str, threads: int, steps: int, extensions: str) -> dict[str, float]:
+def run_case(dtype: str, threads: int, steps: int, extensions: str, case: str) -> dict[str, float]:
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=extensions, HF_HUB_OFFLINE="1")
-    out = subprocess.run([sys.executable, "-c", CHILD, dtype, str(threads), str(steps)], env=env,
+    out = subprocess.run([sys.executable, "-c", CHILD, dtype, str(threads), str(steps), case], env=env,
                          capture_output=True, text=True, check=True)
     result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
@@ -91,11 +97,11 @@ def main() -> None:
     print(f"{'storage':<8}{'case':<13}{'first / steady':>16}{'[range]':>14}{'fp32 model first / steady':>28}"
           f"{'pending at first':>18}{'build s':>9}")
     for name in args.dtypes.split(","):
-        rows: dict[str, list[dict[str, float]]] = {"empty cache": [], "cached": []}
+        rows: dict[str, list[dict[str, float]]] = {"installed": [], "empty cache": [], "cached": []}
         for _ in range(args.repeats):
             with tempfile.TemporaryDirectory() as extensions:
                 for case in rows:
-                    rows[case].append(run_case(DTYPES[name], args.threads, args.steps, extensions))
+                    rows[case].append(run_case(DTYPES[name], args.threads, args.steps, extensions, case))
         for case, results in rows.items():
             ratios = [r["first"] / r["steady"] for r in results]
             plain = statistics.median(r["plain_first"] / r["plain_steady"] for r in results)

@@ -39,9 +39,30 @@ MUTATIONS = [
     Mutation(
         "a cached build of the native kernel is loaded by offload, not in the background",
         "src/torchsurgery/offloading/narrow_matvec.py",
-        "                library.fn = _load(path)\n                if library.fn is not None:",
-        "                library.fn = None\n                if library.fn is not None:",
+        "                library.fn = _installed(name) or _load(path)\n",
+        "                library.fn = _installed(name)\n",
         ("tests/offloading/test_narrow.py::test_a_cached_build_is_loaded_before_the_first_forward",),
+    ),
+    Mutation(
+        "the kernel built at install time is loaded by offload, nothing built",
+        "src/torchsurgery/offloading/narrow_matvec.py",
+        "                library.fn = _installed(name) or _load(path)\n",
+        "                library.fn = _load(path)\n",
+        ("tests/offloading/test_narrow_matvec.py::test_the_library_the_install_built_is_loaded_without_a_build",),
+    ),
+    Mutation(
+        "a library's name carries the CPU features it was built for",
+        "src/torchsurgery/offloading/native_build.py",
+        "    parts = [source, *_flags(), _compiler(), _cpu_features(), str(kind)]\n",
+        "    parts = [source, *_flags(), _compiler(), str(kind)]\n",
+        ("tests/offloading/test_narrow_matvec.py::test_a_library_built_on_another_machine_is_not_loaded",),
+    ),
+    Mutation(
+        "setup.py builds the kernels at install time",
+        "setup.py",
+        "        for kind, why in native.build_all(directory).items():\n",
+        "        for kind, why in {}.items():\n",
+        ("tests/offloading/test_narrow_matvec.py::test_setup_builds_the_kernels_at_install_and_installs_without_a_compiler",),
     ),
     Mutation(
         "an e4m3fn NaN in a row makes the kernel's sums NaN (its pattern would read as 480)",

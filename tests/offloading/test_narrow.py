@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from torchsurgery import offload
-from torchsurgery.offloading import narrow
+from torchsurgery.offloading import narrow, native_build
 from torchsurgery.offloading.narrow import (
     _FUSED_MAX_ROWS,
     _FUSED_MIN_WEIGHT,
@@ -229,8 +229,9 @@ def _building_kernel(monkeypatch: pytest.MonkeyPatch, extensions: Any) -> tuple[
         release.wait(60)
         return "held by the test"
 
-    monkeypatch.setattr(module, "_no_compiler", held)
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))  # no cached build to load at once
+    monkeypatch.setattr(native_build, "no_compiler", held)
+    monkeypatch.setattr(module, "_PACKAGE_DIR", None)  # no library from the install
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))  # and none cached to load at once
     fresh = _NarrowMatvec()
     monkeypatch.setattr(narrow, "narrow_matvec", fresh)
     return fresh, release
@@ -293,13 +294,17 @@ def test_fp8_widens_exactly_for_every_bit_pattern(dtype: torch.dtype) -> None:
         assert torch.equal(narrow.Scratch().widen(weight, torch.float32).nan_to_num(7.0), got.nan_to_num(7.0))
 
 
-def test_a_cached_build_is_loaded_before_the_first_forward() -> None:
+def test_a_cached_build_is_loaded_before_the_first_forward(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     # loading in the background would hold the first forward up while the kernel registers;
     # a build found in the cache is loaded by offload itself
-    if not narrow_matvec.wait():
+    from torchsurgery.offloading import narrow_matvec as module
+
+    monkeypatch.setattr(module, "_PACKAGE_DIR", None)  # only what a build at first use cached
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    if not _NarrowMatvec().wait(dtype=torch.bfloat16):
         pytest.skip(f"no native kernel on this machine: {narrow_matvec.unavailable}")
     fresh = _NarrowMatvec()
-    fresh.start()
+    fresh.start(torch.bfloat16)
     assert not fresh.pending
     weight = torch.randn(64, 48).bfloat16()
     x = torch.randn(1, 48)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from torchsurgery.offloading import native_build
 from torchsurgery.offloading.narrow_matvec import (
     NATIVE_DTYPES,
     NATIVE_MAX_ROWS,
@@ -159,8 +160,9 @@ def test_a_damaged_library_in_the_cache_is_built_again(monkeypatch: pytest.Monke
     # that loads; a library damaged some other way (a disk that filled up) is built again
     from torchsurgery.offloading import narrow_matvec as module
 
+    monkeypatch.setattr(module, "_PACKAGE_DIR", None)  # no library from the install either
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    path = module._library_path(module._KINDS[torch.bfloat16])
+    path = os.path.join(native_build.cache_dir(), native_build.library_name(module._KINDS[torch.bfloat16]))
     os.makedirs(os.path.dirname(path))
     with open(path, "wb") as f:
         f.write(b"\x7fELF half a library")
@@ -210,3 +212,63 @@ def test_a_nan_weight_in_a_long_row_makes_its_outputs_nan_and_no_other(kernel: _
             assert got is not None and torch.equal(got.isnan(), expected.isnan())
             assert bool(got.isnan()[:, [2, 4]].all())
             torch.testing.assert_close(got.nan_to_num(0.0), expected.nan_to_num(0.0), rtol=1e-5, atol=1e-5 * inp**0.5)
+
+
+def test_the_library_the_install_built_is_loaded_without_a_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    # pip installing from source builds the kernel next to the package's modules (setup.py):
+    # the first forward after offload then has it, with nothing built and nothing cached
+    from torchsurgery.offloading import narrow_matvec as module
+
+    installed, cache = tmp_path / "package", tmp_path / "cache"
+    kind = module._KINDS[torch.float8_e4m3fn]
+    assert native_build.build_all(str(installed), kinds=[kind]) == {kind: None}
+    monkeypatch.setattr(module, "_PACKAGE_DIR", str(installed))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(cache))
+    fresh = _NarrowMatvec()
+    fresh.start(torch.float8_e4m3fn)
+    assert not fresh.pending and fresh._libraries[torch.float8_e4m3fn].thread is None  # loaded, no build started
+    weight, x = torch.randn(64, 48).to(torch.float8_e4m3fn), torch.randn(2, 48)
+    torch.testing.assert_close(fresh(x, weight, None, False), reference(x, weight, None, False))
+    assert not cache.exists()
+
+
+def test_a_library_built_on_another_machine_is_not_loaded(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    # a wheel built elsewhere, or a home directory shared between machines, may hold a library
+    # compiled for instructions this CPU lacks: its name carries that machine's features
+    from torchsurgery.offloading import narrow_matvec as module
+
+    installed, cache = tmp_path / "package", tmp_path / "cache"
+    kind = module._KINDS[torch.bfloat16]
+    with monkeypatch.context() as elsewhere:
+        elsewhere.setattr(native_build, "_cpu_features", lambda: "flags\t\t: fpu sse2 avx512f avx512_fp16 amx_tile")
+        assert native_build.build_all(str(installed), kinds=[kind]) == {kind: None}
+    monkeypatch.setattr(module, "_PACKAGE_DIR", str(installed))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(cache))
+    fresh = _NarrowMatvec()
+    fresh.start(torch.bfloat16)
+    assert fresh._libraries[torch.bfloat16].thread is not None  # not loaded: this machine's library is built
+    assert fresh.wait(dtype=torch.bfloat16), fresh.unavailable
+    assert os.listdir(cache / "torchsurgery") == [native_build.library_name(kind)]
+
+
+def test_setup_builds_the_kernels_at_install_and_installs_without_a_compiler(tmp_path: Any) -> None:
+    # what `pip install` runs for build_ext: every dtype's library, named as offload looks for it;
+    # with no compiler the install still succeeds and says so (the kernel then comes at first use)
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).parents[2]
+    command = [sys.executable, str(root / "setup.py"), "-q", "build_ext"]
+    built = subprocess.run([*command, "--build-lib", str(tmp_path / "built")], cwd=root, capture_output=True,
+                           text=True, check=False)
+    assert built.returncode == 0, built.stderr
+    names = sorted(native_build.library_name(kind) for kind in native_build.KINDS.values())
+    assert sorted(os.listdir(tmp_path / "built" / "torchsurgery" / "offloading")) == names
+    env = {**os.environ, "CXX": "/nonexistent/c++"}
+    without = subprocess.run([*command, "--build-lib", str(tmp_path / "without")], cwd=root, env=env,
+                             capture_output=True, text=True, check=False)
+    assert without.returncode == 0, without.stderr
+    assert without.stderr.count("was not built at install time (no C++ compiler") == len(native_build.KINDS)
+    assert not (tmp_path / "without" / "torchsurgery" / "offloading").exists() or not os.listdir(
+        tmp_path / "without" / "torchsurgery" / "offloading")

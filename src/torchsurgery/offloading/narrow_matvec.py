@@ -11,24 +11,27 @@ entry point, called through :mod:`ctypes` (which lets go of the GIL during the c
 includes no torch header, so it needs nothing but a C++ compiler, does not depend on
 torch's version, and builds in about 3 seconds per dtype (a torch extension took 16-18 s,
 most of it in torch's headers). It is compiled for this machine's instruction set, one
-library per weight dtype, and cached in ``torchsurgery/`` under torch's extensions directory
-(``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), shared by every
-process after it. A library is written under a temporary name and renamed into place, so
-a build killed half-way leaves nothing that is loaded, and builds need no lock.
+library per weight dtype; :mod:`torchsurgery.offloading.native_build` builds it and names it.
 
-No call waits for a build. ``offload`` (through :meth:`_NarrowMatvec.start`) loads a cached
-library at once, or starts the build for the dtype it stores in the background, the
-compiler at a lower priority so that it takes little from the forwards running meanwhile;
-until it is done every call answers None and the caller takes its fallback (a cast through
-a cache-sized buffer, see :mod:`torchsurgery.offloading.narrow`). Where no compiler is found
-or the build fails, one warning says so and every call answers None; a call that fails for
-one (layout, rows, dtype, shape) is remembered and answered None from then on, the other
-shapes keep the kernel.
+When it is built:
 
-Why at first use rather than at install time: the kernel is compiled for the machine it
-runs on (``-march=native``: AVX-512 byte permutes widen fp8 where the machine has them),
-and a wheel cannot know that machine; an install-time build would also need a compiler
-inside pip's isolated build environment.
+* **at install time**, where pip installs torchsurgery from source (a regular or an editable
+  install) on a machine with a C++ compiler: ``setup.py`` builds every dtype's library next
+  to the package's modules, so the first forward after ``offload`` already has the kernel.
+  The build runs on the machine that will run it, so ``-march=native`` is right; a library
+  that came from elsewhere carries another machine's digest in its name and is not loaded.
+* **at first use** otherwise (no compiler during the install, a wheel built on another
+  machine, an edited source): ``offload`` (through :meth:`_NarrowMatvec.start`) starts the
+  build for the dtype it stores in the background, the compiler at the lowest priority so
+  that it takes little from the forwards running meanwhile, into ``torchsurgery/`` under
+  torch's extensions directory (``TORCH_EXTENSIONS_DIR``, by default
+  ``~/.cache/torch_extensions``), where every process after it finds it. No call waits for
+  it: until it is done every call answers None and the caller takes its fallback (a cast
+  through a cache-sized buffer, see :mod:`torchsurgery.offloading.narrow`).
+
+Where no compiler is found or the build fails, one warning says so and every call answers
+None; a call that fails for one (layout, rows, dtype, shape) is remembered and answered None
+from then on, the other shapes keep the kernel.
 
 Layouts, both read as contiguous streams:
 
@@ -45,13 +48,7 @@ weight.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import importlib.resources
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
 from collections.abc import Callable
@@ -59,10 +56,11 @@ from typing import Any
 
 import torch
 
+from torchsurgery.offloading import native_build
+
 NATIVE_MAX_ROWS = 8
 NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
-_KINDS = {dtype: kind for kind, dtype in enumerate(NATIVE_DTYPES)}  # the source's enum Kind
-_BUILD_TIMEOUT_S = 480.0  # a build still running after this is given up on
+_KINDS = {dtype: native_build.KINDS[str(dtype).removeprefix("torch.")] for dtype in NATIVE_DTYPES}  # the source's enum Kind
 _ARGTYPES: list[Any] = [
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -70,50 +68,7 @@ _ARGTYPES: list[Any] = [
 _ERRORS = {1: "no kernel for this dtype", 2: "1 to 8 rows only", 3: "an empty shape"}
 
 
-def _cpu_features() -> str:
-    """What the build targets: the build is for this machine's instruction set."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _flags() -> list[str]:
-    """Compiler flags: this machine's vector units, and OpenMP on Linux (the ``libgomp`` that
-    torch has loaded already answers to the same name); elsewhere the kernel runs on one thread."""
-    machine = platform.machine().lower()
-    arch = ["-march=native"] if machine in ("x86_64", "amd64") else ["-mcpu=native"] if machine in ("aarch64", "arm64") else []
-    openmp = ["-fopenmp"] if platform.system() == "Linux" else []
-    return ["-O3", "-fno-math-errno", "-shared", "-fPIC", *arch, *openmp]
-
-
-def _compiler() -> str:
-    return os.environ.get("CXX", "c++")
-
-
-def _source_path() -> str:
-    return str(importlib.resources.files("torchsurgery.offloading").joinpath("narrow_matvec.cpp"))
-
-
-def _library_path(kind: int) -> str:
-    """Where the library for ``kind`` is cached: named by its source, flags, compiler and machine."""
-    with open(_source_path(), encoding="utf-8") as f:
-        source = f.read()
-    parts = [source, *_flags(), _compiler(), _cpu_features(), str(kind)]
-    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
-    return os.path.join(root, "torchsurgery", f"narrow_matvec_{kind}_{digest}.so")
-
-
-def _no_compiler() -> str | None:
-    """Why no build can run here (no C++ compiler), or None."""
-    if shutil.which(_compiler()) is None:
-        return f"no C++ compiler {_compiler()!r} found (install g++ or clang++, or set CXX)"
-    return None
+_PACKAGE_DIR: str | None = os.path.dirname(native_build.source_path())  # where an install-time build is
 
 
 def _last_line(text: str) -> str:
@@ -133,29 +88,9 @@ def _load(path: str) -> Callable[..., int] | None:
     return fn
 
 
-def _build(kind: int, path: str) -> str | None:
-    """Compile the library for ``kind`` into ``path`` (under a temporary name, then renamed); why not, or None."""
-    why = _no_compiler()
-    if why is not None:
-        return why
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, temporary = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
-    os.close(fd)
-    nice = ["nice", "-n", "19"] if shutil.which("nice") else []  # the compiler yields to the forwards
-    try:
-        done = subprocess.run(
-            [*nice, _compiler(), *_flags(), f"-DTS_KIND={kind}", _source_path(), "-o", temporary],
-            capture_output=True, text=True, check=False, timeout=_BUILD_TIMEOUT_S,
-        )
-        if done.returncode != 0:
-            return f"the build failed: {_last_line(done.stderr or done.stdout)}"
-        os.replace(temporary, path)
-        return None
-    except subprocess.TimeoutExpired:
-        return f"the build did not finish in {_BUILD_TIMEOUT_S:.0f} s"
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+def _installed(name: str) -> Callable[..., int] | None:
+    """The library named ``name`` that the install built next to the package's modules, or None."""
+    return None if _PACKAGE_DIR is None else _load(os.path.join(_PACKAGE_DIR, name))
 
 
 _Key = tuple[bool, int, torch.dtype, tuple[int, ...]]
@@ -206,10 +141,11 @@ class _NarrowMatvec:
         return any(lib.thread is not None and not lib.done.is_set() for lib in list(self._libraries.values()))
 
     def start(self, dtype: torch.dtype | None = None) -> None:
-        """Load the cached library for ``dtype`` (every native dtype when None) now, or start its build; returns at once.
+        """Load the library for ``dtype`` (every native dtype when None) now, or start its build; returns at once.
 
-        A cached library is loaded in the calling thread (a few milliseconds, spent by
-        ``offload`` rather than by the first forward).
+        The library the install built, or else one cached by an earlier build, is loaded in
+        the calling thread (a few milliseconds, spent by ``offload`` rather than by the first
+        forward).
         """
         for each in NATIVE_DTYPES if dtype is None else (dtype,):
             if each not in _KINDS:
@@ -219,12 +155,13 @@ class _NarrowMatvec:
                     continue
                 library = self._libraries[each] = _Library()
                 try:
-                    path = _library_path(_KINDS[each])
+                    name = native_build.library_name(_KINDS[each])
                 except OSError as exc:  # the source is missing from the install
                     library.unavailable = f"{type(exc).__name__}: {exc}"
                     library.done.set()
                     continue
-                library.fn = _load(path)
+                path = os.path.join(native_build.cache_dir(), name)
+                library.fn = _installed(name) or _load(path)
                 if library.fn is not None:
                     library.done.set()
                     continue
@@ -236,7 +173,7 @@ class _NarrowMatvec:
     @staticmethod
     def _build(library: _Library, kind: int, path: str) -> None:
         try:
-            why = _build(kind, path)
+            why = native_build.build(kind, path)
             if why is None:
                 library.fn = _load(path)
                 why = None if library.fn is not None else "the library built could not be loaded"
