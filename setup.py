@@ -39,15 +39,19 @@ class BuildNarrowKernels(build_ext):
         else:
             directory = os.path.join(self.build_lib, *_PACKAGE.split("."))
         self._built: list[str] = []
+        failed: dict[str, list[int]] = {}
         for kind, why in native.build_all(directory).items():
             if why is None:
                 self._built.append(os.path.join(directory, native.library_name(kind)))
             else:
-                print(
-                    f"torchsurgery: the native narrow-weight kernel (kind {kind}) was not built at install "
-                    f"time ({why}); it is built at first use where a compiler is found",
-                    file=sys.stderr,
-                )
+                failed.setdefault(why, []).append(kind)
+        for why, kinds in failed.items():  # one line, however many dtypes it stopped
+            names = ", ".join(name for name, kind in native.KINDS.items() if kind in kinds)
+            print(
+                f"torchsurgery: the native narrow-weight kernel ({names}) was not built at install time "
+                f"({why}); it is built at first use where a compiler is found",
+                file=sys.stderr,
+            )
 
     def get_outputs(self) -> list[str]:
         return list(getattr(self, "_built", []))
