@@ -35,9 +35,10 @@ class BuildNarrowKernels(build_ext):
     def run(self) -> None:
         native = _native_build()
         if self.inplace:  # an editable install: into the source tree, which is what gets imported
-            directory = self.get_finalized_command("build_py").get_package_dir(_PACKAGE)
+            package = self.get_finalized_command("build_py").get_package_dir(_PACKAGE)
         else:
-            directory = os.path.join(self.build_lib, *_PACKAGE.split("."))
+            package = os.path.join(self.build_lib, *_PACKAGE.split("."))
+        directory = native.installed_dir(package)
         self._built: list[str] = []
         failed: dict[str, list[int]] = {}
         for kind, why in native.build_all(directory).items():

@@ -264,12 +264,12 @@ def test_setup_builds_the_kernels_at_install_and_installs_without_a_compiler(tmp
                            text=True, check=False)
     assert built.returncode == 0, built.stderr
     names = sorted(native_build.library_name(kind) for kind in native_build.KINDS.values())
-    assert sorted(os.listdir(tmp_path / "built" / "torchsurgery" / "offloading")) == names
+    assert sorted(os.listdir(tmp_path / "built" / "torchsurgery" / "offloading" / "_kernels")) == names
     env = {**os.environ, "CXX": "/nonexistent/c++"}
     without = subprocess.run([*command, "--build-lib", str(tmp_path / "without")], cwd=root, env=env,
                              capture_output=True, text=True, check=False)
     assert without.returncode == 0, without.stderr
     told = [line for line in without.stderr.splitlines() if "was not built at install time" in line]
     assert len(told) == 1 and "(no C++ compiler" in told[0], without.stderr  # one line for every dtype
-    assert not (tmp_path / "without" / "torchsurgery" / "offloading").exists() or not os.listdir(
-        tmp_path / "without" / "torchsurgery" / "offloading")
+    kernels = tmp_path / "without" / "torchsurgery" / "offloading" / "_kernels"
+    assert not kernels.exists() or not os.listdir(kernels)

@@ -68,7 +68,7 @@ _ARGTYPES: list[Any] = [
 _ERRORS = {1: "no kernel for this dtype", 2: "1 to 8 rows only", 3: "an empty shape"}
 
 
-_PACKAGE_DIR: str | None = os.path.dirname(native_build.source_path())  # where an install-time build is
+_PACKAGE_DIR: str | None = native_build.installed_dir()  # where an install-time build is
 
 
 def _last_line(text: str) -> str:

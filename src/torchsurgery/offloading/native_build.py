@@ -12,8 +12,10 @@ here, so no instruction this CPU lacks can run.
 
 Where libraries are looked for, in order:
 
-* next to the package's modules, where the install put them (:func:`build_all`, called by
-  ``setup.py``: a regular or an editable install from source, with a C++ compiler);
+* in ``_kernels/`` next to the package's modules, where the install put them
+  (:func:`build_all`, called by ``setup.py``: a regular or an editable install from
+  source, with a C++ compiler; a folder that is not a package, so nothing takes the
+  libraries for Python modules);
 * ``torchsurgery/`` under torch's extensions directory (``TORCH_EXTENSIONS_DIR``, by default
   ``~/.cache/torch_extensions``), where the build at first use writes them.
 
@@ -34,7 +36,7 @@ import shutil
 import subprocess
 import tempfile
 
-__all__ = ["KINDS", "build", "build_all", "cache_dir", "library_name", "no_compiler", "source_path"]
+__all__ = ["KINDS", "build", "build_all", "cache_dir", "installed_dir", "library_name", "no_compiler", "source_path"]
 
 KINDS = {"bfloat16": 0, "float16": 1, "float8_e4m3fn": 2, "float8_e5m2": 3}
 """The weight dtypes the kernel reads, by torch's name, and the source's ``enum Kind`` for each."""
@@ -84,6 +86,12 @@ def library_name(kind: int) -> str:
     parts = [source, *_flags(), _compiler(), _cpu_features(), str(kind)]
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     return f"narrow_matvec_{kind}_{digest}.so"
+
+
+def installed_dir(package_dir: str | None = None) -> str:
+    """Where the install-time build puts the libraries: ``_kernels/`` in the package's folder
+    (``package_dir``, by default this module's folder)."""
+    return os.path.join(package_dir or os.path.dirname(source_path()), "_kernels")
 
 
 def cache_dir() -> str:
