@@ -221,7 +221,10 @@ def test_the_library_the_install_built_is_loaded_without_a_build(monkeypatch: py
 
     installed, cache = tmp_path / "package", tmp_path / "cache"
     kind = module._KINDS[torch.float8_e4m3fn]
+    installed.mkdir()
+    (installed / f"narrow_matvec_{kind}_0123456789abcdef.so").write_bytes(b"an earlier source's build")
     assert native_build.build_all(str(installed), kinds=[kind]) == {kind: None}
+    assert os.listdir(installed) == [native_build.library_name(kind)]  # the stale library went
     monkeypatch.setattr(module, "_PACKAGE_DIR", str(installed))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(cache))
     fresh = _NarrowMatvec()

@@ -152,12 +152,18 @@ def build(kind: int, path: str, *, yielding: bool = True) -> str | None:
 def build_all(directory: str, kinds: list[int] | None = None) -> dict[int, str | None]:
     """Build the library of every kind (or of ``kinds``) into ``directory``, in parallel.
 
-    This is the install-time build: ``setup.py`` calls it with the package's directory.
+    This is the install-time build: ``setup.py`` calls it with :func:`installed_dir`. Libraries
+    left in ``directory`` by an earlier source or machine are removed.
 
     Returns:
         For each kind, why its library was not built, or None where it was.
     """
     todo = sorted(KINDS.values()) if kinds is None else kinds
+    keep = {library_name(kind) for kind in KINDS.values()}
+    if os.path.isdir(directory):  # libraries of an earlier source or machine: never loaded again
+        for stale in os.listdir(directory):
+            if stale.startswith("narrow_matvec_") and stale.endswith(".so") and stale not in keep:
+                os.remove(os.path.join(directory, stale))
     workers = max(1, min(len(todo), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         results = pool.map(lambda kind: build(kind, os.path.join(directory, library_name(kind)), yielding=False), todo)
