@@ -41,7 +41,7 @@ from torchsurgery.offloading.narrow_matvec import narrow_matvec
 
 dtype, threads, steps = getattr(torch, sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 if sys.argv[4] != "installed":
-    module._PACKAGE_DIR = None  # as if the install had built nothing
+    module._INSTALLED_DIR = None  # as if the install had built nothing
 torch.set_num_threads(threads)
 torch.manual_seed(0)
 config = transformers.LlamaConfig(

@@ -230,7 +230,7 @@ def _building_kernel(monkeypatch: pytest.MonkeyPatch, extensions: Any) -> tuple[
         return "held by the test"
 
     monkeypatch.setattr(native_build, "no_compiler", held)
-    monkeypatch.setattr(module, "_PACKAGE_DIR", None)  # no library from the install
+    monkeypatch.setattr(module, "_INSTALLED_DIR", None)  # no library from the install
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))  # and none cached to load at once
     fresh = _NarrowMatvec()
     monkeypatch.setattr(narrow, "narrow_matvec", fresh)
@@ -299,7 +299,7 @@ def test_a_cached_build_is_loaded_before_the_first_forward(monkeypatch: pytest.M
     # a build found in the cache is loaded by offload itself
     from torchsurgery.offloading import narrow_matvec as module
 
-    monkeypatch.setattr(module, "_PACKAGE_DIR", None)  # only what a build at first use cached
+    monkeypatch.setattr(module, "_INSTALLED_DIR", None)  # only what a build at first use cached
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     if not _NarrowMatvec().wait(dtype=torch.bfloat16):
         pytest.skip(f"no native kernel on this machine: {narrow_matvec.unavailable}")

@@ -160,7 +160,7 @@ def test_a_damaged_library_in_the_cache_is_built_again(monkeypatch: pytest.Monke
     # that loads; a library damaged some other way (a disk that filled up) is built again
     from torchsurgery.offloading import narrow_matvec as module
 
-    monkeypatch.setattr(module, "_PACKAGE_DIR", None)  # no library from the install either
+    monkeypatch.setattr(module, "_INSTALLED_DIR", None)  # no library from the install either
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     path = os.path.join(native_build.cache_dir(), native_build.library_name(module._KINDS[torch.bfloat16]))
     os.makedirs(os.path.dirname(path))
@@ -225,7 +225,7 @@ def test_the_library_the_install_built_is_loaded_without_a_build(monkeypatch: py
     (installed / f"narrow_matvec_{kind}_0123456789abcdef.so").write_bytes(b"an earlier source's build")
     assert native_build.build_all(str(installed), kinds=[kind]) == {kind: None}
     assert os.listdir(installed) == [native_build.library_name(kind)]  # the stale library went
-    monkeypatch.setattr(module, "_PACKAGE_DIR", str(installed))
+    monkeypatch.setattr(module, "_INSTALLED_DIR", str(installed))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(cache))
     fresh = _NarrowMatvec()
     fresh.start(torch.float8_e4m3fn)
@@ -245,7 +245,7 @@ def test_a_library_built_on_another_machine_is_not_loaded(monkeypatch: pytest.Mo
     with monkeypatch.context() as elsewhere:
         elsewhere.setattr(native_build, "_cpu_features", lambda: "flags\t\t: fpu sse2 avx512f avx512_fp16 amx_tile")
         assert native_build.build_all(str(installed), kinds=[kind]) == {kind: None}
-    monkeypatch.setattr(module, "_PACKAGE_DIR", str(installed))
+    monkeypatch.setattr(module, "_INSTALLED_DIR", str(installed))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(cache))
     fresh = _NarrowMatvec()
     fresh.start(torch.bfloat16)

@@ -16,8 +16,9 @@ library per weight dtype; :mod:`torchsurgery.offloading.native_build` builds it 
 When it is built:
 
 * **at install time**, where pip installs torchsurgery from source (a regular or an editable
-  install) on a machine with a C++ compiler: ``setup.py`` builds every dtype's library next
-  to the package's modules, so the first forward after ``offload`` already has the kernel.
+  install) on a machine with a C++ compiler: ``setup.py`` builds every dtype's library into
+  ``_kernels/`` beside this module, so the first forward after ``offload`` already has the
+  kernel.
   The build runs on the machine that will run it, so ``-march=native`` is right; a library
   that came from elsewhere carries another machine's digest in its name and is not loaded.
 * **at first use** otherwise (no compiler during the install, a wheel built on another
@@ -68,7 +69,7 @@ _ARGTYPES: list[Any] = [
 _ERRORS = {1: "no kernel for this dtype", 2: "1 to 8 rows only", 3: "an empty shape"}
 
 
-_PACKAGE_DIR: str | None = native_build.installed_dir()  # where an install-time build is
+_INSTALLED_DIR: str | None = native_build.installed_dir()  # where an install-time build is
 
 
 def _last_line(text: str) -> str:
@@ -90,7 +91,7 @@ def _load(path: str) -> Callable[..., int] | None:
 
 def _installed(name: str) -> Callable[..., int] | None:
     """The library named ``name`` that the install built next to the package's modules, or None."""
-    return None if _PACKAGE_DIR is None else _load(os.path.join(_PACKAGE_DIR, name))
+    return None if _INSTALLED_DIR is None else _load(os.path.join(_INSTALLED_DIR, name))
 
 
 _Key = tuple[bool, int, torch.dtype, tuple[int, ...]]
