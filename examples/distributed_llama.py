@@ -79,6 +79,7 @@ def _spawned(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         main()
+        dist.barrier()  # no rank closes its connections while a peer's last receive is still in flight
     finally:
         dist.destroy_process_group()
 
@@ -87,6 +88,7 @@ if __name__ == "__main__":
     if "RANK" in os.environ:  # launched by torchrun
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         main()
+        dist.barrier()
         dist.destroy_process_group()
     else:
         with socket.socket() as s:
