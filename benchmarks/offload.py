@@ -119,14 +119,19 @@ def store_bf16(model: nn.Module, skip: Callable[[nn.Module, str], bool]) -> None
 
 
 @contextlib.contextmanager
-def native_off() -> Iterator[None]:
-    """Few-row steps without the native kernel (as where no compiler is found)."""
+def kernel_replaced(replacement: Callable[..., Any]) -> Iterator[None]:
+    """Narrow products call ``replacement`` where they would call the native kernel."""
     kernel = narrow.narrow_matvec
-    narrow.narrow_matvec = lambda *args: None  # type: ignore[assignment]
+    narrow.narrow_matvec = replacement  # type: ignore[assignment]
     try:
         yield
     finally:
         narrow.narrow_matvec = kernel
+
+
+def native_off() -> contextlib.AbstractContextManager[None]:
+    """Few-row steps without the native kernel (as where no compiler is found)."""
+    return kernel_replaced(lambda *args: None)
 
 
 CONTEXTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {"ts compiled only": native_off}
@@ -328,28 +333,17 @@ class _KernelClock:
         self.seconds += time.perf_counter() - start
         return out
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        narrow.narrow_matvec = self  # type: ignore[assignment]
-        try:
-            yield
-        finally:
-            narrow.narrow_matvec = self._kernel
+    def installed(self) -> contextlib.AbstractContextManager[None]:
+        return kernel_replaced(self)
 
 
-@contextlib.contextmanager
-def _no_reads() -> Iterator[None]:
+def _no_reads() -> contextlib.AbstractContextManager[None]:
     """The native kernel answering an uninitialised output: offload's own path, no weight read."""
-    kernel = narrow.narrow_matvec
 
     def answer(x: torch.Tensor, weight: torch.Tensor, bias: Any, transposed: bool) -> torch.Tensor:
-        return x.new_empty((*x.shape[:-1], weight.shape[1] if transposed else weight.shape[0]))
+        return _no_weights(x, weight.shape[1] if transposed else weight.shape[0])
 
-    narrow.narrow_matvec = answer  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        narrow.narrow_matvec = kernel
+    return kernel_replaced(answer)
 
 
 def bench_decode(rounds: int, bandwidth: Bandwidth, steps: int = 10) -> None:

@@ -72,11 +72,6 @@ _ERRORS = {1: "no kernel for this dtype", 2: "1 to 8 rows only", 3: "an empty sh
 _INSTALLED_DIR: str | None = native_build.installed_dir()  # where an install-time build is
 
 
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "no output"
-
-
 def _load(path: str) -> Callable[..., int] | None:
     """The entry point of the library at ``path``, or None where there is none (or it is damaged)."""
     if not os.path.exists(path):
@@ -179,7 +174,7 @@ class _NarrowMatvec:
                 library.fn = _load(path)
                 why = None if library.fn is not None else "the library built could not be loaded"
         except Exception as exc:  # anything else: the callers take another path
-            why = f"{type(exc).__name__}: {_last_line(str(exc))}"
+            why = f"{type(exc).__name__}: {native_build.last_line(str(exc))}"
         if library.fn is None:
             library.unavailable = (why or "unknown")[:300]
         library.done.set()

@@ -36,7 +36,8 @@ import shutil
 import subprocess
 import tempfile
 
-__all__ = ["KINDS", "build", "build_all", "cache_dir", "installed_dir", "library_name", "no_compiler", "source_path"]
+__all__ = ["KINDS", "build", "build_all", "cache_dir", "installed_dir", "last_line", "library_name", "no_compiler",
+           "source_path"]
 
 KINDS = {"bfloat16": 0, "float16": 1, "float8_e4m3fn": 2, "float8_e5m2": 3}
 """The weight dtypes the kernel reads, by torch's name, and the source's ``enum Kind`` for each."""
@@ -107,7 +108,8 @@ def no_compiler() -> str | None:
     return None
 
 
-def _last_line(text: str) -> str:
+def last_line(text: str) -> str:
+    """The last non-blank line of a compiler's (or an exception's) text: what went wrong, in one line."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else "no output"
 
@@ -137,12 +139,12 @@ def build(kind: int, path: str, *, yielding: bool = True) -> str | None:
             capture_output=True, text=True, check=False, timeout=BUILD_TIMEOUT_S,
         )
         if done.returncode != 0:
-            return f"the build failed: {_last_line(done.stderr or done.stdout)}"
+            return f"the build failed: {last_line(done.stderr or done.stdout)}"
         os.replace(temporary, path)
         return None
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        if isinstance(exc, subprocess.TimeoutExpired):
-            return f"the build did not finish in {BUILD_TIMEOUT_S:.0f} s"
+    except subprocess.TimeoutExpired:
+        return f"the build did not finish in {BUILD_TIMEOUT_S:.0f} s"
+    except OSError as exc:
         return f"the build could not run: {exc}"
     finally:
         if os.path.exists(temporary):

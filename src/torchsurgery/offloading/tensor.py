@@ -258,7 +258,7 @@ class OffloadedTensor(torch.Tensor):
             return _view(func, args, kwargs)
         if func._schema.is_mutable:
             return _write(func, args, kwargs)
-        return func(*tree_map_only(OffloadedTensor, _wide, args), **tree_map_only(OffloadedTensor, _wide, kwargs))
+        return _widened(func, args, kwargs)
 
 
 def _rebuild(
@@ -275,6 +275,11 @@ def _rebuild(
         t.__dict__[_SHADOW] = Shadow(t.stored, shadow_dtype)
     t.__dict__.update(extras)
     return t
+
+
+def _widened(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``func`` on plain tensors: every OffloadedTensor among its arguments read as its values."""
+    return func(*tree_map_only(OffloadedTensor, _wide, args), **tree_map_only(OffloadedTensor, _wide, kwargs))
 
 
 def _wide(t: OffloadedTensor) -> torch.Tensor:
@@ -471,7 +476,7 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 return narrow_product_op(x, values.t(), wide_bias, False)
             if values.is_contiguous():  # an [in, out] weight (Conv1D)
                 return narrow_product_op(x, values, wide_bias, True)
-    return func(*tree_map_only(OffloadedTensor, _wide, args), **tree_map_only(OffloadedTensor, _wide, kwargs))
+    return _widened(func, args, kwargs)
 
 
 _HANDLERS: dict[Any, Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = {
