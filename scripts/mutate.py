@@ -147,7 +147,8 @@ MUTATIONS = [
     Mutation(
         "every forward that records gradients reads the master values",
         "src/torchsurgery/offloading/tensor.py",
-        "whole = not fits or (d[_SHADOW] is not None and torch.is_grad_enabled()) or", "whole = not fits or",
+        "whole = not fits or (grad and (shadow is not None or _needs_graph(x, weight, bias)))",
+        "whole = not fits or (grad and _needs_graph(x, weight, bias))",
         ("tests/test_invisible_surgery.py::test_peft_lora_trains_through_an_offload_with_an_fp32_master_as_in_fp32",),
     ),
     Mutation(
@@ -206,7 +207,7 @@ MUTATIONS = [
     Mutation(
         "unpatch swaps a tensor its patch converted back",
         "src/torchsurgery/_undo.py",
-        "            if type(tensor) is kind:", "            if True:",
+        "            if type(tensor) is kind and ", "            if True and ",
         ("tests/offloading/test_tensor.py::test_the_undo_log_swaps_a_patchs_converted_weights_back",),
     ),
     Mutation(
