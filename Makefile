@@ -20,7 +20,7 @@ $(VENV)/.torch:
 	touch $@
 
 # The install builds the native kernel (setup.py): installed again when its source changes.
-KERNEL := setup.py src/torchsurgery/offloading/native_build.py src/torchsurgery/offloading/narrow_matvec.cpp
+KERNEL := setup.py src/torchsurgery/compact/native_build.py src/torchsurgery/compact/narrow_matvec.cpp
 
 $(VENV)/.cli: $(VENV)/.torch pyproject.toml $(KERNEL)
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[cli]"

@@ -1,7 +1,7 @@
 """Builds the native narrow-weight kernel while pip installs torchsurgery from source.
 
 Everything else about the package is in ``pyproject.toml``. The kernel is compiled here for
-the machine that installs it (see ``src/torchsurgery/offloading/native_build.py``), so the
+the machine that installs it (see ``src/torchsurgery/compact/native_build.py``), so the
 first forward after ``offload`` has it; a machine without a C++ compiler still installs, is
 told so, and builds the kernel at first use or runs without it.
 """
@@ -16,12 +16,12 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_PACKAGE = "torchsurgery.offloading"
+_PACKAGE = "torchsurgery.compact"
 
 
 def _native_build():  # type: ignore[no-untyped-def]
-    """``torchsurgery.offloading.native_build``, loaded by its path: the package imports torch."""
-    path = os.path.join(_HERE, "src", "torchsurgery", "offloading", "native_build.py")
+    """``torchsurgery.compact.native_build``, loaded by its path: the package imports torch."""
+    path = os.path.join(_HERE, "src", "torchsurgery", "compact", "native_build.py")
     spec = importlib.util.spec_from_file_location("_torchsurgery_native_build", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

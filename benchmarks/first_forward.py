@@ -36,8 +36,8 @@ import json, statistics, sys, time
 import torch
 import transformers
 import torchsurgery
-from torchsurgery.offloading import narrow_matvec as module
-from torchsurgery.offloading.narrow_matvec import narrow_matvec
+from torchsurgery.compact import narrow_matvec as module
+from torchsurgery.compact.narrow_matvec import narrow_matvec
 
 dtype, threads, steps = getattr(torch, sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 if sys.argv[4] != "installed":

@@ -56,8 +56,8 @@ from torch import nn
 
 import torchsurgery
 from _machine import cpu_name
-from torchsurgery.offloading import narrow, stored_values
-from torchsurgery.offloading.narrow_matvec import narrow_matvec
+from torchsurgery.compact import narrow, stored_values
+from torchsurgery.compact.narrow_matvec import narrow_matvec
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

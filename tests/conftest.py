@@ -47,9 +47,9 @@ def _native_kernel_built() -> None:
 
     Outside the tests a forward never waits for the build (narrow products take a fallback
     until it is ready); here the same forward must take the same path in every run, so the
-    suite waits once, at its start. tests/offloading/test_narrow.py tests the wait-free start.
+    suite waits once, at its start. tests/compact/test_narrow.py tests the wait-free start.
     """
-    from torchsurgery.offloading.narrow_matvec import narrow_matvec
+    from torchsurgery.compact.narrow_matvec import narrow_matvec
 
     narrow_matvec.wait()
 

@@ -2,7 +2,7 @@
 
 Every module under ``src/torchsurgery`` is parsed with ``ast`` (nothing is imported), and
 every import of a package module is collected, including the lazy ones inside functions.
-A *pillar* is one of the packages (``flex``, ``distributed``, ``offloading``, ``cli``,
+A *pillar* is one of the packages (``flex``, ``distributed``, ``offloading``, ``compact``, ``cli``,
 ``compat``) or one of the root modules ``patching`` and ``tensors``. The shared private
 root modules (``_undo``, ``_names``...) and ``errors`` may be imported by anyone, and
 import no pillar. The package root (``torchsurgery/__init__.py``, ``__main__``) gathers the
@@ -20,7 +20,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "torchsurgery"
-PILLARS = {"flex", "distributed", "offloading", "cli", "compat", "patching", "tensors"}
+PILLARS = {"flex", "distributed", "offloading", "compact", "cli", "compat", "patching", "tensors"}
 SHARED = {"_undo", "_names", "_checkpoint", "_format", "_validate", "_tensor_layout", "_swap", "_pytree", "errors"}
 ROOT = "<root>"
 ENTRY = "__main__"  # ``python -m torchsurgery``: runs the command line, imported by no module

@@ -76,7 +76,7 @@ from torchsurgery._checkpoint import CheckpointError, Entry, Source, Stash, open
 from torchsurgery._names import near_matches
 from torchsurgery._swap import swap_blocker, wrap_like
 from torchsurgery._validate import check_device, check_dtype
-from torchsurgery.offloading.tensor import OffloadedTensor
+from torchsurgery.compact import OffloadedTensor
 
 __all__ = ["swap_on_conversion", "convert_", "load_", "LoadResult", "skeleton", "CheckpointError"]
 

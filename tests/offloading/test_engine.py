@@ -18,9 +18,9 @@ from torch import nn
 
 import torchsurgery
 from torchsurgery import Residency, offload
+from torchsurgery.compact.narrow_matvec import narrow_matvec
 from torchsurgery.offloading import stored_values
 from torchsurgery.offloading.grouping import find_groups
-from torchsurgery.offloading.narrow_matvec import narrow_matvec
 from torchsurgery.offloading.plan import in_flight_reserve
 
 
@@ -510,7 +510,7 @@ def test_a_compiled_forward_reads_the_narrow_weights_without_widening_them(
     # torch.compile traces F.linear into mm by a transposed view of the weight; the graph must
     # call the narrow product (the native kernel for few rows), as eager does, rather than
     # widen every weight at every call (which made a compiled decoding step 7x slower)
-    from torchsurgery.offloading import narrow
+    from torchsurgery.compact import narrow
 
     if not narrow_matvec.wait():
         pytest.skip(f"no native kernel on this machine: {narrow_matvec.unavailable}")

@@ -17,7 +17,7 @@ converted with ``Tensor.to(**kwargs)``. Unlike the original:
   signature (``inspect.signature``), so ``generate()`` passes what it would pass;
 * given a ``dtype``, the stored floating weights read as that dtype everywhere
   (``parameters()``, ``model.dtype``, code outside forwards): each becomes an
-  :class:`~torchsurgery.offloading.tensor.OffloadedTensor` (the same object) keeping its
+  :class:`~torchsurgery.compact.tensor.OffloadedTensor` (the same object) keeping its
   values as they were stored, and ``nn.Linear`` products read them without widening;
   ``state_dict()`` holds the stored values, as the original installer's does;
 * as with ``Module.to``, a ``dtype`` converts floating tensors only (integer buffers such
@@ -34,7 +34,7 @@ from torch import nn
 
 from torchsurgery import _undo
 from torchsurgery._swap import swap_in
-from torchsurgery.offloading.tensor import (
+from torchsurgery.compact import (
     OffloadedTensor,
     converted_by,
     offloaded_like,

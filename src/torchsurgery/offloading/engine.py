@@ -15,7 +15,7 @@ Mechanics, chosen so that nothing about the model's identity changes:
   through a ring of device buffers (:mod:`torchsurgery.offloading.streams`) and puts the
   stored parameters back in a ``finally``, also on ``KeyboardInterrupt``;
 * a weight stored in another dtype than it computes in becomes an
-  :class:`~torchsurgery.offloading.tensor.OffloadedTensor` (the same object): it reads as
+  :class:`~torchsurgery.compact.tensor.OffloadedTensor` (the same object): it reads as
   the compute dtype to every program, and on a CPU ``nn.Linear`` (and transformers
   ``Conv1D``) products read its narrow values directly, whatever the layer's ``forward``
   (patched or not) is.
@@ -41,8 +41,8 @@ from torch import nn
 from torchsurgery import _undo
 from torchsurgery._checkpoint import SafetensorsSource, open_source
 from torchsurgery._swap import swap_blocker, swap_in, wrap_like
+from torchsurgery.compact import ReadContext, Scratch, converted_by, offloaded_like, stored_state
 from torchsurgery.offloading.device import OffloadDevice
-from torchsurgery.offloading.narrow import Scratch
 from torchsurgery.offloading.packing import FlatLayout, pack_runs, unpack
 from torchsurgery.offloading.plan import (
     DEFAULT_SKIP,
@@ -64,7 +64,6 @@ from torchsurgery.offloading.streams import (
     _StreamedGroup,
     _Streaming,
 )
-from torchsurgery.offloading.tensor import ReadContext, converted_by, offloaded_like, stored_state
 from torchsurgery.patching import is_patched, patch, unpatch
 
 __all__ = ["offload", "OffloadHandle", "OffloadStats", "DEFAULT_SKIP"]

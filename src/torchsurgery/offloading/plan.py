@@ -27,11 +27,10 @@ from torchsurgery._checkpoint import SafetensorsSource, open_source
 from torchsurgery._format import human_bytes
 from torchsurgery._tensor_layout import ALIGNMENT, align
 from torchsurgery._validate import check_bytes, check_dtype, dtype_name
+from torchsurgery.compact import is_matmul_layer, plain_reader
 from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, BudgetError, Setting
 from torchsurgery.offloading.device import OffloadDevice, resolve_device
 from torchsurgery.offloading.grouping import find_groups
-from torchsurgery.offloading.narrow import _is_matmul_layer
-from torchsurgery.offloading.tensor import plain_reader
 
 __all__ = ["plan_offload", "OffloadPlan", "GroupPlan", "ParamPlan", "Residency", "DEFAULT_SKIP", "reads_as_computed"]
 
@@ -336,7 +335,7 @@ def _collect(named: dict[str, nn.Module], names: list[str], options: _Options) -
 def _reads_narrow(named: dict[str, nn.Module], group: GroupPlan, p: ParamPlan, options: _Options) -> bool:
     """Whether ``p`` is served by the narrow-weight layer path (CPU matmul layers)."""
     narrow = p.shadow_dtype or p.storage_dtype
-    if not options.device.host_compute or narrow == p.compute_dtype or not _is_matmul_layer(named[p.module]):
+    if not options.device.host_compute or narrow == p.compute_dtype or not is_matmul_layer(named[p.module]):
         return False
     return all((q.shadow_dtype or q.storage_dtype) == narrow for q in group.params if q.module == p.module)
 
@@ -368,7 +367,7 @@ def _route(named: dict[str, nn.Module], groups: list[GroupPlan], options: _Optio
 
 
 def reads_as_computed(p: ParamPlan) -> bool:
-    """Whether ``p`` becomes an :class:`~torchsurgery.offloading.tensor.OffloadedTensor` (under its first name).
+    """Whether ``p`` becomes an :class:`~torchsurgery.compact.tensor.OffloadedTensor` (under its first name).
 
     Weights kept in host memory in another dtype than they compute in (or next to a narrow
     shadow) do, so that they read as the compute dtype; the others already do.

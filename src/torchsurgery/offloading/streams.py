@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchsurgery.compact import OffloadedTensor, stored_values
 from torchsurgery.offloading.device import OffloadDevice
 from torchsurgery.offloading.order import OrderRecorder
 from torchsurgery.offloading.packing import (
@@ -39,7 +40,6 @@ from torchsurgery.offloading.packing import (
 )
 from torchsurgery.offloading.planner import GroupCost, stall_hint
 from torchsurgery.offloading.stats import OffloadStats
-from torchsurgery.offloading.tensor import OffloadedTensor, stored_values
 from torchsurgery.patching import Patch
 
 

@@ -11,7 +11,7 @@ entry point, called through :mod:`ctypes` (which lets go of the GIL during the c
 includes no torch header, so it needs nothing but a C++ compiler, does not depend on
 torch's version, and builds in about 3 seconds per dtype (a torch extension took 16-18 s,
 most of it in torch's headers). It is compiled for this machine's instruction set, one
-library per weight dtype; :mod:`torchsurgery.offloading.native_build` builds it and names it.
+library per weight dtype; :mod:`torchsurgery.compact.native_build` builds it and names it.
 
 When it is built:
 
@@ -28,7 +28,7 @@ When it is built:
   torch's extensions directory (``TORCH_EXTENSIONS_DIR``, by default
   ``~/.cache/torch_extensions``), where every process after it finds it. No call waits for
   it: until it is done every call answers None and the caller takes its fallback (a cast
-  through a cache-sized buffer, see :mod:`torchsurgery.offloading.narrow`).
+  through a cache-sized buffer, see :mod:`torchsurgery.compact.narrow`).
 
 Where no compiler is found or the build fails, one warning says so and every call answers
 None; a call that fails for one (layout, rows, dtype, shape) is remembered and answered None
@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from torchsurgery.offloading import native_build
+from torchsurgery.compact import native_build
 
 NATIVE_MAX_ROWS = 8
 NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -107,7 +107,7 @@ class _NarrowMatvec:
 
     Example:
         >>> import torch
-        >>> from torchsurgery.offloading.narrow_matvec import narrow_matvec
+        >>> from torchsurgery.compact.narrow_matvec import narrow_matvec
         >>> narrow_matvec.start(torch.bfloat16)  # returns at once; calls answer None until the kernel is ready
         >>> if narrow_matvec.wait():
         ...     w = torch.eye(2, dtype=torch.bfloat16)

@@ -2,7 +2,7 @@
 
 This module needs nothing but the standard library: ``setup.py`` loads it by its path to
 build the kernel while pip installs torchsurgery from source, before torch can be imported,
-and :mod:`torchsurgery.offloading.narrow_matvec` uses it to find a library or build one.
+and :mod:`torchsurgery.compact.narrow_matvec` uses it to find a library or build one.
 
 A library is compiled for the machine it runs on (``-march=native``), one per weight dtype.
 Its file name is a digest of everything the build depends on: the source, the flags, the
@@ -20,7 +20,7 @@ Where libraries are looked for, in order:
   ``~/.cache/torch_extensions``), where the build at first use writes them.
 
 Example:
-    >>> from torchsurgery.offloading import native_build
+    >>> from torchsurgery.compact import native_build
     >>> name = native_build.library_name(native_build.KINDS["bfloat16"])
     >>> name.startswith("narrow_matvec_0_") and name.endswith(".so")
     True

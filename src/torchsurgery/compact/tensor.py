@@ -12,7 +12,7 @@ optimizers holding it and tied references stay valid): a wrapper tensor whose
 What happens to it:
 
 * ``F.linear`` / ``torch.addmm`` without gradients (a decoding step, a prefill) read the
-  narrow values directly (:func:`~torchsurgery.offloading.narrow.narrow_product`: the native
+  narrow values directly (:func:`~torchsurgery.compact.narrow.narrow_product`: the native
   kernel for a few rows, a reused widening buffer beyond), so nothing weight-sized is
   allocated per call and the module's own ``forward`` runs, patched or not;
 * every other operation sees the widened values (``stored.to(dtype)``), so any layer,
@@ -36,7 +36,7 @@ import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -46,13 +46,12 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils._pytree import tree_map, tree_map_only
 
 from torchsurgery._swap import user_attributes
-from torchsurgery.offloading.narrow import (
+from torchsurgery.compact.narrow import (
     Scratch,
     narrow_product,
     narrow_product_op,
     prepare_kernel,
 )
-from torchsurgery.offloading.stats import OffloadStats
 from torchsurgery.patching import Patch, patches
 
 __all__ = ["OffloadedTensor", "stored_values"]
@@ -63,11 +62,20 @@ _STORED, _READS, _SHADOW = "_torchsurgery_stored", "_torchsurgery_reads", "_torc
 _COUNTER = "_torchsurgery_counter"  # the stored tensor whose version counter counts writes (see _written_in_place)
 
 
+class ReadCounts(Protocol):
+    """Where narrow reads are counted (an offload's statistics)."""
+
+    bytes_moved: int
+    transfers: int
+    resident_bytes: int
+    peak_device_bytes: int
+
+
 @dataclass(eq=False)
 class ReadContext:
     """What narrow reads of one offload share: the statistics they count into, the widening buffers."""
 
-    stats: OffloadStats
+    stats: ReadCounts
     scratch: Scratch
 
     def count(self, weight: torch.Tensor, compute: torch.dtype) -> None:
@@ -122,7 +130,7 @@ class OffloadedTensor(torch.Tensor):
         >>> import torch
         >>> from torch import nn
         >>> import torchsurgery
-        >>> from torchsurgery.offloading import OffloadedTensor
+        >>> from torchsurgery.compact import OffloadedTensor
         >>> layer = nn.Linear(4, 4)
         >>> handle = torchsurgery.offload(layer, storage_dtype=torch.bfloat16, dtype=torch.float32, groups=[""])
         >>> weight = layer.weight
@@ -504,7 +512,7 @@ def stored_values(tensor: torch.Tensor) -> torch.Tensor:
 
     Example:
         >>> import torch
-        >>> from torchsurgery.offloading import stored_values
+        >>> from torchsurgery.compact import stored_values
         >>> stored_values(torch.ones(2)).dtype
         torch.float32
     """

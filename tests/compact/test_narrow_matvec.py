@@ -1,4 +1,4 @@
-"""Tests of torchsurgery.offloading.narrow_matvec: the native kernel against plain fp32."""
+"""Tests of torchsurgery.compact.narrow_matvec: the native kernel against plain fp32."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from torchsurgery.offloading import native_build
-from torchsurgery.offloading.narrow_matvec import (
+from torchsurgery.compact import native_build
+from torchsurgery.compact.narrow_matvec import (
     NATIVE_DTYPES,
     NATIVE_MAX_ROWS,
     _NarrowMatvec,
@@ -148,17 +148,17 @@ def test_the_kernel_source_ships_with_the_package() -> None:
     import pathlib
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    source = importlib.resources.files("torchsurgery.offloading").joinpath("narrow_matvec.cpp")
+    source = importlib.resources.files("torchsurgery.compact").joinpath("narrow_matvec.cpp")
     assert source.is_file() and "ts_narrow_matvec" in source.read_text()
     pyproject = pathlib.Path(__file__).parents[2] / "pyproject.toml"
     patterns = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["torchsurgery"]
-    assert any(fnmatch.fnmatch("offloading/narrow_matvec.cpp", p) for p in patterns), patterns
+    assert any(fnmatch.fnmatch("compact/narrow_matvec.cpp", p) for p in patterns), patterns
 
 
 def test_a_damaged_library_in_the_cache_is_built_again(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     # a build is written under a temporary name and renamed, so a killed build leaves nothing
     # that loads; a library damaged some other way (a disk that filled up) is built again
-    from torchsurgery.offloading import narrow_matvec as module
+    from torchsurgery.compact import narrow_matvec as module
 
     monkeypatch.setattr(module, "_INSTALLED_DIR", None)  # no library from the install either
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
@@ -217,7 +217,7 @@ def test_a_nan_weight_in_a_long_row_makes_its_outputs_nan_and_no_other(kernel: _
 def test_the_library_the_install_built_is_loaded_without_a_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     # pip installing from source builds the kernel next to the package's modules (setup.py):
     # the first forward after offload then has it, with nothing built and nothing cached
-    from torchsurgery.offloading import narrow_matvec as module
+    from torchsurgery.compact import narrow_matvec as module
 
     installed, cache = tmp_path / "package", tmp_path / "cache"
     kind = module._KINDS[torch.float8_e4m3fn]
@@ -238,7 +238,7 @@ def test_the_library_the_install_built_is_loaded_without_a_build(monkeypatch: py
 def test_a_library_built_on_another_machine_is_not_loaded(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     # a wheel built elsewhere, or a home directory shared between machines, may hold a library
     # compiled for instructions this CPU lacks: its name carries that machine's features
-    from torchsurgery.offloading import narrow_matvec as module
+    from torchsurgery.compact import narrow_matvec as module
 
     installed, cache = tmp_path / "package", tmp_path / "cache"
     kind = module._KINDS[torch.bfloat16]
@@ -267,12 +267,12 @@ def test_setup_builds_the_kernels_at_install_and_installs_without_a_compiler(tmp
                            text=True, check=False)
     assert built.returncode == 0, built.stderr
     names = sorted(native_build.library_name(kind) for kind in native_build.KINDS.values())
-    assert sorted(os.listdir(tmp_path / "built" / "torchsurgery" / "offloading" / "_kernels")) == names
+    assert sorted(os.listdir(tmp_path / "built" / "torchsurgery" / "compact" / "_kernels")) == names
     env = {**os.environ, "CXX": "/nonexistent/c++"}
     without = subprocess.run([*command, "--build-lib", str(tmp_path / "without")], cwd=root, env=env,
                              capture_output=True, text=True, check=False)
     assert without.returncode == 0, without.stderr
     told = [line for line in without.stderr.splitlines() if "was not built at install time" in line]
     assert len(told) == 1 and "(no C++ compiler" in told[0], without.stderr  # one line for every dtype
-    kernels = tmp_path / "without" / "torchsurgery" / "offloading" / "_kernels"
+    kernels = tmp_path / "without" / "torchsurgery" / "compact" / "_kernels"
     assert not kernels.exists() or not os.listdir(kernels)

@@ -1,4 +1,4 @@
-// The native narrow-weight CPU kernel of torchsurgery.offloading.narrow_matvec.
+// The native narrow-weight CPU kernel of torchsurgery.compact.narrow_matvec.
 //
 // y = x @ W.T + b (or x @ W + b for a weight stored [in, out]) for x of 1 to 8 fp32 rows and
 // W stored in bf16, fp16 or fp8 (e4m3fn, e5m2): each weight element is widened in registers

@@ -1,4 +1,4 @@
-"""Tests of torchsurgery.offloading.narrow: narrow-weight layers against plain fp32, and threads.
+"""Tests of torchsurgery.compact.narrow: narrow-weight layers against plain fp32, and threads.
 
 Every test that runs a kernel runs twice: with the native kernel, and with it unavailable
 (no compiler), where the compiled kernels serve up to 4 rows.
@@ -15,14 +15,14 @@ import torch
 from torch import nn
 
 from torchsurgery import offload
-from torchsurgery.offloading import narrow, native_build
-from torchsurgery.offloading.narrow import (
+from torchsurgery.compact import narrow, native_build
+from torchsurgery.compact.narrow import (
     _FUSED_MAX_ROWS,
     _FUSED_MIN_WEIGHT,
     _fused,
     _rows_from_narrow,
 )
-from torchsurgery.offloading.narrow_matvec import NATIVE_MAX_ROWS, _NarrowMatvec, narrow_matvec
+from torchsurgery.compact.narrow_matvec import NATIVE_MAX_ROWS, _NarrowMatvec, narrow_matvec
 
 transformers = pytest.importorskip("transformers")
 
@@ -221,7 +221,7 @@ def test_scratch_is_per_thread_and_freed_on_remove() -> None:
 
 def _building_kernel(monkeypatch: pytest.MonkeyPatch, extensions: Any) -> tuple[_NarrowMatvec, threading.Event]:
     """A kernel whose build is held until the event is set (it then finds no compiler)."""
-    from torchsurgery.offloading import narrow_matvec as module
+    from torchsurgery.compact import narrow_matvec as module
 
     release = threading.Event()
 
@@ -297,7 +297,7 @@ def test_fp8_widens_exactly_for_every_bit_pattern(dtype: torch.dtype) -> None:
 def test_a_cached_build_is_loaded_before_the_first_forward(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     # loading in the background would hold the first forward up while the kernel registers;
     # a build found in the cache is loaded by offload itself
-    from torchsurgery.offloading import narrow_matvec as module
+    from torchsurgery.compact import narrow_matvec as module
 
     monkeypatch.setattr(module, "_INSTALLED_DIR", None)  # only what a build at first use cached
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))

@@ -1,12 +1,12 @@
 """Products with a weight stored narrower than the dtype they compute in (CPU).
 
-:class:`~torchsurgery.offloading.tensor.OffloadedTensor` calls :func:`narrow_product` for
+:class:`~torchsurgery.compact.tensor.OffloadedTensor` calls :func:`narrow_product` for
 ``F.linear`` and ``torch.addmm`` without gradients. For a few rows (a decoding step) the
 product is taken straight from the narrow weight, widened in registers: one pass over half
 the bytes (a quarter for fp8), which on a memory-bound step beats the wide model itself.
 Three paths, each falling back to the next for a (layout, rows, dtype, shape) it cannot serve:
 
-1. the native kernel (:mod:`torchsurgery.offloading.narrow_matvec`): fp32 compute, bf16,
+1. the native kernel (:mod:`torchsurgery.compact.narrow_matvec`): fp32 compute, bf16,
    fp16 or fp8 storage, 1 to 8 rows, both weight layouts; built once per machine, in the
    background. While it builds, few rows take the cast path a cache-sized slice of the
    weight at a time (:func:`through_cache`): the narrow bytes are read from memory once and
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchsurgery.offloading.narrow_matvec import NATIVE_DTYPES, NATIVE_MAX_ROWS, narrow_matvec
+from torchsurgery.compact.narrow_matvec import NATIVE_DTYPES, NATIVE_MAX_ROWS, narrow_matvec
 
 _SLICE_BYTES = 1 << 21  # a widened slice of weight: stays in the cache until it is multiplied
 _FUSED_MIN_WEIGHT = 1 << 18  # below this a fused kernel does not pay for itself
@@ -191,7 +191,7 @@ class Scratch:
         self.__init__()  # type: ignore[misc]
 
 
-def _is_matmul_layer(module: nn.Module) -> bool:
+def is_matmul_layer(module: nn.Module) -> bool:
     """nn.Linear, or a transformers-style Conv1D (weight stored [in, out], attribute ``nf``)."""
     if isinstance(module, nn.Linear):
         return True
@@ -227,7 +227,7 @@ def through_cache(
 
     Example:
         >>> import torch
-        >>> from torchsurgery.offloading.narrow import through_cache
+        >>> from torchsurgery.compact.narrow import through_cache
         >>> through_cache(torch.ones(1, 3), torch.eye(3, dtype=torch.bfloat16), None, False, None).tolist()
         [[1.0, 1.0, 1.0]]
     """
@@ -285,7 +285,7 @@ def narrow_product_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """:func:`narrow_product` as one operator, for graphs that ``torch.compile`` builds.
 
     A compiled forward of an offloaded model calls it where the plain model multiplies by a
-    narrow weight (see :mod:`torchsurgery.offloading.tensor`), so the graph reads the narrow
+    narrow weight (see :mod:`torchsurgery.compact.tensor`), so the graph reads the narrow
     values at run time (the native kernel for a few rows) instead of a widened copy of the
     weight made in the graph at every call. It has no backward of its own: it is called
     below autograd, which records the matmul it stands for.
@@ -294,7 +294,7 @@ def narrow_product_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
     Example:
         >>> import torch
-        >>> from torchsurgery.offloading.narrow import narrow_product_op
+        >>> from torchsurgery.compact.narrow import narrow_product_op
         >>> narrow_product_op(torch.ones(1, 2), torch.eye(2, dtype=torch.bfloat16), None, False).tolist()
         [[1.0, 1.0]]
     """
@@ -317,7 +317,7 @@ def narrow_product(
 
     Example:
         >>> import torch
-        >>> from torchsurgery.offloading.narrow import Scratch, narrow_product
+        >>> from torchsurgery.compact.narrow import Scratch, narrow_product
         >>> w = torch.eye(3, dtype=torch.bfloat16)
         >>> narrow_product(torch.ones(2, 3), w, None, False, Scratch()).tolist()
         [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]

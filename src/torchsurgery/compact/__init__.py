@@ -1,0 +1,35 @@
+"""How a weight is stored narrower than it computes: the tensor, its product, the native kernel.
+
+:class:`OffloadedTensor` is a weight whose ``dtype`` is the dtype it computes in while its
+values are kept in another (bf16, fp16, fp8, or a master copy with a narrow shadow);
+:func:`~torchsurgery.compact.narrow.narrow_product` multiplies by such values without
+widening the whole weight, through the native kernel for a few rows. The offload pillar
+(:mod:`torchsurgery.offloading`) decides *which* weights are stored this way and where they
+live; this package decides how they are read.
+"""
+
+from torchsurgery.compact.narrow import Scratch, is_matmul_layer, prepare_kernel
+from torchsurgery.compact.tensor import (
+    OffloadedTensor,
+    ReadContext,
+    converted_by,
+    offloaded_like,
+    plain_reader,
+    stored_state,
+    stored_values,
+)
+
+__all__ = [
+    # the weight
+    "OffloadedTensor",
+    "stored_values",
+    "offloaded_like",
+    "stored_state",
+    "converted_by",
+    "plain_reader",
+    # its reads
+    "ReadContext",
+    "Scratch",
+    "prepare_kernel",
+    "is_matmul_layer",
+]
