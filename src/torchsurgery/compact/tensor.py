@@ -301,7 +301,8 @@ class OffloadedTensor(torch.Tensor):
     ) -> Any:
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():  # the handlers' reads of the weight's fields, too
-            method = _METHODS.get(func)
+            # the compiler describes the wrapper itself (its own storage), then traces inside
+            method = None if torch.compiler.is_compiling() else _METHODS.get(func)
             if method is not None:
                 return method(*args, **kwargs)
             product = _PRODUCTS.get(func)
