@@ -90,6 +90,11 @@ class _DynamicSwap(Patch, nn.Module):
             if "dtype" in kwargs and not tensor.is_floating_point():
                 # as Module.to: a dtype applies to floating tensors only (not to position ids)
                 kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
+            if isinstance(tensor, OffloadedTensor):
+                # it reads as the dtype already, so .to() would return the very tensor and
+                # products would read its stored values in place, summing in another order:
+                # a plain copy made from the stored values instead, as the plain weight's
+                kwargs = {**kwargs, "copy": True}
             value = tensor.to(**kwargs)  # differentiable: gradients reach the stored tensor
             if cache is not None:
                 cache[name] = value
