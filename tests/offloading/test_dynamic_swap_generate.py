@@ -8,10 +8,10 @@ from a tiny config (random weights, no download).
 
 What is stored and what is computed:
 
-* ``bf16->fp32`` (FramePack's case): weights stored in bf16, installed with
+* ``bf16_to_fp32`` (FramePack's case): weights stored in bf16, installed with
   ``dtype=torch.float32``; the reference is an fp32 copy of the bf16 weights (their values
   exactly);
-* ``fp32->bf16``: weights stored in fp32, installed with ``dtype=torch.bfloat16``; the
+* ``fp32_to_bf16``: weights stored in fp32, installed with ``dtype=torch.bfloat16``; the
   reference is a copy converted with ``.to(torch.bfloat16)``.
 """
 
@@ -74,7 +74,7 @@ ARCHITECTURES: dict[str, Callable[[], nn.Module]] = {
 }
 
 # (stored, computed)
-CONVERSIONS = {"bf16->fp32": (torch.bfloat16, torch.float32), "fp32->bf16": (torch.float32, torch.bfloat16)}
+CONVERSIONS = {"bf16_to_fp32": (torch.bfloat16, torch.float32), "fp32_to_bf16": (torch.float32, torch.bfloat16)}
 
 
 def _installed_and_reference(arch: str, conversion: str) -> tuple[nn.Module, nn.Module, torch.dtype]:
@@ -127,7 +127,7 @@ def test_generate_scores_and_hidden_states_are_bitwise_those_of_the_converted_mo
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_training_gets_the_converted_model_s_gradients_and_updates_the_stored_weights(arch: str) -> None:
-    model, reference, _ = _installed_and_reference(arch, "bf16->fp32")
+    model, reference, _ = _installed_and_reference(arch, "bf16_to_fp32")
     # in eval mode, so that no dropout draws differ: gradients flow all the same
     labels = IDS[:, :3] if model.config.is_encoder_decoder else IDS
     losses = []
