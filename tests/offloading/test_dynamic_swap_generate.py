@@ -81,7 +81,7 @@ def _installed_and_reference(arch: str, conversion: str) -> tuple[nn.Module, nn.
     """The model stored in one dtype and installed to compute in another; the plain model converted so."""
     stored, computed = CONVERSIONS[conversion]
     model = ARCHITECTURES[arch]().eval().to(stored)
-    reference = copy.deepcopy(model).to(computed)  # Module.to converts the floating tensors, as the installer
+    reference = copy.deepcopy(model).to(computed)  # Module.to converts floating tensors only, as the installer does
     DynamicSwapInstaller.install_model(model, device="cpu", dtype=computed)
     return model, reference, computed
 
