@@ -216,6 +216,13 @@ MUTATIONS = [
         "        replacement.grad = grad.to(device=replacement.device, dtype=replacement.dtype)", "        pass",
         ("tests/offloading/test_dynamic_swap.py::test_training_through_it_updates_the_stored_weights",),
     ),
+    Mutation(
+        "DynamicSwapInstaller: a forward reads a weight kept narrow as a plain converted copy, not through the narrow product",
+        "src/torchsurgery/offloading/dynamic_swap.py",
+        '                kwargs = {**kwargs, "copy": True}\n', "                pass\n",
+        ("tests/offloading/test_dynamic_swap_generate.py::"
+         "test_generate_scores_and_hidden_states_are_bitwise_those_of_the_converted_model[llama-bf16_to_fp32]",),
+    ),
     # the synchronisation points of streaming to an accelerator, caught on the suite's test
     # device (tests/tardy): a missing wait reads poisoned memory or raises a hazard there
     Mutation(
