@@ -541,7 +541,8 @@ class _Gain(Patch, nn.Linear):
         self.gain = nn.Parameter(torch.full((DIM,), 2.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) * self.gain
+        # read from the parameter dict: the object itself, not the installer's converted copy
+        return super().forward(x) * self._parameters["gain"]
 
 
 def _as_it_was(model: nn.Module, reference: nn.Module, ids: dict[str, int]) -> None:
