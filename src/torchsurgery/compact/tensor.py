@@ -184,7 +184,7 @@ class OffloadedTensor(torch.Tensor):
         reads: ReadContext | None = None,
         shadow: Shadow | TracedShadow | ViewedShadow | None = None,
         counter: torch.Tensor | None = None,
-        offset: int = 0,
+        offset: int | torch.SymInt = 0,
     ) -> OffloadedTensor:
         self: OffloadedTensor = torch.Tensor._make_wrapper_subclass(
             cls,
@@ -248,13 +248,13 @@ class OffloadedTensor(torch.Tensor):
     # Every field that changes what the tensor computes is declared here, so that a compiled
     # graph reads what eager code reads: the stored values, the narrow copy of a master weight
     # (its no-grad products read it), the dtype it reads as and where it starts in its frame.
-    def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype, int]]:
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype, int | torch.SymInt]]:
         inner = [_STORED] if self.__dict__[_SHADOW] is None else [_STORED, "_shadow_values"]
         return inner, (self.dtype, self.storage_offset())
 
     @staticmethod
     def __tensor_unflatten__(
-        inner: dict[str, torch.Tensor], ctx: tuple[torch.dtype, int], outer_size: Any, outer_stride: Any
+        inner: dict[str, torch.Tensor], ctx: tuple[torch.dtype, int | torch.SymInt], outer_size: Any, outer_stride: Any
     ) -> OffloadedTensor:
         shadow = inner.get("_shadow_values")
         return OffloadedTensor(
@@ -334,7 +334,7 @@ def _rebuild(
     reads: ReadContext | None,
     shadow_dtype: torch.dtype | None,
     extras: dict[str, Any],
-    offset: int = 0,
+    offset: int | torch.SymInt = 0,
 ) -> OffloadedTensor:
     """An OffloadedTensor from what :meth:`OffloadedTensor.__reduce_ex__` kept (``_is_param`` among the extras)."""
     t = OffloadedTensor(stored, dtype, requires_grad=requires_grad, reads=reads, offset=offset)
@@ -610,6 +610,9 @@ _HANDLERS: dict[Any, Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = {
 # tensor does.
 
 
+_DATA: Any = vars(torch._C.TensorBase)["data"]  # the `.data` property: its setter is what `t.data = x` calls
+
+
 def _data_ptr(t: OffloadedTensor) -> int:
     return t.stored.data_ptr()
 
@@ -666,7 +669,7 @@ def _set_data(t: OffloadedTensor, new: Any) -> None:
     ``.data =`` shares ``new``'s memory instead; a narrow weight cannot share wider values.
     """
     if not isinstance(new, torch.Tensor):
-        torch._C.TensorBase.data.__set__(t, new)  # torch's own refusal
+        _DATA.__set__(t, new)  # torch's own refusal
     if new.dtype != t.dtype:
         raise TypeError(
             f"torchsurgery: cannot set .data of a weight that reads as {t.dtype} (stored as {t.stored.dtype}) "
@@ -680,7 +683,7 @@ def _set_data(t: OffloadedTensor, new: Any) -> None:
         _written_in_place(t)
         return
     kept = values.to(stored.dtype)
-    torch._C.TensorBase.data.__set__(t, OffloadedTensor(kept, t.dtype))  # the wrapper's shape, strides, device
+    _DATA.__set__(t, OffloadedTensor(kept, t.dtype))  # the wrapper's shape, strides, device
     t._rehome(kept)
     shadow = t.__dict__[_SHADOW]
     if isinstance(shadow, Shadow):
@@ -697,7 +700,7 @@ _METHODS: dict[Any, Callable[..., Any]] = {
     torch.Tensor.numpy: _numpy,
     torch.Tensor.__array__: _array,
     torch.Tensor.tolist: _tolist,
-    torch._C.TensorBase.data.__set__: _set_data,
+    _DATA.__set__: _set_data,
 }
 
 
