@@ -579,11 +579,11 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     ):
         values = w._narrow()
         if values.dtype != x.dtype and values.dim() == 2 and x.dim() == 2:
-            wide_bias = _wide(bias) if isinstance(bias, OffloadedTensor) else bias
+            narrow_bias = _narrow_operand(bias)  # as eager reads it: a master bias through its narrow copy
             if values.t().is_contiguous():  # W.T of an [out, in] weight: nn.Linear
-                return narrow_product_op(x, values.t(), wide_bias, False)
+                return narrow_product_op(x, values.t(), narrow_bias, False)
             if values.is_contiguous():  # an [in, out] weight (Conv1D)
-                return narrow_product_op(x, values, wide_bias, True)
+                return narrow_product_op(x, values, narrow_bias, True)
     return _widened(func, args, kwargs)
 
 
