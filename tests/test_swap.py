@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils import swap_tensors
 
-from torchsurgery._swap import swap_blocker, wrap_like
+from torchsurgery._swap import swap_blocker, swap_in, wrap_like
 
 
 class Tagged(nn.Parameter):
@@ -54,3 +54,28 @@ def test_weak_references_and_pending_backwards_block_a_swap_as_torch_would() -> 
     loss.backward()
     del loss
     assert swap_blocker("weight", layer.weight, None, "example") is None
+
+
+def test_an_undo_swaps_a_weight_a_live_graph_saved_and_that_backward_raises() -> None:
+    # x * gain saves gain itself in the graph: swap_tensors refuses it (use count 3), an undo may not
+    gain = nn.Parameter(torch.full((2,), 3.0))
+    out = (torch.ones(2, requires_grad=True) * gain).sum()
+    with pytest.raises(RuntimeError, match="use_count"):
+        swap_tensors(gain, nn.Parameter(torch.zeros(2)))
+    swap_in(gain, wrap_like(gain, torch.full((2,), 5.0, dtype=torch.float64)), pending_backward_ok=True)
+    assert type(gain) is nn.Parameter and gain.dtype == torch.float64 and torch.equal(gain, torch.full((2,), 5.0).double())
+    with pytest.raises(RuntimeError, match="recorded before an undo"):
+        out.backward()  # its gradient has no parameter to go to
+    (gain * 2).sum().backward()  # the object's new content trains as a plain parameter's
+    assert torch.equal(gain.grad, torch.full((2,), 2.0, dtype=torch.float64))
+
+
+def test_a_hold_mark_stays_on_the_object_through_a_swap() -> None:
+    from torchsurgery import _undo
+
+    layer = nn.Linear(2, 2)
+    held = _undo.hold([layer.weight], "an example")
+    swap_in(layer.weight, wrap_like(layer.weight, layer.weight.detach().double()))
+    assert _undo.holder_of_any([layer.weight]) == "an example"
+    _undo.release(held)
+    assert _undo.holder_of_any([layer.weight]) is None

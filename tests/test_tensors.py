@@ -1277,17 +1277,38 @@ def test_loads_with_other_surgery_between_stay_apart() -> None:
     _assert_as_before(model, reference, objects)
 
 
-def test_restore_refuses_a_pending_backward_and_keeps_the_conversion() -> None:
+def test_convert_refuses_weights_an_installation_reads_as_another_dtype() -> None:
+    # its undo would give back plain fp64 tensors, not the fp32 values the installation keeps
+    model = nn.Sequential(nn.Linear(3, 3))
+    reference = copy.deepcopy(model)
+    torchsurgery.DynamicSwapInstaller.install_model(model, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"'0.weight' reads as torch.float64 while its values are kept in torch.float32"):
+        convert_(model, dtype=torch.bfloat16)
+    torchsurgery.DynamicSwapInstaller.uninstall_model(model)
+    convert_(model, dtype=torch.bfloat16)
+    torchsurgery.restore(model)
+    for (name, ours), theirs in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), name
+
+
+def test_restore_goes_through_a_pending_backward_which_then_raises() -> None:
+    # an undo does not wait for the outputs of earlier forwards to go; their backward cannot
+    # reach the restored weights (the graph holds the converted ones), so it raises
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    reference = copy.deepcopy(model)
     convert_(model, dtype=torch.float64)
     loss = model(torch.randn(2, 3, dtype=torch.float64)).sum()
-    with pytest.raises(RuntimeError, match=r"could not undo convert to torch.float64 .* on <root>: .*held elsewhere"):
-        torchsurgery.restore(model)
-    assert model[0].weight.dtype == torch.float64 and len(torchsurgery.surgery_log(model)) == 1
-    loss.backward()
-    del loss
     torchsurgery.restore(model)
-    assert model[0].weight.dtype == torch.float32 and model[0].weight.grad.dtype == torch.float32
+    assert torchsurgery.surgery_log(model) == []
+    for (name, ours), theirs in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), name
+    with pytest.raises(RuntimeError, match="recorded before an undo"):
+        loss.backward()
+    x = torch.randn(2, 3)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert ours.grad is not None and theirs.grad is not None and torch.equal(ours.grad, theirs.grad)
 
 
 _FLOATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32, torch.float64]

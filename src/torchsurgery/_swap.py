@@ -14,7 +14,12 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["wrap_like", "swap_blocker", "swap_in", "user_attributes", "copy_of"]
+__all__ = ["wrap_like", "swap_blocker", "swap_in", "user_attributes", "copy_of", "HELD_KEY"]
+
+HELD_KEY = "_torchsurgery_held"
+"""The ``__dict__`` key of the mark ``torchsurgery._undo.hold`` puts on a tensor object: it marks
+the object (another surgery depends on it by identity), not its content, so a swap leaves it on
+the object."""
 
 
 def user_attributes(tensor: torch.Tensor) -> dict[str, object]:
@@ -71,10 +76,11 @@ def swap_blocker(
 ) -> str | None:
     """Why ``swap_tensors(tensor, replacement)`` (or :func:`swap_in`, with ``weak_references_ok``) would fail or poison autograd.
 
-    With ``pending_backward_ok`` a leaf held by the AccumulateGrad node of a live graph is
-    let through, as ``swap_tensors`` itself lets it through: an undo must not wait for the
-    user to drop every output computed with grad mode on; a backward through that old
-    graph then raises (torch poisons the node).
+    With ``pending_backward_ok`` (an undo, which must not wait for the user to drop every
+    output computed with grad mode on) holders are not counted: the graph of such an output
+    may hold the tensor, through its AccumulateGrad node or as a saved leaf, and
+    ``swap_in(..., pending_backward_ok=True)`` swaps it anyway (a backward through that
+    old graph then raises).
     """
     if not weak_references_ok and weakref.getweakrefs(tensor):
         return (
@@ -91,9 +97,7 @@ def swap_blocker(
                 "__torch_dispatch__ that keeps the class"
             )
     uses = tensor._use_count()  # type: ignore[attr-defined]
-    if pending_backward_ok and uses == 2 and tensor.is_leaf and tensor.requires_grad:
-        return None
-    if uses > 1:
+    if uses > 1 and not pending_backward_ok:
         # One use is the object itself; an extra one is a view's base reference, another
         # holder in C++, or the AccumulateGrad node of a graph whose backward is pending,
         # which swap_tensors would poison so that the backward fails much later.
@@ -120,7 +124,8 @@ def swap_in(tensor: torch.Tensor, replacement: torch.Tensor, *, pending_backward
     keeps weak references to the parameters it traced (its caches are keyed by object),
     and ``swap_tensors`` refuses any. The object stays the one those caches know; its
     guards see the new class, dtype and memory and recompile. Everything else that
-    ``swap_tensors`` checks is checked. A gradient goes along, in the replacement's dtype.
+    ``swap_tensors`` checks is checked. A gradient goes along, in the replacement's dtype;
+    a hold mark (:data:`HELD_KEY`) stays on ``tensor``.
 
     With ``pending_backward_ok`` (an undo, which must not wait for the user to drop every
     output computed with grad mode on) the swap also goes through where the graph of such
@@ -135,18 +140,29 @@ def swap_in(tensor: torch.Tensor, replacement: torch.Tensor, *, pending_backward
     if grad is not None and replacement.grad is None and replacement.requires_grad:
         # the gradient lives in the tensor's memory record, which the swap replaces: it goes along
         replacement.grad = grad.to(device=replacement.device, dtype=replacement.dtype)
+    held = tensor.__dict__.get(HELD_KEY)
     if not pending_backward_ok and not weakref.getweakrefs(tensor):
         torch.utils.swap_tensors(tensor, replacement)
-        return
+    else:
+        _swap_holding(tensor, replacement, pending_backward_ok)
+    if held is not None:  # the __dict__ went with the content
+        tensor.__dict__[HELD_KEY] = held
+        replacement.__dict__.pop(HELD_KEY, None)
+
+
+def _swap_holding(tensor: torch.Tensor, replacement: torch.Tensor, pending_backward_ok: bool) -> None:
+    """``swap_tensors`` where it would refuse: weak references, and (an undo) holders in a live graph."""
     if set(copyreg._slotnames(type(tensor))) != set(copyreg._slotnames(type(replacement))):  # type: ignore[attr-defined]
         raise RuntimeError(f"cannot swap a {type(tensor).__name__} and a {type(replacement).__name__}: their __slots__ differ")
     for t in (tensor, replacement):
-        if t._use_count() > 1 and not (pending_backward_ok and t is tensor):  # type: ignore[attr-defined]
+        if t._use_count() > 1 and not pending_backward_ok:  # type: ignore[attr-defined]
             raise RuntimeError(
                 "cannot swap a tensor held elsewhere (by the graph of a pending backward, or by a view of it); "
                 "run backward and drop its outputs first"
             )
     if tensor._use_count() > 1 and tensor.is_leaf and tensor.requires_grad:  # type: ignore[attr-defined]
+        # the node would accumulate into ``replacement``, which gets the old content; a graph that
+        # holds the replacement's content accumulates into ``tensor`` from now on, rightly
         torch.autograd.graph.get_gradient_edge(tensor).node.register_prehook(_poisoned)
     tensor.__class__, replacement.__class__ = replacement.__class__, tensor.__class__
     tensor.__dict__, replacement.__dict__ = replacement.__dict__, tensor.__dict__

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from torchsurgery._swap import copy_of, swap_in, wrap_like
+from torchsurgery._swap import HELD_KEY, copy_of, swap_in, wrap_like
 
 _LOG_KEY = "_torchsurgery_log"
 
@@ -384,26 +384,23 @@ class Hold:
         self.tensors = tensors
 
 
-_HELD_KEY = "_torchsurgery_held"
-
-
 def hold(tensors: list[torch.Tensor], what: str) -> Hold:
     """Mark ``tensors`` as depended on by ``what`` until :func:`release`."""
     held = Hold(what, tuple({id(t): t for t in tensors}.values()))
     for t in held.tensors:
-        t.__dict__[_HELD_KEY] = what
+        t.__dict__[HELD_KEY] = what
     return held
 
 
 def release(held: Hold) -> None:
     """End ``held`` (a no-op the second time)."""
     for t in held.tensors:
-        if t.__dict__.get(_HELD_KEY) == held.what:
-            del t.__dict__[_HELD_KEY]
+        if t.__dict__.get(HELD_KEY) == held.what:
+            del t.__dict__[HELD_KEY]
 
 
 def _holder(tensor: Any) -> str | None:
-    return tensor.__dict__.get(_HELD_KEY) if isinstance(tensor, torch.Tensor) else None
+    return tensor.__dict__.get(HELD_KEY) if isinstance(tensor, torch.Tensor) else None
 
 
 def holder_of_any(tensors: Iterable[torch.Tensor]) -> str | None:

@@ -74,7 +74,7 @@ from torch import nn
 from torchsurgery import _undo
 from torchsurgery._checkpoint import CheckpointError, Entry, Source, Stash, open_source
 from torchsurgery._names import near_matches
-from torchsurgery._swap import swap_blocker, wrap_like
+from torchsurgery._swap import swap_blocker, swap_in, wrap_like
 from torchsurgery._validate import check_device, check_dtype
 from torchsurgery.compact import OffloadedTensor
 
@@ -182,10 +182,13 @@ class _Swap(NamedTuple):
     dtype: torch.dtype | None
 
 
-def _swap_all(plan: list[_Swap], non_blocking: bool, what: str) -> None:
-    """Swap every new content in, converting gradients along; all or nothing."""
+def _swap_all(plan: list[_Swap], non_blocking: bool, what: str, *, undo: bool = False) -> None:
+    """Swap every new content in, converting gradients along; all or nothing.
+
+    An ``undo`` goes through where the graph of a live output holds a tensor (see ``swap_in``).
+    """
     for item in plan:
-        problem = swap_blocker(item.name, item.tensor, item.new, what)
+        problem = swap_blocker(item.name, item.tensor, item.new, what, pending_backward_ok=undo)
         if problem:
             raise RuntimeError(problem)
     done: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
@@ -195,7 +198,7 @@ def _swap_all(plan: list[_Swap], non_blocking: bool, what: str) -> None:
             if grad is not None:
                 t.grad = None  # the grad slot counts as a holder for swap_tensors
             try:
-                torch.utils.swap_tensors(t, new)
+                swap_in(t, new, pending_backward_ok=undo)
             except Exception as exc:
                 if grad is not None:
                     t.grad = grad
@@ -206,7 +209,7 @@ def _swap_all(plan: list[_Swap], non_blocking: bool, what: str) -> None:
     except BaseException:
         for t, old, grad in reversed(done):
             t.grad = None
-            torch.utils.swap_tensors(t, old)
+            swap_in(t, old, pending_backward_ok=undo)
             t.grad = grad
         raise
 
@@ -267,7 +270,7 @@ class ConvertRecord(_undo.Record):
     def undo(self, module: nn.Module) -> None:
         plan = [_Swap(c.name, c.tensor, wrap_like(c.tensor, _restored(c)), c.device, c.dtype) for c in self.converted]
         with _own_weakrefs_released(module):
-            _swap_all(plan, False, "torchsurgery.restore")
+            _swap_all(plan, False, "torchsurgery.restore", undo=True)
         optimizer = None if self.optimizer is None else self.optimizer()
         state = {} if optimizer is None else optimizer.state
         for param, key, device, dtype in self.moved:
@@ -386,6 +389,12 @@ def _plan_conversion(
             dtype is None or t.dtype == dtype or not (t.is_floating_point() or t.is_complex())
         ):
             continue
+        if isinstance(t, OffloadedTensor):
+            # its undo would give back a plain tensor of the dtype it reads as, not the stored values
+            raise RuntimeError(
+                f"{what}: {name!r} reads as {t.dtype} while its values are kept in {t.stored.dtype} "
+                "(DynamicSwapInstaller.install_model(..., dtype=)); uninstall_model() first, convert, and install again"
+            )
         problem = swap_blocker(name, t, None, what)
         if problem:
             raise RuntimeError(problem)
@@ -586,7 +595,7 @@ class LoadRecord(_undo.Record):
             old.requires_grad_(t.requires_grad)  # a flag set since stays, as with every undo
             plan.append(_Swap(name, t, old, old.device, old.dtype))
         with _own_weakrefs_released(module):
-            _swap_all(plan, False, what)
+            _swap_all(plan, False, what, undo=True)
         with torch.no_grad():
             for t, values in self.overwritten:
                 t.detach().copy_(values)

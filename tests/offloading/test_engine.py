@@ -1152,3 +1152,41 @@ def test_running_out_of_device_memory_raises_and_leaves_the_model_usable(on_tard
         torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
     handle.remove()
     assert identity_map(model) == ids_before
+
+
+def test_offload_from_a_file_refuses_a_pending_backward_and_changes_nothing(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    reference = copy.deepcopy(model)
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(path))
+    loss = model(torch.randn(2, 4)).sum()  # its graph holds the weights (the second one saved in it)
+    with pytest.raises(RuntimeError, match=r"torchsurgery.offload: cannot swap '0.weight': it is held elsewhere"):
+        offload(model, storage=path, groups="leaves")
+    assert torchsurgery.surgery_log(model) == []
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values(), strict=True))
+    loss.backward()  # not poisoned
+
+
+class _Gain(torchsurgery.Patch, nn.Linear):
+    def __patch_init__(self) -> None:
+        self.gain = nn.Parameter(torch.full((4,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.gain  # the graph saves the (offloaded) gain itself
+
+
+def test_remove_goes_through_a_pending_backward_whose_graph_saved_a_weight() -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    reference = copy.deepcopy(model)
+    torchsurgery.patch(model[0], _Gain)
+    handle = offload(model, storage_dtype=torch.float64, dtype=torch.float32, groups="leaves")
+    loss = model(torch.randn(2, 4)).sum()
+    handle.remove()  # does not wait for the output to go
+    torchsurgery.unpatch(model[0])
+    assert type(model[0]) is nn.Linear and torchsurgery.surgery_log(model) == []
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values(), strict=True))
+    with pytest.raises(RuntimeError, match="recorded before an undo"):
+        loss.backward()

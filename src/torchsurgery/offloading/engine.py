@@ -102,6 +102,11 @@ class OffloadRecord(_undo.Record):
         self.handle.remove()
 
 
+def _made_meta(tensor: torch.Tensor, p: ParamPlan) -> bool:
+    """Whether a weight the checkpoint file holds is swapped for a meta one: no values, read as it computes."""
+    return not tensor.is_meta or tensor.dtype != p.compute_dtype
+
+
 def _swap_to(
     tensor: torch.Tensor,
     device: torch.device,
@@ -248,6 +253,9 @@ class OffloadHandle:
                     moves.append((bname, b, target, b.dtype, False))
         swapped = [(name, t) for name, t, to, dtype, _ in moves if t.device != to or t.dtype != dtype]
         swapped += [(p.name, _param(self._modules, p)) for p in filter(reads_as_computed, self.plan.params)]
+        if self._reader is not None:
+            files = [(p, _param(self._modules, p)) for p in self.plan.params if p.residency is Residency.FILE]
+            swapped += [(p.name, t) for p, t in files if _made_meta(t, p)]
         for name, tensor in swapped:
             problem = swap_blocker(name, tensor, None, _WHAT, weak_references_ok=True)
             if problem:
@@ -317,7 +325,7 @@ class OffloadHandle:
             layout = FlatLayout.of(params, [p.storage_dtype for p in planned])
             for param, p in zip(params, planned, strict=True):
                 self._remember(p.name, param, p.file_key)
-                if not param.is_meta or param.dtype != p.compute_dtype:  # no values; reads as it computes
+                if _made_meta(param, p):
                     meta = torch.empty_like(param, device="meta", dtype=p.compute_dtype)
                     swap_in(param, wrap_like(param, meta))
             packed = PackedGroup(group.name, layout, source=self._reader, keys=keys)
@@ -423,15 +431,16 @@ class OffloadHandle:
 
         All or nothing: every value to put back is read (from the checkpoint file, for
         weights streamed from one) and converted first; if that fails (a file cut short,
-        out of memory, a tensor held by a pending backward), the model, its hooks and its
-        log are exactly as before and the error says why.
+        out of memory), the model, its hooks and its log are exactly as before and the error
+        says why. Outputs of earlier forwards may stay alive: a backward through their
+        graphs raises once the weights are back (their gradients have no offloaded weight to
+        go to).
 
         Returns:
             The model.
 
         Raises:
-            RuntimeError: another thread is running the model, or a tensor to put back is
-                held elsewhere; nothing changed.
+            RuntimeError: another thread is running the model; nothing changed.
             torchsurgery.CheckpointError: the checkpoint file can no longer give back a
                 weight it holds; nothing changed.
         """
@@ -450,7 +459,8 @@ class OffloadHandle:
                 unpatch(module, _StreamedGroup, _internal=True)
         self._patched.clear()
         for tensor, data in restored:
-            swap_in(tensor, wrap_like(tensor, data))
+            # also where the graph of a live output holds it: the undo does not wait for the outputs to go
+            swap_in(tensor, wrap_like(tensor, data), pending_backward_ok=True)
         self._originals.clear()
         if self._reader is not None:
             self._reader.close()
@@ -479,9 +489,6 @@ class OffloadHandle:
                 data = self._reader.read(o.file_key).to(device=o.device, dtype=o.dtype)
             else:
                 data = tensor.detach().to(device=o.device, dtype=o.dtype, copy=True)
-            problem = swap_blocker(o.name, tensor, None, f"{_WHAT}.remove", weak_references_ok=True, pending_backward_ok=True)
-            if problem:
-                raise RuntimeError(problem + "; the offload is still in place")
             restored.append((tensor, data))
         return restored
 
