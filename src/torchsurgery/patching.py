@@ -468,6 +468,33 @@ def unpatch(module: M, patch_cls: type[Patch] | None = None, /, *, _internal: bo
     _undo.check_not_compiling("unpatch")
     _undo.check_module(module, "torchsurgery.unpatch")
     _undo.check_idle(module, "torchsurgery.unpatch")
+    target, new_cls = _removal(module, patch_cls, _internal)
+    target.changes.revert(module)
+    module.__class__ = new_cls  # type: ignore[assignment]
+    _undo.remove(module, target)
+    return module
+
+
+def check_unpatch(module: nn.Module, patch_cls: type[Patch] | None = None, /) -> None:
+    """Raise what ``unpatch(module, patch_cls)`` would refuse with, changing nothing.
+
+    For surgery made of several unpatches (``DynamicSwapInstaller.uninstall_model``), which
+    checks them all before the first, so that a refusal leaves every module as it was.
+
+    Example:
+        >>> from torch import nn
+        >>> from torchsurgery.patching import check_unpatch
+        >>> check_unpatch(nn.ReLU())
+        Traceback (most recent call last):
+        ...
+        ValueError: torchsurgery.unpatch: the ReLU module is not patched
+    """
+    _undo.check_module(module, "torchsurgery.unpatch")
+    _removal(module, patch_cls, False)
+
+
+def _removal(module: nn.Module, patch_cls: type[Patch] | None, internal: bool) -> tuple[PatchRecord, type[nn.Module]]:
+    """The record :func:`unpatch` would remove and the class the module would get; raises where it refuses."""
     if patch_cls is not None:
         _check_patch_class(patch_cls, "unpatch")
     records = _patch_records(module)
@@ -476,7 +503,7 @@ def unpatch(module: M, patch_cls: type[Patch] | None = None, /, *, _internal: bo
             f"torchsurgery.unpatch: the {type(module).__qualname__} module is not patched"
         )
     _check_class_intact(module, records, "unpatch")
-    index = _record_to_remove(records, patch_cls, _internal)
+    index = _record_to_remove(records, patch_cls, internal)
     target, later = records[index], records[index + 1 :]
     overlap = [
         r.patch.__qualname__ for r in later if r.changes.keys() & target.changes.keys()
@@ -487,17 +514,13 @@ def unpatch(module: M, patch_cls: type[Patch] | None = None, /, *, _internal: bo
             f"{target.patch.__qualname__}) changed the same attributes; unpatch it first"
         )
     holder = _undo.holder_of(target.changes)
-    if holder and not _internal:
+    if holder and not internal:
         raise ValueError(
-            f"torchsurgery.unpatch: {target.patch.__qualname__} added parameters that {holder} "
+            f"torchsurgery.unpatch: {target.patch.__qualname__} added or converted parameters that {holder} "
             "now depends on; undo that first"
         )
     remaining = [r.patch for r in records if r is not target]
-    new_cls = _chain(records[0].original, remaining)  # may raise before any change
-    target.changes.revert(module)
-    module.__class__ = new_cls  # type: ignore[assignment]
-    _undo.remove(module, target)
-    return module
+    return target, _chain(records[0].original, remaining)  # _chain may raise (an MRO) before any change
 
 
 def is_patched(module: nn.Module, patch_cls: type[Patch] | None = None, /) -> bool:

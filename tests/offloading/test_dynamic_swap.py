@@ -166,3 +166,68 @@ def test_a_conversion_of_a_model_installed_with_a_dtype_is_refused_unless_it_cha
     DynamicSwapInstaller.uninstall_model(model)
     model.half()
     assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
+def _installs(model: nn.Module) -> list[tuple[str, str]]:
+    return [(e.module_name, e.description) for e in torchsurgery.surgery_log(model)]
+
+
+def test_a_reinstall_refused_by_a_pending_backward_keeps_the_installation_it_replaces() -> None:
+    model = model_().eval()
+    reference = copy.deepcopy(model).double()
+    DynamicSwapInstaller.install_model(model, dtype=torch.float64)
+    x = torch.randn(3, 4)
+    loss = model(x.double()).sum()  # its graph holds the weights the installation reads as fp64
+    DynamicSwapInstaller.uninstall_model(model)  # an undo does not wait for it
+    DynamicSwapInstaller.install_model(model, device="cpu")
+    before = _installs(model)
+    loss = model(x).sum()  # holds the plain weights now
+    with pytest.raises(RuntimeError, match=r"cannot swap 'weight': it is held elsewhere"):
+        DynamicSwapInstaller.install_model(model, dtype=torch.float64)
+    assert _installs(model) == before  # every module keeps the installation it had
+    assert all(type(p) is nn.Parameter and p.dtype == torch.float32 for p in model.parameters())
+    loss.backward()  # not poisoned
+    del loss
+    DynamicSwapInstaller.install_model(model, dtype=torch.float64)
+    torch.testing.assert_close(model(x.double()), reference(x.double()), rtol=0, atol=0)
+
+
+def test_uninstall_and_reinstall_refused_while_an_offload_holds_the_converted_weights() -> None:
+    model = model_().eval()
+    reference = copy.deepcopy(model)
+    DynamicSwapInstaller.install_model(model, dtype=torch.float64)
+    torchsurgery.offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups="leaves")
+    before = _installs(model)
+    for again in ({}, {"dtype": torch.float32}):
+        with pytest.raises(ValueError, match="an active offload now depends on"):
+            if again:
+                DynamicSwapInstaller.install_model(model, **again)
+            else:
+                DynamicSwapInstaller.uninstall_model(model)
+        assert _installs(model) == before  # no module changed, the root no more than the others
+    torchsurgery.restore(model)  # the offload first, newest first
+    assert [type(m) for m in model.modules()] == [type(m) for m in reference.modules()]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values(), strict=True))
+
+
+def test_over_weights_an_offload_streams_from_a_file_a_dtype_is_refused_and_a_device_reads_them_as_meta(
+    tmp_path: Any,
+) -> None:
+    from safetensors.torch import save_file
+
+    model = model_().eval()
+    reference = copy.deepcopy(model)
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(path))
+    handle = torchsurgery.offload(model, storage=path, groups="leaves")
+    with pytest.raises(RuntimeError, match="cannot make 'weight' of this Linear read as torch.float64: an active offload"):
+        DynamicSwapInstaller.install_model(model, dtype=torch.float64)  # the offload streams into these objects
+    assert [e.kind for e in torchsurgery.surgery_log(model)] == ["offload"]
+    DynamicSwapInstaller.install_model(model, device="cpu")
+    assert model[0].weight.is_meta  # no values to move outside the forwards, which stream them in
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    handle.remove()
+    DynamicSwapInstaller.uninstall_model(model)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values(), strict=True))

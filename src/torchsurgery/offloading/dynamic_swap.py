@@ -27,7 +27,10 @@ converted with ``Tensor.to(**kwargs)``. Unlike the original:
   used), and writes go through ``parameters()`` or ``load_state_dict``, not through that
   copy;
 * as with ``Module.to``, a ``dtype`` converts floating tensors only (integer buffers such
-  as position ids keep theirs).
+  as position ids keep theirs);
+* installing and uninstalling a model are all or nothing: what would refuse half-way (a
+  weight an offload holds; one the graph of a pending backward holds, which the swap would
+  poison) refuses before any module changes. Uninstalling does not wait for such graphs.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch
 from torch import nn
 
 from torchsurgery import _undo
-from torchsurgery._swap import swap_in
+from torchsurgery._swap import swap_blocker, swap_in
 from torchsurgery.compact import (
     OffloadedTensor,
     converted_by,
@@ -47,12 +50,74 @@ from torchsurgery.compact import (
     plain_reader,
     stored_state,
 )
-from torchsurgery.patching import Patch, is_patched, patch, unpatch
+from torchsurgery.patching import Patch, check_unpatch, is_patched, patch, unpatch
 
 __all__ = ["DynamicSwapInstaller"]
 
 _CACHE = "_dynamic_swap_cache"
 _KWARGS = "_dynamic_swap_kwargs"
+_WHAT = "torchsurgery.DynamicSwapInstaller"
+
+
+def _read_as(module: nn.Module, dtype: Any) -> list[torch.Tensor]:
+    """The plain floating tensors of ``module`` itself that installing with ``dtype`` swaps into OffloadedTensors.
+
+    Each checked first: a patch reading weight memory directly, another surgery depending on
+    the object (an offload), or the graph of a pending backward (the swap would poison it)
+    refuses the installation before anything changes.
+
+    Raises:
+        TypeError: a patch of ``module`` reads weight memory directly.
+        RuntimeError: a tensor is held by another surgery or by a graph.
+    """
+    if not isinstance(dtype, torch.dtype):
+        return []
+    found = []
+    for tensors in (module._parameters, module._buffers):
+        for name, t in tensors.items():
+            if t is None or type(t) not in (torch.Tensor, nn.Parameter) or not t.is_floating_point() or t.dtype == dtype:
+                continue
+            reader = plain_reader(module)
+            if reader is not None:
+                raise TypeError(
+                    f"{_WHAT}: cannot keep {name!r} of this {type(module).__name__} in {t.dtype} while it reads as "
+                    f"{dtype}: its patch {reader.__qualname__} reads weight memory directly "
+                    "(__patch_needs_plain_weights__); install without dtype=, or convert the module first"
+                )
+            holder = _undo.holder_of_any([t])
+            if holder is not None:
+                raise RuntimeError(
+                    f"{_WHAT}: cannot make {name!r} of this {type(module).__name__} read as {dtype}: {holder} keeps it "
+                    "as it is; remove that first (handle.remove()), install, and offload again"
+                )
+            problem = swap_blocker(name, t, None, _WHAT, weak_references_ok=True)
+            if problem:
+                raise RuntimeError(problem)
+            found.append(t)
+    return found
+
+
+def _check_install(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse, changing nothing, what installing ``kwargs`` on ``module`` would refuse half-way."""
+    if not kwargs:
+        raise ValueError(
+            f"{_WHAT}: give the conversion, e.g. device='cuda' or dtype=torch.float16 (the keyword arguments of Tensor.to)"
+        )
+    try:  # validate early
+        torch.empty(0).to(**{k: v for k, v in kwargs.items() if k != "non_blocking"})
+    except (TypeError, RuntimeError, AssertionError) as exc:
+        raise ValueError(
+            f"{_WHAT}: the conversion {kwargs} is not one Tensor.to can do here ({exc}); give an available device and a dtype"
+        ) from exc
+    dtype = kwargs.get("dtype")
+    if isinstance(dtype, torch.dtype) and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(
+            f"{_WHAT}: dtype={dtype} would turn weights into integers, which no forward can compute with; "
+            "give a floating dtype such as torch.float16"
+        )
+    if is_patched(module, _DynamicSwap):
+        check_unpatch(module, _DynamicSwap)  # the installation it replaces comes off
+    _read_as(module, dtype)
 
 
 class _DynamicSwap(Patch, nn.Module):
@@ -67,17 +132,8 @@ class _DynamicSwap(Patch, nn.Module):
         # stored), and state_dict() shows them as stored; unpatch undoes both, as it undoes
         # everything this method changes
         self.register_state_dict_post_hook(stored_state)
-        for tensors in (self._parameters, self._buffers):
-            for name, t in tensors.items():
-                if t is not None and type(t) in (torch.Tensor, nn.Parameter) and t.is_floating_point() and t.dtype != dtype:
-                    reader = plain_reader(self)
-                    if reader is not None:
-                        raise TypeError(
-                            f"torchsurgery.DynamicSwapInstaller: cannot keep {name!r} of this {type(self).__name__} in "
-                            f"{t.dtype} while it reads as {dtype}: its patch {reader.__qualname__} reads weight memory "
-                            "directly (__patch_needs_plain_weights__); install without dtype=, or convert the module first"
-                        )
-                    swap_in(t, offloaded_like(t, t.detach(), dtype))
+        for t in _read_as(self, dtype):
+            swap_in(t, offloaded_like(t, t.detach(), dtype))
 
     def __getattr__(self, name: str) -> Any:
         d = self.__dict__
@@ -92,10 +148,10 @@ class _DynamicSwap(Patch, nn.Module):
                 # a copy made under no_grad has no graph: reuse it only where none is needed
                 if cached.requires_grad or not tensor.requires_grad or not torch.is_grad_enabled():
                     return cached
-            kwargs = d[_KWARGS]
-            if "dtype" in kwargs and not tensor.is_floating_point():
-                # as Module.to: a dtype applies to floating tensors only (not to position ids)
-                kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
+            # as Module.to, a dtype applies to floating tensors only (not to position ids); a meta
+            # tensor (an offload streams its values from a file into its forwards) has none to move
+            kept = {"dtype": tensor.is_floating_point(), "device": not tensor.is_meta}
+            kwargs = {k: v for k, v in d[_KWARGS].items() if kept.get(k, True)}
             if isinstance(tensor, OffloadedTensor):
                 # it reads as the dtype already, so .to() would return the very tensor and
                 # products would read its stored values in place, summing in another order:
@@ -115,7 +171,7 @@ class _DynamicSwap(Patch, nn.Module):
         changed = converted_by(self, fn) if wrapped else None
         if changed is not None:
             raise RuntimeError(
-                f"torchsurgery.DynamicSwapInstaller: cannot convert this {type(self).__name__} with .to(), .half() or "
+                f"{_WHAT}: cannot convert this {type(self).__name__} with .to(), .half() or "
                 f"the like while installed with a dtype ({changed!r} would change; its weights keep their stored "
                 "values and read as that dtype); uninstall_model() first, convert, and install again"
             )
@@ -153,25 +209,8 @@ class DynamicSwapInstaller:
 
     @staticmethod
     def _install_module(module: nn.Module, **kwargs: Any) -> None:
-        """Install on one module (re-installing replaces the previous conversion)."""
-        if not kwargs:
-            raise ValueError(
-                "torchsurgery.DynamicSwapInstaller: give the conversion, e.g. device='cuda' or "
-                "dtype=torch.float16 (the keyword arguments of Tensor.to)"
-            )
-        try:  # validate early
-            torch.empty(0).to(**{k: v for k, v in kwargs.items() if k != "non_blocking"})
-        except (TypeError, RuntimeError, AssertionError) as exc:
-            raise ValueError(
-                f"torchsurgery.DynamicSwapInstaller: the conversion {kwargs} is not one Tensor.to "
-                f"can do here ({exc}); give an available device and a dtype"
-            ) from exc
-        dtype = kwargs.get("dtype")
-        if isinstance(dtype, torch.dtype) and not (dtype.is_floating_point or dtype.is_complex):
-            raise ValueError(
-                f"torchsurgery.DynamicSwapInstaller: dtype={dtype} would turn weights into integers, "
-                "which no forward can compute with; give a floating dtype such as torch.float16"
-            )
+        """Install on one module (re-installing replaces the previous conversion); all or nothing."""
+        _check_install(module, kwargs)
         if is_patched(module, _DynamicSwap):
             unpatch(module, _DynamicSwap)
         patch(module, _DynamicSwap, **kwargs)
@@ -191,9 +230,15 @@ class DynamicSwapInstaller:
             **kwargs: the conversion, as for ``Tensor.to`` (``device=``, ``dtype=``, ...).
 
         Raises:
-            ValueError: no conversion was given.
+            ValueError: no usable conversion was given, or an installation it replaces cannot
+                come off (an offload holds the weights it converted); nothing changed.
+            RuntimeError: a weight to read as ``dtype`` is held by an offload or by the graph
+                of a pending backward; nothing changed.
+            TypeError: a patch reads weight memory directly where ``dtype`` would wrap it.
         """
         _undo.check_module(model, "torchsurgery.DynamicSwapInstaller.install_model")
+        for module in model.modules():
+            _check_install(module, kwargs)  # a refusal comes before the first module changes
         done: list[nn.Module] = []
         try:
             for module in model.modules():
@@ -206,7 +251,14 @@ class DynamicSwapInstaller:
 
     @staticmethod
     def uninstall_model(model: nn.Module) -> None:
-        """Remove the installation from every module of ``model``."""
+        """Remove the installation from every module of ``model``; all or nothing.
+
+        Raises:
+            ValueError: an offload holds weights the installation converted; nothing changed.
+        """
         _undo.check_module(model, "torchsurgery.DynamicSwapInstaller.uninstall_model")
-        for module in model.modules():
-            DynamicSwapInstaller._uninstall_module(module)
+        installed = [m for m in model.modules() if is_patched(m, _DynamicSwap)]
+        for module in installed:
+            check_unpatch(module, _DynamicSwap)  # a refusal comes before the first module changes
+        for module in installed:
+            unpatch(module, _DynamicSwap)
