@@ -16,11 +16,13 @@ with a snapshot taken at the start, bitwise.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import os
 import pickle
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from torch import nn
 
 import torchsurgery
 from torchsurgery import Patch
+from torchsurgery.offloading.dynamic_swap import _DynamicSwap
 
 EXAMPLES = int(os.environ.get("TORCHSURGERY_HYPOTHESIS_EXAMPLES", "300"))
 DIM = 4
@@ -43,14 +46,19 @@ class TaggedParameter(nn.Parameter):
     """A Parameter subclass: surgery must keep its class."""
 
 
+def _bf16_values(*shape: int) -> torch.Tensor:
+    """Random fp32 values that bf16 holds exactly: an offload storing them in bf16 gives them back bitwise."""
+    return torch.randn(*shape).bfloat16().float()
+
+
 class Leaf(nn.Module):
     """y = x @ W.T + b + offset, with W possibly shared with another leaf."""
 
     def __init__(self, weight: nn.Parameter | None = None) -> None:
         super().__init__()
-        self.weight = weight if weight is not None else nn.Parameter(torch.randn(DIM, DIM) / DIM)
-        self.bias = TaggedParameter(torch.randn(DIM) / DIM)
-        self.register_buffer("offset", torch.randn(DIM) / 10)
+        self.weight = weight if weight is not None else nn.Parameter(_bf16_values(DIM, DIM) / DIM)
+        self.bias = TaggedParameter(_bf16_values(DIM) / DIM)
+        self.register_buffer("offset", _bf16_values(DIM) / 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias) + self.offset
@@ -122,6 +130,8 @@ class Root(nn.Module):
 
 
 class Scale(Patch, Leaf):
+    """Adds a parameter that the graph of a forward saves itself (``y * factor``), not a copy."""
+
     def __patch_init__(self) -> None:
         self.factor = nn.Parameter(torch.tensor(1.5))
 
@@ -166,9 +176,11 @@ def reference_forward(module: nn.Module, x: torch.Tensor, in_file: dict[int, tor
     ``in_file``: the values of weights an offload streams from a file (they are ``meta``), by object.
     """
     if isinstance(module, Leaf):
-        # weights may sit in a wider storage dtype while offloaded: compute in x's dtype
-        weight, bias = ((in_file or {}).get(id(t), t) for t in (module.weight, module.bias))
-        y = F.linear(x, weight.to(x.dtype), bias.to(x.dtype)) + module.offset.to(x.dtype)
+        # the tensors themselves, not what an installer's attribute reads convert them to; they
+        # may sit in another storage dtype while offloaded: compute in x's dtype
+        tensors = (module._parameters["weight"], module._parameters["bias"], module._buffers["offset"])
+        weight, bias, offset = ((in_file or {}).get(id(t), t).to(x.dtype) for t in tensors)  # type: ignore[union-attr]
+        y = F.linear(x, weight, bias) + offset
         for p in torchsurgery.patches(module):
             y = EFFECTS.get(p, lambda t: t)(y)  # patches of other pillars change no values
         return y
@@ -248,6 +260,8 @@ class SurgeryMachine(RuleBasedStateMachine):
         self.in_file: dict[int, torch.Tensor] = {}
         self.flex: Any = None
         self.captured: dict[str, list[torch.Tensor]] = {}
+        self.alive: list[torch.Tensor] = []  # outputs of forwards with grad, their graphs alive to the end
+        self.wide = False  # installed with dtype=torch.float64: the forwards take fp64 inputs
         self.start = fingerprint(self.model)
         self.values = state_values(self.model)
         self.expected_output = self.model(self.x).detach()
@@ -279,7 +293,10 @@ class SurgeryMachine(RuleBasedStateMachine):
     def remove_a_patch(self, which: int, pick: int) -> None:
         patched = [m for m in self.leaves if torchsurgery.is_patched(m)]
         leaf = patched[which % len(patched)]
-        stack = torchsurgery.patches(leaf)
+        # not the fp64 installation of one leaf alone: the model could not compute in one dtype
+        stack = [p for p in torchsurgery.patches(leaf) if not (self.wide and p is _DynamicSwap)]
+        if not stack:
+            return
         chosen = stack[pick % len(stack)]
         before = fingerprint(self.model)
         try:
@@ -291,16 +308,24 @@ class SurgeryMachine(RuleBasedStateMachine):
             assert fingerprint(self.model) == before
 
     @precondition(lambda self: self.handle is None)
-    @rule(groups=st.sampled_from(["leaves", "blocks"]), budget=st.sampled_from([None, 0]))
-    def offload_model(self, groups: str, budget: int | None) -> None:
+    @rule(
+        groups=st.sampled_from(["leaves", "blocks"]),
+        budget=st.sampled_from([None, 0]),
+        storage=st.sampled_from([(torch.float64, None), (torch.bfloat16, None), (torch.bfloat16, torch.float32)]),
+    )
+    def offload_model(self, groups: str, budget: int | None, storage: tuple[torch.dtype, torch.dtype | None]) -> None:
+        # wider storage (fp64), or narrow (bf16: the weights are bf16 values), alone or beside an
+        # fp32 master copy, computing in fp32: exact, so the oracle stays exact
+        storage_dtype, master_dtype = storage
         before = fingerprint(self.model)
-        try:
-            # wider storage (fp64) computing in fp32: exact, so the oracle stays exact
-            self.handle = torchsurgery.offload(
-                self.model, storage_dtype=torch.float64, dtype=torch.float32, groups=groups, budget=budget
-            )
-        except ValueError:
-            assert fingerprint(self.model) == before  # refused (e.g. budget 0): nothing changed
+        with self.refused_cleanly():
+            try:
+                self.handle = torchsurgery.offload(
+                    self.model, storage_dtype=storage_dtype, dtype=torch.float32, groups=groups, budget=budget,
+                    master_dtype=master_dtype,
+                )
+            except ValueError:
+                assert fingerprint(self.model) == before  # refused (e.g. budget 0): nothing changed
 
     @precondition(lambda self: self.handle is not None)
     @rule()
@@ -328,7 +353,7 @@ class SurgeryMachine(RuleBasedStateMachine):
             self.flex.register_forward_hook(torchsurgery.HookFunction("body", editing_function=broken))
             before = fingerprint(self.model)
             with pytest.raises(RuntimeError, match="injected failure"), torch.no_grad():
-                self.flex(self.x)
+                self.flex(self.inputs())
             assert fingerprint(self.model) == before
             self.flex.restore()
             self.flex = None
@@ -340,21 +365,46 @@ class SurgeryMachine(RuleBasedStateMachine):
         self.flex.restore()
         self.flex = None
 
-    @rule(install=st.booleans())
-    def dynamic_swap(self, install: bool) -> None:
-        if install:
-            torchsurgery.DynamicSwapInstaller.install_model(self.model, dtype=torch.float32)
-        else:
-            torchsurgery.DynamicSwapInstaller.uninstall_model(self.model)
+    @rule(install=st.booleans(), dtype=st.sampled_from([None, torch.float32, torch.float64]))
+    def dynamic_swap(self, install: bool, dtype: torch.dtype | None) -> None:
+        # fp64: the weights become OffloadedTensors reading as fp64 (the forwards then take fp64 inputs)
+        with self.refused_cleanly():
+            if install:
+                kwargs: dict[str, Any] = {"device": "cpu"} if dtype is None else {"dtype": dtype}
+                torchsurgery.DynamicSwapInstaller.install_model(self.model, **kwargs)
+                self.wide = dtype is torch.float64
+            else:
+                torchsurgery.DynamicSwapInstaller.uninstall_model(self.model)
+                self.wide = False
+
+    @rule()
+    def forward_kept_alive(self) -> None:
+        # with grad: the output's graph holds the weights (AccumulateGrad nodes, and saved leaves
+        # such as Scale's factor) through every later step, the undos included
+        if self.from_file:
+            with pytest.raises(RuntimeError, match="serves inference only"):
+                (self.flex or self.model)(self.inputs())
+            return
+        self.alive.append(_first((self.flex or self.model)(self.inputs())))
+
+    @precondition(lambda self: self.alive)
+    @rule()
+    def drop_kept_outputs(self) -> None:
+        self.alive.clear()  # conversions and loads, refused while the graphs held the weights, can go on
 
     @precondition(lambda self: self.handle is None)
-    @rule(there=st.sampled_from([torch.bfloat16, torch.float64]))
+    @rule(there=st.sampled_from([torch.float8_e4m3fn, torch.bfloat16, torch.float64]))
     def convert_there_and_back(self, there: torch.dtype) -> None:
-        # bf16 rounds (the first conversion keeps the originals), fp64 does not; back in fp32,
+        if self.wide and there is torch.float64:
+            # only the tensors the installation does not keep (the TaggedParameter) would go to fp64,
+            # and the way back would be refused (see refused_cleanly): the model in two dtypes
+            return
+        # fp8 rounds (the first conversion keeps the originals), bf16 and fp64 do not; back in fp32,
         # the model runs on the same inputs, and restore must undo both exactly
         ids = {n: id(t) for n, t in self.model.state_dict(keep_vars=True).items()}
-        torchsurgery.convert_(self.model, dtype=there)
-        torchsurgery.convert_(self.model, dtype=torch.float32)
+        with self.refused_cleanly():
+            torchsurgery.convert_(self.model, dtype=there)
+            torchsurgery.convert_(self.model, dtype=torch.float32)
         assert {n: id(t) for n, t in self.model.state_dict(keep_vars=True).items()} == ids
 
     @rule()
@@ -366,7 +416,8 @@ class SurgeryMachine(RuleBasedStateMachine):
             with pytest.raises(RuntimeError, match="streamed by an active offload from its checkpoint file"):
                 torchsurgery.load_(self.model, state)
         else:
-            torchsurgery.load_(self.model, state)
+            with self.refused_cleanly():
+                torchsurgery.load_(self.model, state)
         assert {n: id(t) for n, t in self.model.state_dict(keep_vars=True).items()} == ids
 
     @precondition(lambda self: self.handle is None)
@@ -387,14 +438,16 @@ class SurgeryMachine(RuleBasedStateMachine):
             assert fingerprint(self.model) == before
             return
         tensors = dict(self.model.state_dict(keep_vars=True))
-        self.handle = torchsurgery.offload(self.model, storage=path, groups="leaves")
-        self.from_file = True
-        self.in_file = {id(tensors[k]): state[k] for k in state if tensors[k].is_meta}
+        with self.refused_cleanly():
+            self.handle = torchsurgery.offload(self.model, storage=path, groups="leaves")
+            self.from_file = True
+            self.in_file = {id(tensors[k]): state[k] for k in state if tensors[k].is_meta}
 
     @rule(kind=st.sampled_from(["deepcopy", "pickle", "torch.save"]))
     def copies_compute_the_same_and_restore_to_the_start(self, kind: str) -> None:
+        x = self.inputs()
         with torch.no_grad():
-            expected = self.model(self.x)
+            expected = self.model(x)
         if kind == "deepcopy":
             twin = copy.deepcopy(self.model)
         elif kind == "pickle":
@@ -404,7 +457,7 @@ class SurgeryMachine(RuleBasedStateMachine):
             torch.save(self.model, buffer)
             twin = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
         with torch.no_grad():
-            torch.testing.assert_close(twin(self.x), expected, rtol=0, atol=0)
+            torch.testing.assert_close(twin(x), expected, rtol=0, atol=0)
         assert [e.kind for e in torchsurgery.surgery_log(twin)] == [e.kind for e in torchsurgery.surgery_log(self.model)]
         torchsurgery.restore(twin)
         assert torchsurgery.surgery_log(twin) == []
@@ -417,12 +470,13 @@ class SurgeryMachine(RuleBasedStateMachine):
         with torch.no_grad():
             torch.testing.assert_close(twin(self.x), self.expected_output, rtol=0, atol=0)
         with torch.no_grad():  # the original is untouched by its copy's restore
-            torch.testing.assert_close(self.model(self.x), expected, rtol=0, atol=0)
+            torch.testing.assert_close(self.model(x), expected, rtol=0, atol=0)
 
     @rule()
     def restore_everything(self) -> None:
         torchsurgery.restore(self.model)
         self.handle = self.flex = None
+        self.wide = False
         self.from_file = False
         self.in_file = {}
         self.check_pristine()
@@ -431,13 +485,47 @@ class SurgeryMachine(RuleBasedStateMachine):
     def computes_what_the_surgery_says(self) -> None:
         if not hasattr(self, "model"):
             return
+        x = self.inputs()
         with torch.no_grad():
-            torch.testing.assert_close(self.model(self.x), reference_forward(self.model, self.x, self.in_file))
+            torch.testing.assert_close(self.model(x), reference_forward(self.model, x, self.in_file))
         log = torchsurgery.surgery_log(self.model)
         assert [e.seq for e in log] == sorted(e.seq for e in log)
         kinds = [e.kind for e in log]
         assert kinds.count("offload") == (self.handle is not None)
         assert kinds.count("flex") == (self.flex is not None)
+
+    @contextlib.contextmanager
+    def refused_cleanly(self) -> Iterator[None]:
+        """The surgery in the block is done, or refused for a reason the state gives, changing nothing.
+
+        Surgery that swaps a weight refuses while the graph of a kept output holds it (the
+        swap would poison that graph; its undo does not wait for the outputs to go, and a
+        backward through them then raises); the installer refuses to convert or to give back
+        weights an active offload holds; ``convert_`` refuses weights an installation reads
+        as another dtype than they are kept in.
+        """
+        reasons = [
+            reason
+            for reason, now in (
+                ("held elsewhere", bool(self.alive)),
+                ("an active offload", self.handle is not None),
+                ("uninstall_model() first", self.wide),
+            )
+            if now
+        ]
+        before, values = fingerprint(self.model), state_values(self.model)
+        try:
+            yield
+        except (RuntimeError, ValueError) as exc:
+            if not any(reason in str(exc) for reason in reasons):
+                raise
+            assert fingerprint(self.model) == before
+            now = state_values(self.model)
+            assert now.keys() == values.keys() and all(same_values(now[k], values[k]) for k in now)
+
+    def inputs(self) -> torch.Tensor:
+        """The inputs in the dtype the model computes in (fp64 where an installer reads its weights so)."""
+        return self.x.to(self.leaves[0].weight.dtype)
 
     def check_pristine(self) -> None:
         assert torchsurgery.surgery_log(self.model) == []
