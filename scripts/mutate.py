@@ -232,6 +232,13 @@ MUTATIONS = [
         ("tests/compact/test_tensor.py::test_the_undo_log_swaps_a_patchs_converted_weights_back",),
     ),
     Mutation(
+        "an undo swaps a weight back also where a live output's graph saved it",
+        "src/torchsurgery/_undo.py",
+        "swap_in(tensor, wrap_like(tensor, alias, kind), pending_backward_ok=True)",
+        "swap_in(tensor, wrap_like(tensor, alias, kind))",
+        ("tests/test_undo.py::test_uninstall_after_a_patch_and_a_flex_model_while_an_output_lives",),
+    ),
+    Mutation(
         "a gradient goes along a swap",
         "src/torchsurgery/_swap.py",
         "        replacement.grad = grad.to(device=replacement.device, dtype=replacement.dtype)", "        pass",

@@ -136,7 +136,9 @@ class Scale(Patch, Leaf):
         self.factor = nn.Parameter(torch.tensor(1.5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) * self.factor
+        # read from the parameter dict: the object itself (a live graph saves it), not the
+        # copy an installer's attribute read converts it to
+        return super().forward(x) * self._parameters["factor"]
 
 
 class Shift(Patch, Leaf):
