@@ -1,9 +1,13 @@
 """One undo log for every kind of surgery: surgery_log, restore, and random stacks of operations.
 
 The state machine builds a random module tree (nested Sequential / ModuleList / ModuleDict,
-tied weights, buffers, a Parameter subclass, modules returning tuples and dicts), applies
-random surgery to it (patches, offload, offload streamed from a checkpoint file, FlexModel,
-dynamic swap, conversions there and back, loads), checks after every step that the model
+tied weights, buffers, a Parameter subclass, modules returning tuples and dicts; the weights
+are bf16 values, so that offloads storing them in bf16 are exact), applies random surgery to
+it (patches, one adding a parameter that graphs save, offload with wide or narrow storage
+and with an fp32 master, offload streamed from a checkpoint file, FlexModel, dynamic swap
+with and without a dtype, conversions there and back, loads), runs forwards with gradients
+whose outputs and graphs stay alive across the later steps, undos included (surgery that
+would poison such a graph is refused, changing nothing), checks after every step that the model
 computes what the applied surgery should give (against an independent reference forward),
 copies the model as it stands (``deepcopy``, ``pickle``, ``torch.save``/``torch.load`` with
 the original dropped) and checks that the copy computes the same and restores to the
