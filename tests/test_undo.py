@@ -56,16 +56,19 @@ def _bf16_values(*shape: int) -> torch.Tensor:
 
 
 class Leaf(nn.Module):
-    """y = x @ W.T + b + offset, with W possibly shared with another leaf."""
+    """y = (x @ W.T + b + offset) * gain, with W possibly shared with another leaf."""
 
     def __init__(self, weight: nn.Parameter | None = None) -> None:
         super().__init__()
         self.weight = weight if weight is not None else nn.Parameter(_bf16_values(DIM, DIM) / DIM)
         self.bias = TaggedParameter(_bf16_values(DIM) / DIM)
         self.register_buffer("offset", _bf16_values(DIM) / 16)
+        self.gain = nn.Parameter((1 + torch.randn(DIM) / 4).bfloat16().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.offset
+        # the gain as a norm's weight: the graph of a forward saves the parameter object itself
+        # (read from the dict, as a kernel or hook would: not the copy an installer's read converts)
+        return (F.linear(x, self.weight, self.bias) + self.offset) * self._parameters["gain"]
 
 
 class TupleOut(nn.Module):
@@ -184,9 +187,9 @@ def reference_forward(module: nn.Module, x: torch.Tensor, in_file: dict[int, tor
     if isinstance(module, Leaf):
         # the tensors themselves, not what an installer's attribute reads convert them to; they
         # may sit in another storage dtype while offloaded: compute in x's dtype
-        tensors = (module._parameters["weight"], module._parameters["bias"], module._buffers["offset"])
-        weight, bias, offset = ((in_file or {}).get(id(t), t).to(x.dtype) for t in tensors)  # type: ignore[union-attr]
-        y = F.linear(x, weight, bias) + offset
+        tensors = (*(module._parameters[k] for k in ("weight", "bias", "gain")), module._buffers["offset"])
+        weight, bias, gain, offset = ((in_file or {}).get(id(t), t).to(x.dtype) for t in tensors)  # type: ignore[union-attr]
+        y = (F.linear(x, weight, bias) + offset) * gain
         for p in torchsurgery.patches(module):
             y = EFFECTS.get(p, lambda t: t)(y)  # patches of other pillars change no values
         return y
@@ -371,17 +374,21 @@ class SurgeryMachine(RuleBasedStateMachine):
         self.flex.restore()
         self.flex = None
 
-    @rule(install=st.booleans(), dtype=st.sampled_from([None, torch.float32, torch.float64]))
-    def dynamic_swap(self, install: bool, dtype: torch.dtype | None) -> None:
-        # fp64: the weights become OffloadedTensors reading as fp64 (the forwards then take fp64 inputs)
+    @rule(dtype=st.sampled_from([None, torch.float32, torch.float64, torch.float64]))
+    def install_dynamic_swap(self, dtype: torch.dtype | None) -> None:
+        # fp64 (drawn twice as often): the weights become OffloadedTensors reading as fp64, the
+        # forwards then take fp64 inputs; fp32 changes no weight of this fp32 model, None no dtype
+        kwargs: dict[str, Any] = {"device": "cpu"} if dtype is None else {"dtype": dtype}
         with self.refused_cleanly():
-            if install:
-                kwargs: dict[str, Any] = {"device": "cpu"} if dtype is None else {"dtype": dtype}
-                torchsurgery.DynamicSwapInstaller.install_model(self.model, **kwargs)
-                self.wide = dtype is torch.float64
-            else:
-                torchsurgery.DynamicSwapInstaller.uninstall_model(self.model)
-                self.wide = False
+            torchsurgery.DynamicSwapInstaller.install_model(self.model, **kwargs)
+            self.wide = dtype is torch.float64
+
+    @precondition(lambda self: any(torchsurgery.is_patched(m, _DynamicSwap) for m in self.model.modules()))
+    @rule()
+    def uninstall_dynamic_swap(self) -> None:
+        with self.refused_cleanly():
+            torchsurgery.DynamicSwapInstaller.uninstall_model(self.model)
+            self.wide = False
 
     @rule()
     def forward_kept_alive(self) -> None:
