@@ -161,7 +161,8 @@ def test_budget_keeps_groups_resident_in_order() -> None:
     handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups="leaves", budget=budget)
     s = handle.stats()
     assert s.resident_groups[:2] == ["0", "1.0.0"]
-    assert type(model[1][0][0].weight) is nn.Parameter  # resident: kept in the compute dtype
+    resident = model[1][0][0].weight  # resident: in the storage dtype too, read as it computes
+    assert stored_values(resident).dtype == torch.bfloat16 and resident.dtype == torch.float32
     assert stored_values(model[1][3][2].weight).dtype == torch.bfloat16
     with torch.no_grad():
         model(torch.randn(2, 16))
@@ -305,7 +306,7 @@ def test_bad_input_is_refused_before_anything_changes() -> None:
         offload(model, groups=["1.0.22"])
     with pytest.raises(ValueError, match="not a device|CUDA|device must be"):
         offload(model, device="tpu")
-    with pytest.raises(ValueError, match="storage_dtype must be a floating point dtype, got torch.int8"):
+    with pytest.raises(TypeError, match="storage_dtype must be a dtype weights can be stored in .*, got torch.int8"):
         offload(model, storage_dtype=torch.int8)
     with pytest.raises(TypeError, match="dtype must be a floating point dtype .* got 'bf16'"):
         offload(model, dtype="bf16")  # type: ignore[arg-type]
