@@ -11,6 +11,7 @@ from torch import nn
 
 import torchsurgery
 from torchsurgery import DevicePool
+from torchsurgery.compact import stored_values
 from torchsurgery.offloading import pool as pool_module
 
 
@@ -62,6 +63,37 @@ def test_a_model_larger_than_the_room_is_loaded_partly_with_the_same_outputs() -
     pool.discard(model)
     assert identity_map(model) == ids and torchsurgery.surgery_log(model) == []
     torch.testing.assert_close(model(X), expected)
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("accelerator", marks=pytest.mark.accelerator)])
+def test_a_model_loaded_with_a_storage_dtype_computes_as_offloaded_whole_or_partly(
+    where: str, request: pytest.FixtureRequest
+) -> None:
+    device = torch.device("cpu") if where == "cpu" else request.getfixturevalue("accelerator")
+    model = blocks()
+    reference = copy.deepcopy(model)
+    x = X.to(device)
+    kwargs: dict[str, Any] = {"storage_dtype": torch.bfloat16, "dtype": torch.float32}
+    with torch.no_grad():
+        handle = torchsurgery.offload(reference, device, **kwargs)
+        expected = reference(x)
+        held = sum(stored_values(p).nbytes for p in reference.parameters())
+        handle.remove()  # the weights keep their bf16 rounding
+    whole = WHOLE // 2 + 16 * 16 * 4  # in bf16, and one weight widened to fp32 for a product
+    for budget, state in ((4 * WHOLE, "whole"), (2 * BLOCK, "partial")):
+        pool = DevicePool(device, budget=budget)
+        pool.add(model, name="m", **kwargs)
+        handle = pool.load(model)
+        stats = pool.stats()["m"]
+        assert (stats.state, stats.total_bytes, stats.largest_group_bytes) == (state, whole, BLOCK // 2)
+        with torch.no_grad():
+            for _ in range(2):  # the second after what the first forward measured
+                torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+        assert sum(stored_values(p).nbytes for p in model.parameters()) == held  # bf16, resident or not
+        assert handle.stats().resident_bytes <= pool.stats()["m"].device_bytes
+        pool.close()
+        for name, value in reference.state_dict().items():  # pushed back as offload's remove() leaves it
+            torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0)
 
 
 def test_loading_again_only_marks_a_use_and_plans_again_when_room_appeared() -> None:
@@ -121,6 +153,21 @@ def test_a_budget_below_what_a_model_needs_is_refused_naming_the_sizes() -> None
     with pytest.raises(ValueError, match=rf"{WHOLE} bytes whole, or {2 * BLOCK} bytes streamed"):
         pool.add(model)
     assert pool.models == [] and torchsurgery.surgery_log(model) == [] and not model._forward_pre_hooks
+
+
+@pytest.mark.parametrize("value", [torch.float8_e8m0fnu, torch.float8_e4m3fnuz, torch.int8, "bf16"], ids=str)
+def test_a_storage_dtype_offload_refuses_is_refused_when_added(value: Any) -> None:
+    pool = DevicePool("cpu")
+    model = blocks()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = identity_map(model)
+    with pytest.raises(TypeError, match=rf"torchsurgery\.DevicePool\.add: storage_dtype must be a dtype weights can "
+                                        rf"be stored in .*torch\.bfloat16.*, got {value!r}"):
+        pool.add(model, storage_dtype=value)
+    assert pool.models == [] and torchsurgery.surgery_log(model) == [] and not model._forward_pre_hooks
+    assert identity_map(model) == ids and [type(m) for m in model.modules()] == [type(m) for m in blocks().modules()]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k])
 
 
 def test_unknown_models_are_refused_naming_the_pool_s_models() -> None:

@@ -523,7 +523,7 @@ def streaming_bytes(group: GroupPlan) -> tuple[int, int]:
     end = per_run = 0
     for p in sorted(ring, key=lambda p: str(p.storage_dtype)):  # the order the engine packs them in
         end = align(end, ALIGNMENT) + p.nbytes // p.compute_dtype.itemsize * p.storage_dtype.itemsize
-        if p.storage_dtype != p.compute_dtype:
+        if p.storage_dtype != p.compute_dtype or p.shadow_dtype is not None:  # cast (a master: through its copy's dtype)
             per_run += p.nbytes
     per_run += sum(p.nbytes for p in group.params if p.residency is Residency.CONVERTED)
     in_place = (p for p in group.params if p.residency in (Residency.NARROW, Residency.RESIDENT))

@@ -358,7 +358,10 @@ class DevicePool:
         return model
 
     def discard(self, model: nn.Module) -> nn.Module:
-        """Take ``model`` out of the pool, back on the host exactly as it was added.
+        """Take ``model`` out of the pool, back on the host as it was added.
+
+        The same parameter objects in their dtypes; after a load with a ``storage_dtype``
+        their values keep its rounding, as after :meth:`~torchsurgery.OffloadHandle.remove`.
 
         Returns:
             ``model``.
