@@ -447,7 +447,10 @@ class _GroupStreamer:
         self.narrow = narrow if narrow is not None else [None] * (len(packed_entries) + len(other_entries))
         self.packed = packed
         self.streaming = streaming
-        self.nbytes = sum(p.numel() * dtype.itemsize for _, _, p, dtype in packed_entries + other_entries)
+        # bytes brought in per run, as they are stored (what crosses the link, and what the plan
+        # counts): the packed slots, and the weights converted directly
+        self.nbytes = sum(s.nbytes for s in packed.layout.slots) if packed is not None else 0
+        self.nbytes += sum(stored_values(p).nbytes for _, _, p, _ in other_entries)
         self.depth = 0
         self.slot: int | None = None
         self.measure: _Measure | None = None
