@@ -15,12 +15,12 @@ takes a model out of its pool.
 
 Sizes are counted as the weights take them on the device, as the offload's budget counts
 them: in their storage dtype (the compute dtype where none is given), and the widest
-weight stored narrower than it computes once more, widened for a product; the device
+weight stored in another dtype than it computes in once more, widened for a product; the device
 footprint of a streamed model is its resident groups plus ``prefetch + 1`` of its largest
 group in flight. The device is the CPU or the accelerator PyTorch reports
 (``torch.accelerator``: CUDA, ROCm, XPU, MPS or a registered backend), whose free memory
 comes from its own statistics. On a CPU device the limit works the same way (the
-"device" is host memory holding the compute-dtype copies); ``keep_free`` there is
+"device" is host memory holding the weights as loaded); ``keep_free`` there is
 measured against the host's available memory.
 """
 
