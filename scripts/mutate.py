@@ -37,6 +37,27 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "a master weight's narrow copy is a declared field of the flattened tensor",
+        "src/torchsurgery/compact/tensor.py",
+        'inner = [_STORED] if self.__dict__[_SHADOW] is None else [_STORED, "_shadow_values"]',
+        "inner = [_STORED]",
+        ("tests/compact/test_tensor_api.py::test_a_compiled_no_grad_forward_of_a_master_weight_reads_its_narrow_copy_as_eager_does",),
+    ),
+    Mutation(
+        "products under autocast and torch.func transforms go on to dispatch, after them",
+        "src/torchsurgery/compact/tensor.py",
+        "return torch._C._is_any_autocast_enabled() or torch._C._are_functorch_transforms_active()",
+        "return False",
+        ("tests/compact/test_tensor_api.py::test_autocast_sees_the_plain_linear[dtype0]", "tests/compact/test_tensor_api.py::test_vmap_batches_the_plain_linear"),
+    ),
+    Mutation(
+        "weight.data = t writes t's values into the weight",
+        "src/torchsurgery/compact/tensor.py",
+        "        stored.copy_(values)\n        _written_in_place(t)\n        return\n",
+        "        return\n",
+        ("tests/compact/test_tensor_api.py::test_data_assignment_writes_the_values_rounded_as_stored",),
+    ),
+    Mutation(
         "a cached build of the native kernel is loaded by offload, not in the background",
         "src/torchsurgery/compact/narrow_matvec.py",
         "                library.fn = _installed(name) or _load(path)\n",
@@ -215,6 +236,13 @@ MUTATIONS = [
         "src/torchsurgery/_swap.py",
         "        replacement.grad = grad.to(device=replacement.device, dtype=replacement.dtype)", "        pass",
         ("tests/offloading/test_dynamic_swap.py::test_training_through_it_updates_the_stored_weights",),
+    ),
+    Mutation(
+        "DynamicSwapInstaller: a forward reads a weight kept narrow as a plain converted copy, not through the narrow product",
+        "src/torchsurgery/offloading/dynamic_swap.py",
+        '                kwargs = {**kwargs, "copy": True}\n', "                pass\n",
+        ("tests/offloading/test_dynamic_swap_generate.py::"
+         "test_generate_scores_and_hidden_states_are_bitwise_those_of_the_converted_model[llama-bf16_to_fp32]",),
     ),
     Mutation(
         "resident weights are stored in the storage dtype, as streamed ones",

@@ -98,7 +98,8 @@ def _dynamic_swap(model: nn.Module) -> tuple[nn.Module, nn.Module, Callable[[], 
     model.to(torch.bfloat16)
     reference = copy.deepcopy(model).float()
     DynamicSwapInstaller.install_model(model, dtype=torch.float32)
-    return model, reference, lambda: DynamicSwapInstaller.uninstall_model(model), False
+    # each weight converted, then the layer's own kernel: exactly the fp32 copy of the bf16 model
+    return model, reference, lambda: DynamicSwapInstaller.uninstall_model(model), True
 
 
 def _flex(model: nn.Module) -> tuple[nn.Module, nn.Module, Callable[[], None], bool]:

@@ -532,3 +532,59 @@ def test_soak_thousand_forwards_with_hooks_and_offload_stay_flat() -> None:
     assert stats.transfers == 1050 * len(stats.streamed_groups)
     torchsurgery.restore(model)
     assert fingerprint(model) == before
+
+
+class _Gain(Patch, nn.Linear):
+    """Adds a parameter and multiplies by it: the graph of a forward saves the parameter itself."""
+
+    def __patch_init__(self) -> None:
+        self.gain = nn.Parameter(torch.full((DIM,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # read from the parameter dict: the object itself, not the installer's converted copy
+        return super().forward(x) * self._parameters["gain"]
+
+
+def _as_it_was(model: nn.Module, reference: nn.Module, ids: dict[str, int]) -> None:
+    """``model`` restored is ``reference`` (its deepcopy from before the surgery): bitwise, same objects."""
+    assert [type(m) for m in model.modules()] == [type(m) for m in reference.modules()]
+    assert [sorted(m.__dict__) for m in model.modules()] == [sorted(m.__dict__) for m in reference.modules()]
+    assert {n: id(t) for n, t in model.state_dict(keep_vars=True).items()} == ids
+    assert {n: type(t) for n, t in model.state_dict(keep_vars=True).items()} == {
+        n: type(t) for n, t in reference.state_dict(keep_vars=True).items()
+    }
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        assert ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]), k
+    for m, r in zip(model.modules(), reference.modules(), strict=True):
+        for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_state_dict_hooks"):
+            assert len(getattr(m, hooks)) == len(getattr(r, hooks)), hooks
+    x = torch.randn(3, DIM)
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+
+
+def test_uninstall_after_a_patch_and_a_flex_model_while_an_output_lives() -> None:
+    # The added parameter, swapped into an OffloadedTensor by the installer, is saved by the live
+    # output's graph (y * gain: use count 3); unpatching _Gain takes it out of the module; the
+    # uninstall must still give it back its class, as `.data =` would for a plain one
+    model = nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, DIM))
+    reference = copy.deepcopy(model)
+    ids = {n: id(t) for n, t in model.state_dict(keep_vars=True).items()}
+    torchsurgery.patch(model[0], _Gain)
+    gain = model[0].gain
+    torchsurgery.DynamicSwapInstaller.install_model(model, dtype=torch.float64)
+    captured: dict[str, list[torch.Tensor]] = {}
+    flex = torchsurgery.FlexModel(model, captured)
+    flex.register_forward_hook(torchsurgery.HookFunction("0"))
+    out = flex(torch.randn(2, DIM, dtype=torch.float64))
+    assert out.grad_fn is not None and gain._use_count() == 3
+    flex.restore()
+    torchsurgery.unpatch(model[0], _Gain)
+    torchsurgery.DynamicSwapInstaller.uninstall_model(model)
+    _as_it_was(model, reference, ids)
+    assert type(gain) is nn.Parameter and gain.dtype == torch.float32  # given back, though no longer in the model
+    with pytest.raises(RuntimeError, match="recorded before an undo"):
+        out.sum().backward()  # its gradients have no parameter to go to: refused, not lost
+    model(torch.randn(2, DIM)).sum().backward()  # new forwards train the restored weights
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())

@@ -105,7 +105,15 @@ def swap_blocker(
     return None
 
 
-def swap_in(tensor: torch.Tensor, replacement: torch.Tensor) -> None:
+def _poisoned(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+    raise RuntimeError(
+        "torchsurgery: this backward runs through the graph of a forward recorded before an undo "
+        "(torchsurgery.restore, unpatch, uninstall or an offload's remove) gave a parameter of it its old "
+        "class or data back; its gradient has no parameter to go to. Run the forward again after the undo"
+    )
+
+
+def swap_in(tensor: torch.Tensor, replacement: torch.Tensor, *, pending_backward_ok: bool = False) -> None:
     """``torch.utils.swap_tensors(tensor, replacement)``, also where weak references to ``tensor`` exist.
 
     For a surgery's own undo and redo of tensors it converted itself: ``torch.compile``
@@ -113,22 +121,33 @@ def swap_in(tensor: torch.Tensor, replacement: torch.Tensor) -> None:
     and ``swap_tensors`` refuses any. The object stays the one those caches know; its
     guards see the new class, dtype and memory and recompile. Everything else that
     ``swap_tensors`` checks is checked. A gradient goes along, in the replacement's dtype.
+
+    With ``pending_backward_ok`` (an undo, which must not wait for the user to drop every
+    output computed with grad mode on) the swap also goes through where the graph of such
+    an output holds ``tensor``, as ``tensor.data = ...`` goes through for a plain tensor:
+    ``swap_tensors`` lets a leaf through only where its AccumulateGrad node is the one other
+    holder, but a forward that used the weight itself in a product (``y * self.scale``)
+    saved it in the graph too. The graph keeps the old content (what its forward computed
+    with); a backward through it raises, as after ``swap_tensors`` (the AccumulateGrad node
+    is poisoned), instead of accumulating into the object that now holds the old content.
     """
     grad = tensor.grad
     if grad is not None and replacement.grad is None and replacement.requires_grad:
         # the gradient lives in the tensor's memory record, which the swap replaces: it goes along
         replacement.grad = grad.to(device=replacement.device, dtype=replacement.dtype)
-    if not weakref.getweakrefs(tensor):
+    if not pending_backward_ok and not weakref.getweakrefs(tensor):
         torch.utils.swap_tensors(tensor, replacement)
         return
     if set(copyreg._slotnames(type(tensor))) != set(copyreg._slotnames(type(replacement))):  # type: ignore[attr-defined]
         raise RuntimeError(f"cannot swap a {type(tensor).__name__} and a {type(replacement).__name__}: their __slots__ differ")
     for t in (tensor, replacement):
-        if t._use_count() > 1:  # type: ignore[attr-defined]
+        if t._use_count() > 1 and not (pending_backward_ok and t is tensor):  # type: ignore[attr-defined]
             raise RuntimeError(
                 "cannot swap a tensor held elsewhere (by the graph of a pending backward, or by a view of it); "
                 "run backward and drop its outputs first"
             )
+    if tensor._use_count() > 1 and tensor.is_leaf and tensor.requires_grad:  # type: ignore[attr-defined]
+        torch.autograd.graph.get_gradient_edge(tensor).node.register_prehook(_poisoned)
     tensor.__class__, replacement.__class__ = replacement.__class__, tensor.__class__
     tensor.__dict__, replacement.__dict__ = replacement.__dict__, tensor.__dict__
     torch._C._swap_tensor_impl(tensor, replacement)

@@ -143,7 +143,8 @@ class ChangeSet:
             if type(tensor) is kind and torch._has_compatible_shallow_copy_type(tensor, alias):
                 tensor.data = alias
             else:  # swapped into another class, or across backends `.data =` refuses: swapped back, the object kept
-                swap_in(tensor, wrap_like(tensor, alias, kind))
+                # the graph of a live output may hold the tensor (as ``.data =`` lets it): the undo goes through
+                swap_in(tensor, wrap_like(tensor, alias, kind), pending_backward_ok=True)
         with torch.no_grad():
             for tensor, copy in self.values:
                 tensor.detach().copy_(copy)

@@ -41,8 +41,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_map, tree_map_only
 
 from torchsurgery._swap import user_attributes
@@ -118,6 +117,38 @@ class Shadow:
         self._lock = threading.Lock()
 
 
+class ViewedShadow:
+    """The narrow copy of a view of a master weight: the same view of the base's narrow copy."""
+
+    def __init__(self, base: Shadow | TracedShadow | ViewedShadow, view: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        self.base, self.view, self.args, self.kwargs = base, view, args, kwargs
+
+    @property
+    def copy(self) -> torch.Tensor:
+        """The view of the base's copy as it is now."""
+        return self.current()
+
+    def current(self) -> torch.Tensor:
+        """The view of the base's copy, refreshed as the base is."""
+        out: torch.Tensor = self.view(self.base.current(), *self.args, **self.kwargs)
+        return out
+
+
+class TracedShadow:
+    """The narrow copy as ``torch.compile`` hands it to a graph: current when it was flattened.
+
+    A compiled call flattens its weights at every call (``__tensor_flatten__``), which
+    refreshes the :class:`Shadow` first, so the graph reads what eager would read.
+    """
+
+    def __init__(self, copy: torch.Tensor) -> None:
+        self.copy = copy
+
+    def current(self) -> torch.Tensor:
+        """The narrow copy, as flattened."""
+        return self.copy
+
+
 class OffloadedTensor(torch.Tensor):
     """A tensor whose ``dtype`` is what it computes in while its values are stored as :attr:`stored`.
 
@@ -151,13 +182,15 @@ class OffloadedTensor(torch.Tensor):
         *,
         requires_grad: bool = False,
         reads: ReadContext | None = None,
-        shadow: Shadow | None = None,
+        shadow: Shadow | TracedShadow | ViewedShadow | None = None,
         counter: torch.Tensor | None = None,
+        offset: int | torch.SymInt = 0,
     ) -> OffloadedTensor:
         self: OffloadedTensor = torch.Tensor._make_wrapper_subclass(
             cls,
             stored.shape,
             strides=stored.stride(),
+            storage_offset=offset,  # where a view starts in the weight's own frame, as for a plain tensor
             dtype=dtype,
             device=stored.device,
             layout=stored.layout,
@@ -181,13 +214,24 @@ class OffloadedTensor(torch.Tensor):
     def _narrow(self) -> torch.Tensor:
         """What a read without gradients uses: the shadow of the master values, or the stored ones."""
         d = self.__dict__
-        shadow: Shadow | None = d[_SHADOW]
+        shadow: Shadow | TracedShadow | ViewedShadow | None = d[_SHADOW]
         return d[_STORED] if shadow is None else shadow.current()
 
-    def _rewrap(self, stored: torch.Tensor, *, shadow: Shadow | None = None) -> OffloadedTensor:
+    @property
+    def _shadow_values(self) -> torch.Tensor:
+        # the narrow copy of a master weight as the compiler flattens it (refreshed first)
+        shadow: Shadow | TracedShadow | ViewedShadow = self.__dict__[_SHADOW]
+        return shadow.current()
+
+    def _frame(self) -> int:
+        """How far the stored values' storage offset is from this tensor's (packed weights start inside a buffer)."""
+        return self.__dict__[_STORED].storage_offset() - self.storage_offset()
+
+    def _rewrap(self, stored: torch.Tensor, *, shadow: Shadow | TracedShadow | ViewedShadow | None = None) -> OffloadedTensor:
         """Another view or alias of the same values, reading the same way."""
         d = self.__dict__
-        return OffloadedTensor(stored, self.dtype, reads=d[_READS], shadow=shadow, counter=d[_COUNTER])
+        offset = stored.storage_offset() - self._frame()
+        return OffloadedTensor(stored, self.dtype, reads=d[_READS], shadow=shadow, counter=d[_COUNTER], offset=offset)
 
     def _rehome(self, stored: torch.Tensor) -> None:
         """Keep the values in ``stored`` from now on (the same values, in new memory)."""
@@ -201,19 +245,27 @@ class OffloadedTensor(torch.Tensor):
 
     # -------------------------------------------------------------- compile, copies
 
-    def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype]]:
-        return [_STORED], (self.dtype,)
+    # Every field that changes what the tensor computes is declared here, so that a compiled
+    # graph reads what eager code reads: the stored values, the narrow copy of a master weight
+    # (its no-grad products read it), the dtype it reads as and where it starts in its frame.
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype, int | torch.SymInt]]:
+        inner = [_STORED] if self.__dict__[_SHADOW] is None else [_STORED, "_shadow_values"]
+        return inner, (self.dtype, self.storage_offset())
 
     @staticmethod
     def __tensor_unflatten__(
-        inner: dict[str, torch.Tensor], ctx: tuple[torch.dtype], outer_size: Any, outer_stride: Any
+        inner: dict[str, torch.Tensor], ctx: tuple[torch.dtype, int | torch.SymInt], outer_size: Any, outer_stride: Any
     ) -> OffloadedTensor:
-        return OffloadedTensor(inner[_STORED], ctx[0])
+        shadow = inner.get("_shadow_values")
+        return OffloadedTensor(
+            inner[_STORED], ctx[0], shadow=None if shadow is None else TracedShadow(shadow), offset=ctx[1]
+        )
 
     def _stable_hash_for_caching(self) -> str:
         # the compiler's cache key for this input: what it reads as and how it is stored
-        stored = self.stored
-        return f"OffloadedTensor:{self.dtype}:{stored.dtype}:{tuple(stored.shape)}:{stored.stride()}"
+        stored, shadow = self.stored, self.__dict__[_SHADOW]
+        narrow = "" if shadow is None else f":{shadow.copy.dtype}"
+        return f"OffloadedTensor:{self.dtype}:{stored.dtype}{narrow}:{tuple(stored.shape)}:{stored.stride()}"
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         # pickle and torch.save: the stored values (torch keeps the memory they share with
@@ -222,7 +274,8 @@ class OffloadedTensor(torch.Tensor):
         shadow: Shadow | None = d[_SHADOW]
         extras = {k: v for k, v in d.items() if k not in (_STORED, _READS, _SHADOW, _COUNTER)}
         shadow_dtype = shadow.copy.dtype if shadow is not None else None
-        return (_rebuild, (d[_STORED], self.dtype, self.requires_grad, d[_READS], shadow_dtype, extras))
+        args = (d[_STORED], self.dtype, self.requires_grad, d[_READS], shadow_dtype, extras, self.storage_offset())
+        return (_rebuild, args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OffloadedTensor:
         if id(self) in memo:
@@ -234,6 +287,7 @@ class OffloadedTensor(torch.Tensor):
             requires_grad=self.requires_grad,
             reads=copy.deepcopy(d[_READS], memo),
             shadow=copy.deepcopy(d[_SHADOW], memo),
+            offset=self.storage_offset(),
         )
         new.__dict__.update(copy.deepcopy({k: v for k, v in d.items() if k not in (_STORED, _READS, _SHADOW, _COUNTER)}, memo))
         memo[id(self)] = new
@@ -246,8 +300,12 @@ class OffloadedTensor(torch.Tensor):
         cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        product = _PRODUCTS.get(func)
-        with torch._C.DisableTorchFunctionSubclass():  # the product's reads of the weight's fields, too
+        with torch._C.DisableTorchFunctionSubclass():  # the handlers' reads of the weight's fields, too
+            # the compiler describes the wrapper itself (its own storage), then traces inside
+            method = None if torch.compiler.is_compiling() else _METHODS.get(func)
+            if method is not None:
+                return method(*args, **kwargs)
+            product = _PRODUCTS.get(func)
             if product is not None:
                 out = product(*args, **kwargs)
                 if out is not None:
@@ -276,9 +334,10 @@ def _rebuild(
     reads: ReadContext | None,
     shadow_dtype: torch.dtype | None,
     extras: dict[str, Any],
+    offset: int | torch.SymInt = 0,
 ) -> OffloadedTensor:
     """An OffloadedTensor from what :meth:`OffloadedTensor.__reduce_ex__` kept (``_is_param`` among the extras)."""
-    t = OffloadedTensor(stored, dtype, requires_grad=requires_grad, reads=reads)
+    t = OffloadedTensor(stored, dtype, requires_grad=requires_grad, reads=reads, offset=offset)
     if shadow_dtype is not None:
         t.__dict__[_SHADOW] = Shadow(t.stored, shadow_dtype)
     t.__dict__.update(extras)
@@ -321,11 +380,14 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor | None:
     """``x @ W.T + b`` (``x @ W + b`` when ``transposed``) for an OffloadedTensor ``W``, or None: dispatch.
 
-    Only for a plain input: while ``torch.compile`` traces, inputs are the compiler's own
-    tensors, so the product goes through ``__torch_dispatch__`` and widens in the graph, and
-    nothing here (statistics, kernel choice) runs in compiled code.
+    Only for a plain input outside autocast and ``torch.func`` transforms: those must see
+    the plain ``linear`` first (autocast casts it, vmap batches it), as they do on a plain
+    weight, and while ``torch.compile`` traces, inputs are the compiler's own tensors. In
+    each case the product goes on through ``__torch_dispatch__`` (below autocast, vmap and
+    autograd), where the matmul it becomes calls the narrow product operator; nothing here
+    (statistics, scratch buffers) runs in compiled code.
     """
-    if not (type(x) is torch.Tensor and isinstance(weight, OffloadedTensor)):
+    if not (type(x) is torch.Tensor and isinstance(weight, OffloadedTensor)) or _transformed():
         return None
     d = weight.__dict__
     stored: torch.Tensor = d[_STORED]
@@ -355,6 +417,11 @@ def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor |
     return narrow_product(x, values, _narrow_operand(bias), transposed, reads.scratch if reads is not None else None)
 
 
+def _transformed() -> bool:
+    """Whether autocast or a ``torch.func`` transform (vmap, grad) is active: it acts on products first."""
+    return torch._C._is_any_autocast_enabled() or torch._C._are_functorch_transforms_active()
+
+
 def _linear(input: Any, weight: Any, bias: Any = None) -> torch.Tensor | None:
     return _product(input, weight, bias, transposed=False)
 
@@ -382,12 +449,48 @@ def _alias(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Offloade
     return t._rewrap(t.stored, shadow=t.__dict__[_SHADOW])  # the very tensor: its version counter too
 
 
+def _in_stored_frame(t: OffloadedTensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """as_strided's arguments for the stored values: its storage offset counts from the tensor's frame."""
+    if len(args) >= 3 and args[2] is not None:
+        return (*args[:2], args[2] + t._frame(), *args[3:]), kwargs
+    if kwargs.get("storage_offset") is not None:
+        return args, {**kwargs, "storage_offset": kwargs["storage_offset"] + t._frame()}
+    return args, kwargs
+
+
 def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # a view of the stored values, so writes through it land in them (weight[3] = 0)
     t: OffloadedTensor = args[0]
     rest = tree_map_only(OffloadedTensor, _wide, args[1:])
-    out = func(t.stored, *rest, **tree_map_only(OffloadedTensor, _wide, kwargs))
-    return tree_map_only(torch.Tensor, t._rewrap, out)
+    kwargs = tree_map_only(OffloadedTensor, _wide, kwargs)
+    in_stored = _in_stored_frame(t, rest, kwargs) if func is _aten.as_strided.default else (rest, kwargs)
+    out = func(t.stored, *in_stored[0], **in_stored[1])
+    shadow = t.__dict__[_SHADOW]
+    if shadow is None or torch.is_grad_enabled():  # a product with grad reads the master, as eager does
+        return tree_map_only(torch.Tensor, t._rewrap, out)
+    # without gradients the same view of the narrow copy serves products (a compiled F.linear
+    # multiplies by weight.t())
+    viewed = ViewedShadow(shadow, func, rest, kwargs)
+    return tree_map_only(torch.Tensor, lambda v: t._rewrap(v, shadow=viewed), out)
+
+
+_RESIZES = {_aten.resize_.default, _aten.resize_as_.default}
+
+
+def _reshape_in_place(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OffloadedTensor:
+    # t_, squeeze_, as_strided_, resize_...: the stored values seen through a tensor of t's own
+    # take the new shape (aliases sharing t's stored tensor, w and w.data, keep theirs, as
+    # plain tensors do), and the wrapper takes it too (its metadata only, nothing dispatched)
+    t: OffloadedTensor = args[0]
+    rest = tree_map_only(OffloadedTensor, _wide, args[1:])
+    in_stored = _in_stored_frame(t, rest, kwargs) if func is _aten.as_strided_.default else (rest, kwargs)
+    reshaped = _aten.alias.default(t.stored)
+    func(reshaped, *in_stored[0], **in_stored[1])
+    t.__dict__[_STORED] = reshaped  # writes still counted in t's counter
+    with no_dispatch():
+        func(t, *args[1:], **kwargs)
+    _written_in_place(t)
+    return t
 
 
 def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -440,6 +543,8 @@ def _written(schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[
 def _write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # in-place ops and out= (optimizer steps, edits): computed in the compute dtype, the
     # result stored back (rounded to the storage dtype); the op returns the tensors it wrote
+    if func in _RESIZES or torch.Tag.inplace_view in func.tags:
+        return _reshape_in_place(func, args, kwargs)
     written = _written(func._schema, args, kwargs)
     targets: dict[int, tuple[OffloadedTensor, torch.Tensor]] = {}
 
@@ -460,11 +565,6 @@ def _write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return tree_map(lambda o: targets[id(o)][0] if isinstance(o, torch.Tensor) and id(o) in targets else o, out)
 
 
-def _traced(t: Any) -> bool:
-    """Whether ``t`` is one of the tensors ``torch.compile`` traces with (fake or functional)."""
-    return isinstance(t, (FakeTensor, FunctionalTensor))
-
-
 def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # what F.linear becomes in a graph torch.compile traces (mm or addmm by a transposed view
     # of the weight): the narrow product as one operator, which reads the narrow values at run
@@ -474,16 +574,16 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # own backward, which multiplies by the weight through here again)
     bias, x, w = (None, *args) if func is _aten.mm.default else args
     if (
-        isinstance(w, OffloadedTensor) and not isinstance(x, OffloadedTensor) and _traced(x)
+        isinstance(w, OffloadedTensor) and not isinstance(x, OffloadedTensor)
         and all(v in (None, 1) for v in (kwargs.get("beta"), kwargs.get("alpha")))
     ):
         values = w._narrow()
         if values.dtype != x.dtype and values.dim() == 2 and x.dim() == 2:
-            wide_bias = _wide(bias) if isinstance(bias, OffloadedTensor) else bias
+            narrow_bias = _narrow_operand(bias)  # as eager reads it: a master bias through its narrow copy
             if values.t().is_contiguous():  # W.T of an [out, in] weight: nn.Linear
-                return narrow_product_op(x, values.t(), wide_bias, False)
+                return narrow_product_op(x, values.t(), narrow_bias, False)
             if values.is_contiguous():  # an [in, out] weight (Conv1D)
-                return narrow_product_op(x, values, wide_bias, True)
+                return narrow_product_op(x, values, narrow_bias, True)
     return _widened(func, args, kwargs)
 
 
@@ -499,6 +599,108 @@ _HANDLERS: dict[Any, Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = {
          _aten.rand_like.default, _aten.randn_like.default],
         _like,
     ),
+}
+
+
+# ------------------------------------------------------------------ memory
+# What a program asks of a tensor's memory is answered by the stored values: they are the
+# memory the weight has (its data_ptr and storage, what is shared or pinned). Values read
+# out (numpy, tolist) are the values it computes with, in its dtype: a narrow weight's numpy
+# array is a widened copy, a weight stored in its own dtype shares its memory as a plain
+# tensor does.
+
+
+_DATA: Any = vars(torch._C.TensorBase)["data"]  # the `.data` property: its setter is what `t.data = x` calls
+
+
+def _data_ptr(t: OffloadedTensor) -> int:
+    return t.stored.data_ptr()
+
+
+def _untyped_storage(t: OffloadedTensor) -> torch.UntypedStorage:
+    return t.stored.untyped_storage()
+
+
+def _share_memory(t: OffloadedTensor) -> OffloadedTensor:
+    t.stored.share_memory_()  # moves the storage itself: every view and alias of the values follows
+    shadow = t.__dict__[_SHADOW]
+    if isinstance(shadow, Shadow):
+        shadow.copy.share_memory_()
+    return t
+
+
+def _is_shared(t: OffloadedTensor) -> bool:
+    return t.stored.is_shared()
+
+
+def _is_pinned(t: OffloadedTensor, device: Any = None) -> bool:
+    return t.stored.is_pinned() if device is None else t.stored.is_pinned(device)
+
+
+def _pin_memory(t: OffloadedTensor, device: Any = None) -> OffloadedTensor:
+    pinned = t.stored.pin_memory() if device is None else t.stored.pin_memory(device)
+    return OffloadedTensor(pinned, t.dtype, reads=t.__dict__[_READS])
+
+
+def _values_out(t: OffloadedTensor, force: bool = False) -> torch.Tensor:
+    if t.requires_grad and not force:  # as torch refuses it for a plain tensor
+        raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+    return _wide(t)
+
+
+def _numpy(t: OffloadedTensor, *, force: bool = False) -> Any:
+    return _values_out(t, force).numpy(force=force)
+
+
+def _array(t: OffloadedTensor, dtype: Any = None) -> Any:
+    return torch.Tensor.__array__(_values_out(t), dtype)
+
+
+def _tolist(t: OffloadedTensor) -> Any:
+    return _wide(t).tolist()
+
+
+def _set_data(t: OffloadedTensor, new: Any) -> None:
+    """``t.data = new``: ``t`` computes with ``new``'s values from now on, rounded to its storage dtype.
+
+    Values of the same shape are written into the memory ``t`` keeps (a streamed group's
+    host buffer stays the one it streams from, copies kept by version see the write);
+    another shape or device gets new memory, and ``t`` takes its shape. A plain tensor's
+    ``.data =`` shares ``new``'s memory instead; a narrow weight cannot share wider values.
+    """
+    if not isinstance(new, torch.Tensor):
+        _DATA.__set__(t, new)  # torch's own refusal
+    if new.dtype != t.dtype:
+        raise TypeError(
+            f"torchsurgery: cannot set .data of a weight that reads as {t.dtype} (stored as {t.stored.dtype}) "
+            f"to a {new.dtype} tensor; convert the module instead (module.to({new.dtype}) or "
+            "torchsurgery.convert_), or remove the offload first"
+        )
+    values = new.stored if isinstance(new, OffloadedTensor) else new.detach()
+    stored = t.stored
+    if values.shape == stored.shape and values.stride() == stored.stride() and values.device == stored.device:
+        stored.copy_(values)
+        _written_in_place(t)
+        return
+    kept = values.to(stored.dtype)
+    _DATA.__set__(t, OffloadedTensor(kept, t.dtype))  # the wrapper's shape, strides, device
+    t._rehome(kept)
+    shadow = t.__dict__[_SHADOW]
+    if isinstance(shadow, Shadow):
+        t.__dict__[_SHADOW] = Shadow(kept, shadow.copy.dtype)
+
+
+_METHODS: dict[Any, Callable[..., Any]] = {
+    torch.Tensor.data_ptr: _data_ptr,
+    torch.Tensor.untyped_storage: _untyped_storage,
+    torch.Tensor.share_memory_: _share_memory,
+    torch.Tensor.is_shared: _is_shared,
+    torch.Tensor.is_pinned: _is_pinned,
+    torch.Tensor.pin_memory: _pin_memory,
+    torch.Tensor.numpy: _numpy,
+    torch.Tensor.__array__: _array,
+    torch.Tensor.tolist: _tolist,
+    _DATA.__set__: _set_data,
 }
 
 

@@ -16,10 +16,16 @@ converted with ``Tensor.to(**kwargs)``. Unlike the original:
   also after installing twice or on top of other patches; ``forward`` keeps its
   signature (``inspect.signature``), so ``generate()`` passes what it would pass;
 * given a ``dtype``, the stored floating weights read as that dtype everywhere
-  (``parameters()``, ``model.dtype``, code outside forwards): each becomes an
+  (``parameters()``, ``model.dtype``, optimizers): each becomes an
   :class:`~torchsurgery.compact.tensor.OffloadedTensor` (the same object) keeping its
-  values as they were stored, and ``nn.Linear`` products read them without widening;
-  ``state_dict()`` holds the stored values, as the original installer's does;
+  values as they were stored, and ``state_dict()`` holds the stored values, as the
+  original installer's does. An attribute read (``self.weight`` in a forward) still gives
+  what the original gives: a plain tensor, the stored values converted by
+  ``Tensor.to(**kwargs)``, which the layer's own kernel multiplies by; so an installed
+  model computes bit for bit what the plain model with converted weights computes (the
+  narrow products of :func:`~torchsurgery.offload`, which sum in another order, are not
+  used), and writes go through ``parameters()`` or ``load_state_dict``, not through that
+  copy;
 * as with ``Module.to``, a ``dtype`` converts floating tensors only (integer buffers such
   as position ids keep theirs).
 """
@@ -90,6 +96,11 @@ class _DynamicSwap(Patch, nn.Module):
             if "dtype" in kwargs and not tensor.is_floating_point():
                 # as Module.to: a dtype applies to floating tensors only (not to position ids)
                 kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
+            if isinstance(tensor, OffloadedTensor):
+                # it reads as the dtype already, so .to() would return the very tensor and
+                # products would read its stored values in place, summing in another order:
+                # a plain copy made from the stored values instead, as the plain weight's
+                kwargs = {**kwargs, "copy": True}
             value = tensor.to(**kwargs)  # differentiable: gradients reach the stored tensor
             if cache is not None:
                 cache[name] = value

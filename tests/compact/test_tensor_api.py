@@ -1,0 +1,126 @@
+"""An offloaded weight against a plain ``nn.Parameter`` holding the same rounded values: the tensor API.
+
+Memory (``data_ptr``, storage, sharing), values read out (numpy, ``tolist``), ``.data``
+assignment, views' storage offsets, in-place ops that change a shape, autocast, ``vmap``
+and compiled forwards of master weights. The oracle is always the plain layer whose
+weights are the offloaded layer's stored values widened.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import torchsurgery
+from torchsurgery.compact import OffloadedTensor
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def _pair(master: bool = False) -> tuple[nn.Sequential, nn.Sequential, torchsurgery.OffloadHandle]:
+    """(offloaded model with bf16 storage, the plain model with its rounded weights, the handle)."""
+    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
+    plain = copy.deepcopy(model)
+    handle = torchsurgery.offload(
+        model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups=[""],
+        master_dtype=torch.float32 if master else None,
+    )
+    with torch.no_grad():
+        for p in plain.parameters():
+            if not master:
+                p.copy_(p.bfloat16().float())
+    return model, plain, handle
+
+
+def test_memory_is_the_stored_values() -> None:
+    model, _, _ = _pair()
+    w, other = model[0].weight, model[2].weight
+    assert isinstance(w, OffloadedTensor)
+    assert w.data_ptr() == w.stored.data_ptr() != 0 and w.data_ptr() != other.data_ptr()
+    assert w.untyped_storage().nbytes() == w.stored.untyped_storage().nbytes() == w.numel() * 2
+    model.share_memory()
+    assert w.is_shared() and w.stored.is_shared()
+
+
+def test_values_read_out_are_those_of_the_plain_weight() -> None:
+    model, plain, _ = _pair()
+    w, p = model[0].weight, plain[0].weight
+    assert w.detach().tolist() == p.detach().tolist()
+    np.testing.assert_array_equal(w.detach().numpy(), p.detach().numpy())
+    np.testing.assert_array_equal(np.asarray(w.detach()), np.asarray(p.detach()))
+    assert w[1, 2].item() == p[1, 2].item()
+    for t in (w, p):  # refused alike while it requires grad
+        with pytest.raises(RuntimeError, match="requires grad"):
+            t.numpy()
+
+
+def test_views_report_the_plain_shape_stride_and_offset() -> None:
+    model, plain, _ = _pair()
+    for index in ((slice(1, 3), slice(1, None)), (2,), (slice(None), 3)):
+        ours, theirs = model[0].weight.data[index], plain[0].weight.data[index]
+        assert (ours.shape, ours.stride(), ours.storage_offset()) == (theirs.shape, theirs.stride(), theirs.storage_offset())
+
+
+@pytest.mark.parametrize(
+    "op", [lambda t: t.t_(), lambda t: t.transpose_(0, 1), lambda t: t.unsqueeze_(0), lambda t: t.as_strided_((2, 3), (1, 2), 1)]
+)
+def test_in_place_shape_changes_reshape_the_alias_only(op) -> None:  # type: ignore[no-untyped-def]
+    model, plain, _ = _pair()
+    ours, theirs = model[0].weight.data, plain[0].weight.data
+    op(ours)
+    op(theirs)
+    assert (ours.shape, ours.stride(), ours.storage_offset()) == (theirs.shape, theirs.stride(), theirs.storage_offset())
+    torch.testing.assert_close(ours * 1, theirs * 1, rtol=0, atol=0)
+    assert model[0].weight.shape == plain[0].weight.shape == (6, 8)
+
+
+def test_data_assignment_writes_the_values_rounded_as_stored() -> None:
+    model, plain, handle = _pair()
+    new = torch.randn(6, 8)
+    model[0].weight.data = new
+    plain[0].weight.data = new.bfloat16().float()
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    nn.utils.vector_to_parameters(torch.arange(106.0) / 100, model.parameters())
+    nn.utils.vector_to_parameters((torch.arange(106.0) / 100).bfloat16().float(), plain.parameters())
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="convert the module"):
+        model[0].weight.data = new.double()
+    handle.remove()
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)  # what remove() gives back: the new values
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_sees_the_plain_linear(dtype: torch.dtype) -> None:
+    model, plain, _ = _pair()
+    x = torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=dtype), torch.no_grad():
+        ours, theirs = model(x), plain(x)
+    assert ours.dtype == theirs.dtype == dtype
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_vmap_batches_the_plain_linear() -> None:
+    model, plain, _ = _pair()
+    x = torch.randn(5, 2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.vmap(model)(x), torch.vmap(plain)(x))
+
+
+def test_a_compiled_no_grad_forward_of_a_master_weight_reads_its_narrow_copy_as_eager_does() -> None:
+    model, _, _ = _pair(master=True)
+    x = torch.randn(3, 8)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), model(x))
+        with torch.no_grad():
+            model[0].weight.mul_(1.5)  # the master changes: the narrow copy follows, compiled too
+        assert torch.equal(compiled(x), model(x))
