@@ -251,6 +251,39 @@ MUTATIONS = [
         ("tests/offloading/test_dynamic_swap_generate.py::"
          "test_generate_scores_and_hidden_states_are_bitwise_those_of_the_converted_model[llama-bf16_to_fp32]",),
     ),
+    Mutation(
+        "resident weights are stored in the storage dtype, as streamed ones",
+        "src/torchsurgery/offloading/engine.py",
+        "                    moves.append((p, tensor, target, p.storage_dtype, False))\n",
+        "                    moves.append((p, tensor, target, p.compute_dtype, False))\n",
+        ("tests/offloading/test_engine.py::test_storage_dtype_computes_and_holds_the_same_whatever_the_budget[cpu-mlp-bf16]",
+         "tests/offloading/test_pool.py::test_a_model_loaded_with_a_storage_dtype_computes_as_offloaded_whole_or_partly[cpu]"),
+    ),
+    Mutation(
+        "a storage or master dtype is one weights can be stored in",
+        "src/torchsurgery/_validate.py",
+        "    if not isinstance(value, torch.dtype) or value not in STORAGE_DTYPES:\n",
+        "    if not isinstance(value, torch.dtype):\n",
+        ("tests/offloading/test_plan.py::test_a_dtype_weights_cannot_be_stored_in_is_a_type_error_naming_the_choices"
+         "[torch.float8_e8m0fnu-storage_dtype-offload]",
+         "tests/test_validate.py::test_check_storage_dtype_takes_the_dtypes_weights_convert_to_and_back_and_checkpoints_name"
+         "[torch.float8_e8m0fnu]"),
+    ),
+    Mutation(
+        "a master dtype must hold the values of the weights it keeps",
+        "src/torchsurgery/offloading/plan.py",
+        "                    _check_master_holds(master_dtype, name, p.dtype)\n", "",
+        ("tests/offloading/test_plan.py::test_a_master_dtype_must_hold_the_weights_values_exactly"
+         "[torch.float32-torch.bfloat16-torch.float8_e4m3fn-False]",),
+    ),
+    Mutation(
+        "a streamed weight with a master reads its narrow copy's values without gradients, as a resident one",
+        "src/torchsurgery/offloading/streams.py",
+        "    return narrow if narrow is not None and not torch.is_grad_enabled() else None\n",
+        "    return None\n",
+        ("tests/offloading/test_engine.py::test_storage_dtype_computes_and_holds_the_same_whatever_the_budget"
+         "[accelerator-mlp-bf16-fp32-master]",),
+    ),
     # the synchronisation points of streaming to an accelerator, caught on the suite's test
     # device (tests/tardy): a missing wait reads poisoned memory or raises a hazard there
     Mutation(

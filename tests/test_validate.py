@@ -10,12 +10,15 @@ from torch import nn
 
 from torchsurgery._validate import (
     DTYPES,
+    STORAGE_DTYPES,
     check_bytes,
     check_device,
     check_dtype,
+    check_storage_dtype,
     dtype_from_name,
     dtype_from_safetensors,
     dtype_name,
+    holds_exactly,
     safetensors_code,
 )
 from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, Setting
@@ -50,6 +53,56 @@ def test_check_dtype_refuses_what_is_not_a_dtype(value: Any) -> None:
         check_dtype(value, "f", "master_dtype")
     assert refused.value.arg == "master_dtype" and refused.value.value is value
     assert check_dtype(None, "f") is None
+
+
+def _converts_and_back(dtype: torch.dtype) -> bool:
+    """Whether weights (signed values with a fraction) survive a trip through ``dtype`` up to its rounding."""
+    w = torch.tensor([-1.5, -0.375, 0.0, 0.3, 1.25, 3.0])
+    try:
+        once = w.to(dtype).to(torch.float32)
+        twice = once.to(dtype).to(torch.float32)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool((once.sign() == w.sign()).all()) and torch.equal(once, twice) and len(set(once.tolist())) == len(w)
+
+
+@pytest.mark.parametrize("value", sorted(set(ALL_DTYPES), key=str) + ["bf16", float, 16], ids=str)
+def test_check_storage_dtype_takes_the_dtypes_weights_convert_to_and_back_and_checkpoints_name(value: Any) -> None:
+    expected = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+    assert list(STORAGE_DTYPES) == expected
+    if value in expected:
+        assert _converts_and_back(value) and safetensors_code(value) is not None
+        assert check_storage_dtype(value, "f", "master_dtype") is value
+        return
+    if isinstance(value, torch.dtype) and value in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+        assert _converts_and_back(value) and safetensors_code(value) is None  # they convert: refused as unnamed
+    elif isinstance(value, torch.dtype) and value.is_floating_point:
+        assert not _converts_and_back(value)  # e8m0 has no sign nor mantissa; nothing casts to fp4
+    with pytest.raises(ArgumentTypeError) as refused:
+        check_storage_dtype(value, "f", "master_dtype")
+    error = refused.value
+    assert (error.what, error.arg, error.value) == ("f", "master_dtype", value)
+    assert str(error).endswith(f"got {value!r}") and all(str(d) in str(error) for d in expected)
+    assert check_storage_dtype(None, "f") is None
+
+
+def _every_value(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of an 8- or 16-bit floating dtype."""
+    bits = torch.arange(2 ** (8 * dtype.itemsize), dtype=torch.int32)
+    values = (bits.to(torch.uint8) if dtype.itemsize == 1 else bits.to(torch.int16)).view(dtype).to(torch.float64)
+    return values[values.isfinite()]
+
+
+@pytest.mark.parametrize("narrow", STORAGE_DTYPES, ids=str)
+@pytest.mark.parametrize("wide", STORAGE_DTYPES, ids=str)
+def test_holds_exactly_is_whether_every_value_survives_the_conversion(wide: torch.dtype, narrow: torch.dtype) -> None:
+    if narrow.itemsize <= 2:
+        values = _every_value(narrow)
+    else:  # too many to list: the extremes and the finest step
+        info = torch.finfo(narrow)
+        values = torch.tensor([info.max, -info.max, info.smallest_normal * info.eps, 1 + info.eps], dtype=torch.float64)
+    survive = torch.equal(values.to(wide).to(torch.float64), values)
+    assert holds_exactly(wide, narrow) == survive
 
 
 def _torch_device(value: Any) -> torch.device | None:

@@ -154,6 +154,60 @@ def _castable(dtype: torch.dtype) -> bool:
     return True
 
 
+STORAGE_DTYPES: tuple[torch.dtype, ...] = tuple(row.dtype for row in DTYPES if row.dtype.is_floating_point)
+"""The dtypes a weight can be stored in (``storage_dtype``) or kept in (``master_dtype``).
+
+The floating dtypes of :data:`DTYPES`: a plain weight converts to each and back, keeping its
+values up to that dtype's rounding, and checkpoints and the command line name each. Not
+``float8_e8m0fnu`` (powers of two only: no sign, no mantissa), nor the ``fnuz`` fp8 variants
+(they convert, but no checkpoint this library reads and no command-line name holds them).
+"""
+
+
+def holds_exactly(wide: torch.dtype, narrow: torch.dtype) -> bool:
+    """Whether every value of the floating dtype ``narrow`` is a value of ``wide``.
+
+    It is when ``wide`` has at least the precision, the largest value and the smallest
+    (subnormal) step of ``narrow``.
+
+    Example:
+        >>> holds_exactly(torch.float32, torch.bfloat16), holds_exactly(torch.float16, torch.bfloat16)
+        (True, False)
+    """
+    a, b = torch.finfo(wide), torch.finfo(narrow)
+    return a.eps <= b.eps and a.max >= b.max and a.smallest_normal * a.eps <= b.smallest_normal * b.eps
+
+
+def check_storage_dtype(value: Any, what: str, arg: str = "storage_dtype") -> torch.dtype | None:
+    """``value`` if weights can be stored in it (one of :data:`STORAGE_DTYPES`); ``None`` stays ``None``.
+
+    Args:
+        value: what the caller was given.
+        what: the caller's name, for the message (``"torchsurgery.offload"``).
+        arg: the argument's name (``"storage_dtype"``, ``"master_dtype"``).
+
+    Raises:
+        ArgumentTypeError: anything else, a dtype or not (a ``TypeError``, as ``nn.Module.to``
+            raises for a dtype it cannot take); the message lists the accepted dtypes.
+
+    Example:
+        >>> check_storage_dtype(torch.bfloat16, "example")
+        torch.bfloat16
+        >>> check_storage_dtype(torch.float8_e8m0fnu, "example")
+        Traceback (most recent call last):
+        ...
+        torchsurgery.errors.ArgumentTypeError: example: storage_dtype must be a dtype weights can be stored in and read back from (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2), got torch.float8_e8m0fnu
+    """
+    if value is None:
+        return None
+    if not isinstance(value, torch.dtype) or value not in STORAGE_DTYPES:
+        choices = ", ".join(str(d) for d in STORAGE_DTYPES)
+        raise ArgumentTypeError(
+            what, arg, value, f"must be a dtype weights can be stored in and read back from ({choices}), got {value!r}"
+        )
+    return value
+
+
 def check_device(value: Any, what: str) -> torch.device | None:
     """``value`` as a ``torch.device`` that exists on this machine; ``None`` stays ``None``.
 

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from torchsurgery.cli.errors import CliError
-from torchsurgery.cli.options import OffloadOptions, devices, parse_device, parse_dtype
+from torchsurgery.cli.options import (
+    STORAGE_NAMES,
+    OffloadOptions,
+    devices,
+    parse_device,
+    parse_dtype,
+)
 
 pytest.importorskip("transformers")
 
@@ -32,6 +38,18 @@ def test_dtype_names() -> None:
     assert parse_dtype("fp8", "--storage-dtype") is torch.float8_e4m3fn
     with pytest.raises(CliError, match="--dtype: unknown dtype 'fp8'; use one of fp32, bf16, fp16"):
         parse_dtype("fp8", "--dtype", ("fp32", "bf16", "fp16"))
+
+
+def test_storage_dtype_names_are_those_of_the_dtypes_offload_stores_weights_in() -> None:
+    # the library's check decides: every name it accepts here, offload accepts, and the reverse
+    storable = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
+    for name, dtype in [("fp64", torch.float64), ("float64", torch.float64), ("fp8_e5m2", torch.float8_e5m2),
+                        ("float8_e5m2", torch.float8_e5m2), ("fp8", torch.float8_e4m3fn), ("BF16", torch.bfloat16)]:
+        assert OffloadOptions.parse(False, name, None, None, None).storage_dtype is dtype
+    assert {parse_dtype(n, "--storage-dtype") for n in STORAGE_NAMES} == storable
+    for name in ("float8_e8m0fnu", "float8_e4m3fnuz", "float8_e5m2fnuz", "int8", "complex64"):
+        with pytest.raises(CliError, match=rf"--storage-dtype: unknown dtype '{name}'; use one of fp64, float64, fp32, "):
+            OffloadOptions.parse(False, name, None, None, None)
 
 
 def test_any_offload_option_turns_offloading_on() -> None:

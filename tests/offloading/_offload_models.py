@@ -27,6 +27,13 @@ def tiny_llama() -> nn.Module:
     ).eval()
 
 
+def tiny_clip_text() -> nn.Module:
+    return transformers.CLIPTextModel(
+        transformers.CLIPTextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                    vocab_size=64, max_position_embeddings=32, attn_implementation="eager")
+    ).eval()
+
+
 def identity_map(model: nn.Module) -> dict[str, tuple[int, torch.device, torch.dtype]]:
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
     return {n: (id(t), t.device, t.dtype) for n, t in named}

@@ -49,13 +49,17 @@ def exact(got: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-def stream_all(model: nn.Module, prefetch: int, groups: list[nn.Module] | None = None) -> dict[str, int]:
+def stream_all(
+    model: nn.Module, prefetch: int, groups: list[nn.Module] | None = None, storage_dtype: torch.dtype = torch.float32
+) -> dict[str, int]:
     """``offload`` arguments under which every group streams: a budget too small for any residency.
 
+    Sizes as the budget counts them: in the storage dtype the weights are held in.
     (Without a budget the simulated device reports 1 GiB free, and a model that fits is kept whole.)
     """
-    sizes = [sum(p.numel() * 4 for p in g.parameters()) for g in (groups or list(model.blocks))]
-    total = sum(p.numel() * 4 for p in model.parameters())
+    size = storage_dtype.itemsize
+    sizes = [sum(p.numel() * size for p in g.parameters()) for g in (groups or list(model.blocks))]
+    total = sum(p.numel() * size for p in model.parameters())
     return {"prefetch": prefetch, "budget": min((prefetch + 1) * max(sizes), total - 1)}
 
 
@@ -163,7 +167,10 @@ def test_streamed_forwards_match_the_resident_model(prefetch: int, storage_dtype
     ids = identity_map(model)
     with SimulatedDevice(seed=prefetch, delay=(0.0, 0.002), lazy=lazy) as sim, torch.no_grad():
         expected = reference(X)
-        handle = offload(model, sim, dtype=torch.float32, storage_dtype=storage_dtype, skip=None, **stream_all(model, prefetch))
+        handle = offload(
+            model, sim, dtype=torch.float32, storage_dtype=storage_dtype, skip=None,
+            **stream_all(model, prefetch, storage_dtype=storage_dtype or torch.float32),
+        )
         assert {p.residency for p in handle.plan.params} == {Residency.STREAMED}  # every group rides the ring
         for _ in range(4):
             exact(model(X), expected)
@@ -233,8 +240,12 @@ def test_a_model_streamed_to_a_device_compiles_once_with_fullgraph(storage_dtype
     sim = SimulatedDevice(seed=3)
     try:
         with torch.no_grad():
-            handle = offload(model, sim, dtype=torch.float32, storage_dtype=storage_dtype, skip=None, **stream_all(model, 2))
+            handle = offload(
+                model, sim, dtype=torch.float32, storage_dtype=storage_dtype, skip=None,
+                **stream_all(model, 2, storage_dtype=storage_dtype or torch.float32),
+            )
             eager = model(X)
+            assert handle.stats().resident_groups == []  # every group streams
             torch._dynamo.reset()
             counters.clear()
             compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # a transfer outside the graph would raise
@@ -271,7 +282,10 @@ def test_groups_kept_in_the_ring_are_copied_again_when_their_host_weights_change
     reference = copy.deepcopy(model)
     y = torch.randn(3, 16)
     with SimulatedDevice(seed=prefetch, lazy=True) as sim:
-        handle = offload(model, sim, dtype=torch.float32, storage_dtype=storage_dtype, skip=None, **stream_all(model, prefetch))
+        handle = offload(
+            model, sim, dtype=torch.float32, storage_dtype=storage_dtype, skip=None,
+            **stream_all(model, prefetch, storage_dtype=storage_dtype or torch.float32),
+        )
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
 
         def forward_matches() -> None:

@@ -13,7 +13,15 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from _offload_models import IDS, identity_map, mlp, tiny_gpt2, tiny_llama, transformers
+from _offload_models import (
+    IDS,
+    identity_map,
+    mlp,
+    tiny_clip_text,
+    tiny_gpt2,
+    tiny_llama,
+    transformers,
+)
 from torch import nn
 
 import torchsurgery
@@ -21,7 +29,7 @@ from torchsurgery import Residency, offload
 from torchsurgery.compact.narrow_matvec import narrow_matvec
 from torchsurgery.offloading import stored_values
 from torchsurgery.offloading.grouping import find_groups
-from torchsurgery.offloading.plan import in_flight_reserve
+from torchsurgery.offloading.plan import in_flight_reserve, plan_offload, whole_bytes
 
 
 def train_side_by_side(
@@ -161,7 +169,8 @@ def test_budget_keeps_groups_resident_in_order() -> None:
     handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups="leaves", budget=budget)
     s = handle.stats()
     assert s.resident_groups[:2] == ["0", "1.0.0"]
-    assert type(model[1][0][0].weight) is nn.Parameter  # resident: kept in the compute dtype
+    resident = model[1][0][0].weight  # resident: in the storage dtype too, read as it computes
+    assert stored_values(resident).dtype == torch.bfloat16 and resident.dtype == torch.float32
     assert stored_values(model[1][3][2].weight).dtype == torch.bfloat16
     with torch.no_grad():
         model(torch.randn(2, 16))
@@ -173,6 +182,81 @@ def test_budget_keeps_groups_resident_in_order() -> None:
     handle = offload(model, budget=whole)  # a model that fits is never offloaded
     assert handle.stats().streamed_groups == []
     handle.remove()
+
+
+def _rounded_reference(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A plain copy of ``model`` whose weights hold what an offload stores them as (norms and embeddings keep theirs)."""
+    from torchsurgery.offloading import DEFAULT_SKIP
+
+    reference = copy.deepcopy(model)
+    kept = {id(p) for name, m in reference.named_modules() if DEFAULT_SKIP(m, name) for p in m.parameters(recurse=False)}
+    with torch.no_grad():
+        for p in reference.parameters():
+            if id(p) not in kept:
+                p.copy_(p.to(dtype))
+    return reference
+
+
+def _held(p: Any, model: nn.Module) -> int:
+    """Bytes plan entry ``p``'s weight holds: its stored values, and a master's narrow copy."""
+    stored = stored_values(p.lookup(model))
+    return stored.nbytes + (stored.numel() * p.shadow_dtype.itemsize if p.shadow_dtype is not None else 0)
+
+
+def _output(out: Any) -> torch.Tensor:
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out
+
+
+@pytest.mark.parametrize("master", [None, torch.float32], ids=["bf16", "bf16-fp32-master"])
+@pytest.mark.parametrize("make", [mlp, tiny_clip_text])
+@pytest.mark.parametrize("where", ["cpu", pytest.param("accelerator", marks=pytest.mark.accelerator)])
+def test_storage_dtype_computes_and_holds_the_same_whatever_the_budget(
+    where: str, make: Any, master: torch.dtype | None, request: pytest.FixtureRequest
+) -> None:
+    device = torch.device("cpu") if where == "cpu" else request.getfixturevalue("accelerator")
+    model = make()
+    original = copy.deepcopy(model)
+    x = (IDS if make is tiny_clip_text else torch.randn(3, 32)).to(device)
+    kwargs: dict[str, Any] = {"storage_dtype": torch.bfloat16, "dtype": torch.float32, "master_dtype": master}
+    reference = _rounded_reference(model, torch.bfloat16).to(device)
+    whole = whole_bytes(plan_offload(model, device, budget=1 << 40, **kwargs).groups)
+    streamed = plan_offload(model, device, budget=max(g.nbytes for g in plan_offload(model, **kwargs).groups), **kwargs)
+    sizes, per_run = in_flight_reserve(streamed.groups, 1)
+    ring = 2 * max(sizes.values()) + per_run
+    tight = (ring + whole) // 2  # the ring, and room for some groups resident
+    assert ring < tight < whole
+    ids = identity_map(model)
+    outputs, held, restored = [], set(), []
+    # no budget (on a CPU nothing resident, on an accelerator what its free memory holds), a
+    # roomy one (everything resident) and a tight one (the rest streamed or read in place)
+    for budget in (None, 1 << 30, tight):
+        handle = offload(model, device, budget=budget, **kwargs)
+        with torch.no_grad():
+            runs = [_output(model(x)) for _ in range(2)]  # the second after what the first measured
+        s = handle.stats()
+        outputs += runs
+        # resident groups hold their weights on the device as stored (a master and its narrow
+        # copy), and are counted so
+        resident = [p for g in handle.plan.groups if g.name in s.resident_groups for p in g.params if p.tied_to is None]
+        assert all(stored_values(p.lookup(model)).device == device for p in resident)
+        assert s.resident_bytes == sum(_held(p, model) for p in resident)
+        held.add(sum(_held(p, model) for p in handle.plan.params if p.tied_to is None))
+        if budget == 1 << 30:
+            assert s.streamed_groups == [] and s.resident_bytes in held  # everything resident, as stored
+        if budget is not None:
+            assert s.peak_device_bytes <= budget
+        handle.remove()
+        restored.append(copy.deepcopy(model.state_dict()))
+        assert identity_map(model) == ids  # the same objects, on their device in their dtype
+    assert len(held) == 1  # the same bytes, wherever they are
+    for out in outputs:  # bitwise the same whatever the budget
+        torch.testing.assert_close(out, outputs[0], rtol=0, atol=0)
+    torch.testing.assert_close(outputs[0], _output(reference(x)), rtol=1e-5, atol=1e-5)
+    # remove(): a master gives the original values back; else the storage dtype's rounding stays, resident or not
+    back = original if master is not None else reference
+    for state in restored:
+        for name, value in back.state_dict().items():
+            torch.testing.assert_close(state[name], value.to(state[name].device), rtol=0, atol=0)
 
 
 def test_peak_memory_is_storage_plus_two_groups() -> None:
@@ -305,7 +389,7 @@ def test_bad_input_is_refused_before_anything_changes() -> None:
         offload(model, groups=["1.0.22"])
     with pytest.raises(ValueError, match="not a device|CUDA|device must be"):
         offload(model, device="tpu")
-    with pytest.raises(ValueError, match="storage_dtype must be a floating point dtype, got torch.int8"):
+    with pytest.raises(TypeError, match="storage_dtype must be a dtype weights can be stored in .*, got torch.int8"):
         offload(model, storage_dtype=torch.int8)
     with pytest.raises(TypeError, match="dtype must be a floating point dtype .* got 'bf16'"):
         offload(model, dtype="bf16")  # type: ignore[arg-type]

@@ -164,3 +164,92 @@ def test_weights_without_values_need_a_checkpoint() -> None:
         model = _Tied()
     with pytest.raises(ValueError, match="meta device"):
         plan_offload(model)
+
+
+# ---------------------------------------------------------------------------
+# storage and master dtypes: what weights can be stored in, checked before anything changes
+
+STORABLE = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+NOT_STORABLE = [
+    torch.float8_e8m0fnu,  # powers of two: no sign, no mantissa
+    torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,  # no checkpoint or command-line name here
+    torch.float4_e2m1fn_x2, torch.int8, torch.bool, torch.complex64, "bf16", float,
+]
+
+
+@pytest.mark.parametrize("call", [offload, plan_offload], ids=["offload", "plan_offload"])
+@pytest.mark.parametrize("arg", ["storage_dtype", "master_dtype"])
+@pytest.mark.parametrize("value", NOT_STORABLE, ids=str)
+def test_a_dtype_weights_cannot_be_stored_in_is_a_type_error_naming_the_choices(call: Any, arg: str, value: Any) -> None:
+    model = _mlp()
+    before = _state(model)
+    kwargs = {"storage_dtype": torch.bfloat16, "dtype": torch.float32, arg: value}
+    with pytest.raises(TypeError) as refused:
+        call(model, **kwargs)
+    message = str(refused.value)
+    assert message.startswith(f"torchsurgery.offload: {arg} must be a dtype weights can be stored in")
+    assert message.endswith(f"got {value!r}") and all(str(d) in message for d in STORABLE)
+    assert _same_state(before, _state(model))
+
+
+@pytest.mark.parametrize("storage_dtype", STORABLE, ids=str)
+def test_every_storable_dtype_is_a_storage_dtype_and_a_remove_gives_its_rounding(storage_dtype: torch.dtype) -> None:
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in reference[1].parameters():  # the linear layers and the conv are stored; the norm keeps fp32
+            p.copy_(p.to(storage_dtype))
+        for p in reference[2].parameters():
+            p.copy_(p.to(storage_dtype))
+    ids = [id(p) for p in model.parameters()]
+    offload(model, storage_dtype=storage_dtype, dtype=torch.float32).remove()
+    assert [id(p) for p in model.parameters()] == ids
+    for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert got.dtype == torch.float32, name
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("weights", "storage", "master", "held"),
+    [
+        (torch.float32, torch.bfloat16, torch.float8_e4m3fn, False),  # would move weights by up to half a unit
+        (torch.float32, torch.bfloat16, torch.bfloat16, False),  # would round them as storage does
+        (torch.float32, torch.float8_e4m3fn, torch.float16, False),
+        (torch.float32, torch.bfloat16, torch.float32, True),
+        (torch.float32, torch.float8_e5m2, torch.float64, True),
+        (torch.bfloat16, torch.float8_e4m3fn, torch.bfloat16, True),  # a bf16 model keeps a bf16 master
+    ],
+    ids=str,
+)
+def test_a_master_dtype_must_hold_the_weights_values_exactly(
+    weights: torch.dtype, storage: torch.dtype, master: torch.dtype, held: bool
+) -> None:
+    model = _mlp().to(weights)
+    before = _state(model)
+    kwargs = {"storage_dtype": storage, "dtype": torch.float32, "master_dtype": master}
+    if not held:
+        for call in (plan_offload, offload):
+            with pytest.raises(TypeError, match=(
+                rf"torchsurgery\.offload: master_dtype must hold the values of the weights it keeps exactly, but "
+                rf"{master} cannot hold those of '1\.0\.weight' \({weights}\); give one that can \(torch\.float64"
+            )):
+                call(model, **kwargs)
+            assert _same_state(before, _state(model))
+        return
+    handle = offload(model, **kwargs)
+    with torch.no_grad():
+        model(torch.randn(2, 1, 8).to(torch.float32))
+    handle.remove()
+    assert _same_state(before, _state(model))  # the master gave every value back
+
+
+def test_a_storage_dtype_with_a_checkpoint_is_refused(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    model = _Tied()
+    path = tmp_path / "tied.safetensors"
+    save_file({k: v for k, v in model.state_dict().items() if k != "head.weight"}, path)
+    before = _state(model)
+    with pytest.raises(ValueError, match="storage_dtype does not apply with storage=.*read from the checkpoint in its own dtype"):
+        offload(model, storage=path, storage_dtype=torch.bfloat16)
+    assert _same_state(before, _state(model))

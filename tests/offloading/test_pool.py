@@ -11,6 +11,7 @@ from torch import nn
 
 import torchsurgery
 from torchsurgery import DevicePool
+from torchsurgery.compact import stored_values
 from torchsurgery.offloading import pool as pool_module
 
 
@@ -20,6 +21,7 @@ def blocks(n: int = 4, d: int = 16) -> nn.Module:
 
 BLOCK = (16 * 16 + 16) * 4  # one block's bytes in fp32
 WHOLE = 4 * BLOCK
+WHOLE64 = 2 * WHOLE + 16 * 16 * 4  # stored in fp64 (lossless), and one weight widened to fp32 for a product
 
 
 def identity_map(model: nn.Module) -> dict[str, tuple[int, torch.device, torch.dtype]]:
@@ -53,7 +55,7 @@ def test_a_model_larger_than_the_room_is_loaded_partly_with_the_same_outputs() -
     model = blocks().requires_grad_(False)
     expected = model(X)
     ids = identity_map(model)
-    pool = DevicePool("cpu", budget=3 * BLOCK)  # whole needs 4 blocks
+    pool = DevicePool("cpu", budget=6 * BLOCK)  # whole needs WHOLE64: 8 blocks' bytes and more
     pool.add(model, storage_dtype=torch.float64, dtype=torch.float32)
     handle = pool.load(model)
     assert pool.state(model) == "partial" and handle.stats().streamed_groups
@@ -63,8 +65,39 @@ def test_a_model_larger_than_the_room_is_loaded_partly_with_the_same_outputs() -
     torch.testing.assert_close(model(X), expected)
 
 
+@pytest.mark.parametrize("where", ["cpu", pytest.param("accelerator", marks=pytest.mark.accelerator)])
+def test_a_model_loaded_with_a_storage_dtype_computes_as_offloaded_whole_or_partly(
+    where: str, request: pytest.FixtureRequest
+) -> None:
+    device = torch.device("cpu") if where == "cpu" else request.getfixturevalue("accelerator")
+    model = blocks()
+    reference = copy.deepcopy(model)
+    x = X.to(device)
+    kwargs: dict[str, Any] = {"storage_dtype": torch.bfloat16, "dtype": torch.float32}
+    with torch.no_grad():
+        handle = torchsurgery.offload(reference, device, **kwargs)
+        expected = reference(x)
+        held = sum(stored_values(p).nbytes for p in reference.parameters())
+        handle.remove()  # the weights keep their bf16 rounding
+    whole = WHOLE // 2 + 16 * 16 * 4  # in bf16, and one weight widened to fp32 for a product
+    for budget, state in ((4 * WHOLE, "whole"), (2 * BLOCK, "partial")):
+        pool = DevicePool(device, budget=budget)
+        pool.add(model, name="m", **kwargs)
+        handle = pool.load(model)
+        stats = pool.stats()["m"]
+        assert (stats.state, stats.total_bytes, stats.largest_group_bytes) == (state, whole, BLOCK // 2)
+        with torch.no_grad():
+            for _ in range(2):  # the second after what the first forward measured
+                torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+        assert sum(stored_values(p).nbytes for p in model.parameters()) == held  # bf16, resident or not
+        assert handle.stats().resident_bytes <= pool.stats()["m"].device_bytes
+        pool.close()
+        for name, value in reference.state_dict().items():  # pushed back as offload's remove() leaves it
+            torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0)
+
+
 def test_loading_again_only_marks_a_use_and_plans_again_when_room_appeared() -> None:
-    pool = DevicePool("cpu", budget=5 * BLOCK)
+    pool = DevicePool("cpu", budget=WHOLE64 + BLOCK)
     a = pool.add(blocks(), name="a", storage_dtype=torch.float64, dtype=torch.float32)
     b = pool.add(blocks(), name="b", storage_dtype=torch.float64, dtype=torch.float32)
     pool.load(a)
@@ -89,7 +122,7 @@ def test_the_pool_is_in_the_undo_log_and_restore_takes_a_model_out() -> None:
 
 
 def test_an_offload_undone_from_outside_leaves_the_model_on_the_host() -> None:
-    pool = DevicePool("cpu", budget=WHOLE)
+    pool = DevicePool("cpu", budget=WHOLE64)
     model = pool.add(blocks(), storage_dtype=torch.float64, dtype=torch.float32)
     handle = pool.load(model)
     handle.remove()
@@ -120,6 +153,21 @@ def test_a_budget_below_what_a_model_needs_is_refused_naming_the_sizes() -> None
     with pytest.raises(ValueError, match=rf"{WHOLE} bytes whole, or {2 * BLOCK} bytes streamed"):
         pool.add(model)
     assert pool.models == [] and torchsurgery.surgery_log(model) == [] and not model._forward_pre_hooks
+
+
+@pytest.mark.parametrize("value", [torch.float8_e8m0fnu, torch.float8_e4m3fnuz, torch.int8, "bf16"], ids=str)
+def test_a_storage_dtype_offload_refuses_is_refused_when_added(value: Any) -> None:
+    pool = DevicePool("cpu")
+    model = blocks()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = identity_map(model)
+    with pytest.raises(TypeError, match=rf"torchsurgery\.DevicePool\.add: storage_dtype must be a dtype weights can "
+                                        rf"be stored in .*torch\.bfloat16.*, got {value!r}"):
+        pool.add(model, storage_dtype=value)
+    assert pool.models == [] and torchsurgery.surgery_log(model) == [] and not model._forward_pre_hooks
+    assert identity_map(model) == ids and [type(m) for m in model.modules()] == [type(m) for m in blocks().modules()]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k])
 
 
 def test_unknown_models_are_refused_naming_the_pool_s_models() -> None:

@@ -9,7 +9,9 @@ All figures are bytes of weights (parameters):
   dtype, or in the file), brought in group by group when the group runs;
 * moved: what was actually brought in: copied to an accelerator, cast to the compute
   dtype, or read from the file;
-* peak: the most bytes ready at once: resident plus what was brought in at the same time.
+* peak: the most bytes ready at once: resident plus what was brought in at the same time
+  (on an accelerator, also the weights the engine keeps there in a storage dtype, which it
+  widens when they are used).
 
 Resident and streamed are read from the parameters themselves, not from the offload
 engine's group labels: on a CPU, a group the engine streams whose weights already sit in
@@ -56,7 +58,7 @@ def figures(
         >>> figures(nn.Linear(4, 4), torch.device("cpu"), torch.float32)
         {'held_bytes': 80, 'resident_bytes': 80, 'streamed_bytes': 0, 'moved_bytes': 0, 'peak_bytes': 80}
     """
-    held = resident = streamed = 0
+    held = resident = streamed = kept = 0
     for p in model.parameters():
         size = stored_values(p).nbytes
         held += 0 if p.is_meta else size
@@ -64,7 +66,8 @@ def figures(
             resident += size
         else:
             streamed += size
+            kept += size if device.type != "cpu" and _ready(p, device, stored_values(p).dtype) else 0
     # the engine's peak counts its own resident groups plus what it brought in at once
     in_flight = stats.peak_device_bytes - stats.resident_bytes if stats is not None else 0
     return {"held_bytes": held, "resident_bytes": resident, "streamed_bytes": streamed, "moved_bytes": moved,
-            "peak_bytes": resident + max(0, in_flight)}
+            "peak_bytes": resident + kept + max(0, in_flight)}

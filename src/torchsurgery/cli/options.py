@@ -14,11 +14,12 @@ from torch import nn
 
 import torchsurgery
 from torchsurgery._names import glob_match, no_match
-from torchsurgery._validate import check_device, dtype_from_name, dtype_name
+from torchsurgery._validate import DTYPES, STORAGE_DTYPES, check_device, dtype_from_name, dtype_name
 from torchsurgery.cli.errors import CliError, parse_size
 from torchsurgery.errors import ArgumentError, BudgetError, NoMatchError, Setting
 
-STORAGE_DTYPES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp8", "float8_e4m3fn")
+STORAGE_NAMES = tuple(n for row in DTYPES if row.dtype in STORAGE_DTYPES for n in (row.short, row.name) if n is not None)
+"""What ``--storage-dtype`` accepts: the short and full names of the dtypes ``offload`` stores weights in."""
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 
 OPTIONS = {
@@ -38,7 +39,7 @@ def as_option(setting: Setting) -> str:
     return f"{OPTIONS.get(setting.arg, setting.arg)} {setting.value}"
 
 
-def parse_dtype(name: str, option: str, accepted: tuple[str, ...] = STORAGE_DTYPES) -> torch.dtype:
+def parse_dtype(name: str, option: str, accepted: tuple[str, ...] = STORAGE_NAMES) -> torch.dtype:
     """``"bf16"`` -> ``torch.bfloat16``, for the names in ``accepted``.
 
     Example:

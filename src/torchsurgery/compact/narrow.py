@@ -1,4 +1,4 @@
-"""Products with a weight stored narrower than the dtype they compute in (CPU).
+"""Products with a weight stored narrower than the dtype they compute in (CPU; an accelerator casts).
 
 :class:`~torchsurgery.compact.tensor.OffloadedTensor` calls :func:`narrow_product` for
 ``F.linear`` and ``torch.addmm`` without gradients. For a few rows (a decoding step) the
@@ -19,6 +19,10 @@ Three paths, each falling back to the next for a (layout, rows, dtype, shape) it
 
 transformers' ``Conv1D`` (weight stored ``[in, out]``, multiplied with ``torch.addmm``)
 keeps its layout: both kernels have a variant that reads that layout front to back.
+
+A narrow weight on an accelerator (one an offload keeps resident there) is widened by one
+cast per product and multiplied as the plain layer multiplies, so it computes exactly as
+the same weight streamed in and cast.
 
 Concurrent forwards from several threads are safe: kernels are shared read-only and each
 thread widens into its own buffer.
@@ -324,12 +328,15 @@ def narrow_product(
     """
     dtype = x.dtype
     rows = x.numel() // max(1, x.shape[-1])
+    host = weight.device.type == "cpu"
     if weight.dtype != dtype:
-        if 0 < rows <= NATIVE_MAX_ROWS:
+        if host and 0 < rows <= NATIVE_MAX_ROWS:
             out = _few_rows(x, rows, weight, bias, transposed, scratch)
             if out is not None:
                 return out
-        weight = scratch.widen(weight, dtype) if scratch is not None else weight.to(dtype)
+        # on an accelerator the widened copy lives for the product only: its allocator reuses
+        # the memory, where a buffer kept per thread would hold it for good
+        weight = scratch.widen(weight, dtype) if scratch is not None and host else weight.to(dtype)
     wide_bias = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
     x2d = x.reshape(rows, x.shape[-1])
     matrix = weight if transposed else weight.t()

@@ -3,8 +3,8 @@
 Weights are kept in *storage* (host memory, optionally in a compact ``storage_dtype``, or
 a checkpoint file) and brought to ``device``/``dtype`` just before their group runs, then
 released. Within a ``budget``, groups whose transfers cannot be hidden behind compute
-stay resident instead. With a storage dtype narrower than the compute dtype it is
-"layerwise casting" and halves the weights' memory.
+stay resident instead, held in the storage dtype too. With a storage dtype narrower than
+the compute dtype it is "layerwise casting" and halves the weights' memory.
 
 Mechanics, chosen so that nothing about the model's identity changes:
 
@@ -24,7 +24,8 @@ Mechanics, chosen so that nothing about the model's identity changes:
 residency, dtypes, checkpoint keys; nothing changes yet), then the :class:`OffloadHandle`
 installs it. Everything is recorded in the model's undo log; :meth:`OffloadHandle.remove`
 (or ``torchsurgery.restore``) puts every tensor back on its device in its dtype, with its
-identity (values are those of the storage dtype when that was narrower).
+identity (values are those of the storage dtype when that was narrower, resident or
+streamed alike; with a ``master_dtype``, the master values: the original ones).
 """
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ from torch import nn
 from torchsurgery import _undo
 from torchsurgery._checkpoint import SafetensorsSource, open_source
 from torchsurgery._swap import swap_blocker, swap_in, wrap_like
-from torchsurgery.compact import ReadContext, Scratch, converted_by, offloaded_like, stored_state
+from torchsurgery.compact import (
+    ReadContext,
+    Scratch,
+    converted_by,
+    offloaded_like,
+    stored_state,
+    stored_values,
+)
 from torchsurgery.offloading.device import OffloadDevice
 from torchsurgery.offloading.packing import FlatLayout, pack_runs, unpack
 from torchsurgery.offloading.plan import (
@@ -227,7 +235,11 @@ class OffloadHandle:
         self._modules = {}
 
     def _conversions(self) -> list[tuple[ParamPlan, torch.Tensor, torch.device, torch.dtype, bool]]:
-        """What moves where before streaming starts: (plan entry, tensor, device, dtype, pin)."""
+        """What moves where before streaming starts: (plan entry, tensor, device, dtype, pin).
+
+        Every weight goes to its storage dtype, resident on the device or in host memory: its
+        values are the same whatever the budget made of it.
+        """
         target, pin = self.plan.device, self.plan.pin_memory
         moves: list[tuple[ParamPlan, torch.Tensor, torch.device, torch.dtype, bool]] = []
         for group in self.plan.groups:
@@ -236,7 +248,7 @@ class OffloadHandle:
                     continue  # converted under its first name; or the file has its values
                 tensor = _param(self._modules, p)
                 if p.residency is Residency.RESIDENT:
-                    moves.append((p, tensor, target, p.compute_dtype, False))
+                    moves.append((p, tensor, target, p.storage_dtype, False))
                 else:
                     moves.append((p, tensor, _STORAGE_DEVICE, p.storage_dtype, pin))
         return moves
@@ -278,21 +290,22 @@ class OffloadHandle:
     def _stream(self, group: GroupPlan) -> None:
         """Patch the group's root module to bring its streamed weights in (and its narrow layers)."""
         packable: list[tuple[_Entry, ParamPlan]] = []
-        others: list[_Entry] = []
+        others: list[tuple[_Entry, ParamPlan]] = []
         for p in group.params:
             owner = self._modules[p.module]
             entry = (owner, p.attr, _param(self._modules, p), p.compute_dtype)
             if p.residency in (Residency.STREAMED, Residency.FILE):
                 packable.append((entry, p))
             elif p.residency is Residency.CONVERTED:
-                others.append(entry)
+                others.append((entry, p))
         if not packable and not others:
             return
         # the slots of one storage dtype next to each other: one host buffer per dtype
         packable.sort(key=lambda ep: str(ep[1].storage_dtype))
         packed = self._pack(group, packable) if packable else None
         entries = [entry for entry, _ in packable]
-        streamer = _GroupStreamer(group.name, entries, others, packed, self._streaming)
+        narrow = [p.shadow_dtype for _, p in packable + others]  # what forwards without gradients read
+        streamer = _GroupStreamer(group.name, entries, [entry for entry, _ in others], packed, self._streaming, narrow)
         module = self._modules[group.name]
         patch(module, _StreamedGroup, streamer)
         _undo.records(module)[-1].internal = True
@@ -308,11 +321,15 @@ class OffloadHandle:
         for p in filter(reads_as_computed, self.plan.params):
             tensor = _param(self._modules, p)
             self._remember(p.name, tensor)
-            swap_in(tensor, offloaded_like(tensor, tensor.detach(), p.compute_dtype, reads=self._reads, shadow_dtype=p.shadow_dtype))
+            self._wrap(tensor, p, tensor.detach())
             owner = self._modules[p.module]
             owners[id(owner)] = owner
         for owner in owners.values():
             self._hooks.append(owner.register_state_dict_post_hook(stored_state))
+
+    def _wrap(self, tensor: torch.Tensor, p: ParamPlan, stored: torch.Tensor) -> None:
+        """Give ``tensor`` (same object) the values ``stored`` (in ``p``'s storage dtype), read as it computes."""
+        swap_in(tensor, offloaded_like(tensor, stored, p.compute_dtype, reads=self._reads, shadow_dtype=p.shadow_dtype))
 
     def _pack(self, group: GroupPlan, packable: list[tuple[_Entry, ParamPlan]]) -> PackedGroup:
         """The group's streamed weights in host buffers (their only host copy), or left in the file."""
@@ -416,18 +433,28 @@ class OffloadHandle:
             packed.fill(buffer)
             views = unpack(buffer, packed.layout)
             values = {id(p): v for (_, _, p, _), v in zip(streamer.packed_entries, views, strict=True)}
+        planned = {id(p.lookup(self.model)): p for p in self.plan.params if p.tied_to is None}
         for _, _, p, dtype in streamer.packed_entries + streamer.other_entries:
-            # same object, now on the device in the compute dtype
-            _swap_to(p, self.device, dtype, data=values.get(id(p)))
+            # same object, now on the device as a group resident from the start holds it: in its
+            # storage dtype, read as it computes; else in the compute dtype
+            q = planned[id(p)]
+            if reads_as_computed(q):
+                self._wrap(p, q, stored_values(p).detach().to(self.device, q.storage_dtype, copy=True))
+            else:
+                _swap_to(p, self.device, dtype, data=values.get(id(p)))
         stats = self._stats
         stats.resident_groups.append(name)
         stats.streamed_groups.remove(name)
-        stats.resident_bytes += streamer.nbytes
+        stats.resident_bytes += next(g.nbytes for g in self.plan.groups if g.name == name)
 
     # ------------------------------------------------------------------ undo
 
     def remove(self) -> nn.Module:
         """Undo the offload: hooks and patches off, every tensor back where it was.
+
+        Each parameter is the same object again, on its device in its dtype. Its values are
+        those it was stored with: rounded to ``storage_dtype`` where that is narrower
+        (resident or streamed alike), the master values with a ``master_dtype``.
 
         All or nothing: every value to put back is read (from the checkpoint file, for
         weights streamed from one) and converted first; if that fails (a file cut short,
@@ -545,9 +572,12 @@ def offload(
             :class:`~torchsurgery.offloading.device.OffloadDevice` (e.g. a simulated one).
         dtype: the compute dtype of floating weights (default: their current dtype).
         storage_dtype: the dtype weights are stored in (e.g. ``torch.bfloat16`` or
-            ``torch.float8_e4m3fn``); modules selected by ``skip`` keep theirs.
-        budget: device bytes the weights may take, next to the ``prefetch + 1`` largest
-            streamed groups in flight. A model that fits is kept whole. Otherwise the
+            ``torch.float8_e4m3fn``), resident on the device or streamed: they compute with
+            the same values whatever the budget keeps resident; modules selected by ``skip``
+            keep theirs. One of ``float64``, ``float32``, ``float16``, ``bfloat16``,
+            ``float8_e4m3fn``, ``float8_e5m2``.
+        budget: device bytes the weights may take as stored, next to the ``prefetch + 1``
+            largest streamed groups in flight. A model that fits is kept whole. Otherwise the
             groups that stream through the ring are measured on the first forward and
             those whose transfers cannot be hidden behind compute are kept resident
             (:func:`~torchsurgery.offloading.planner.plan_residency`); groups served by the
@@ -561,12 +591,16 @@ def offload(
         master_dtype: for training: the parameters themselves stay in this dtype (what
             the optimizer updates and gradients land in) and the engine keeps a
             ``storage_dtype`` copy for forwards without gradients, refreshed whenever a
-            parameter changes. ``None``: the parameters are stored in ``storage_dtype``.
+            parameter changes (a resident weight holds both on the device). It must hold
+            the parameters' values exactly (``torch.float32`` for an fp32 model), so that
+            ``remove()`` gives them back. ``None``: the parameters are stored in
+            ``storage_dtype``, and keep its rounding after ``remove()``.
         storage: a safetensors checkpoint (file, sharded ``*.index.json`` or folder) with
             the model's weights under its ``state_dict`` names: streamed groups are then
             read from it on demand instead of being held in memory (for models larger than
             RAM; inference only). The parameters are ``meta`` while offloaded; a model built
-            with :func:`~torchsurgery.skeleton` can be offloaded straight from its file.
+            with :func:`~torchsurgery.skeleton` can be offloaded straight from its file. The
+            weights are then stored in the file's dtypes (no ``storage_dtype``).
 
     Returns:
         An :class:`OffloadHandle` (``plan``, ``stats()``, ``remove()``, context manager).
@@ -574,10 +608,13 @@ def offload(
         installing it.
 
     Raises:
-        TypeError: an argument of the wrong kind, or a module to keep in another dtype carries
-            a patch that reads weight memory directly (``__patch_needs_plain_weights__``).
+        TypeError: an argument of the wrong kind; a ``storage_dtype`` or ``master_dtype``
+            weights cannot be stored in, or a master dtype that cannot hold the values of a
+            weight it keeps; or a module to keep in another dtype carries a patch that reads
+            weight memory directly (``__patch_needs_plain_weights__``).
         ValueError: a device that does not exist, ``pin_memory=True`` where host memory
-            cannot be pinned, a budget below the largest group, an unknown group name.
+            cannot be pinned, a budget below the largest group, an unknown group name, a
+            ``storage_dtype`` with a checkpoint ``storage``.
         RuntimeError: the model is already offloaded (by torchsurgery, accelerate or diffusers).
 
     Example:

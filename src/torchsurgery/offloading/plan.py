@@ -26,7 +26,14 @@ from torchsurgery import _undo
 from torchsurgery._checkpoint import SafetensorsSource, open_source
 from torchsurgery._format import human_bytes
 from torchsurgery._tensor_layout import ALIGNMENT, align
-from torchsurgery._validate import check_bytes, check_dtype, dtype_name
+from torchsurgery._validate import (
+    STORAGE_DTYPES,
+    check_bytes,
+    check_dtype,
+    check_storage_dtype,
+    dtype_name,
+    holds_exactly,
+)
 from torchsurgery.compact import is_matmul_layer, plain_reader
 from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, BudgetError, Setting
 from torchsurgery.offloading.device import OffloadDevice, resolve_device
@@ -64,7 +71,8 @@ class Residency(enum.Enum):
     """
 
     RESIDENT = "resident"
-    """On the device in the compute dtype for as long as the offload lasts."""
+    """On the device in its storage dtype (with a master: the master and its narrow copy) for as
+    long as the offload lasts."""
     STREAMED = "streamed"
     """In its group's flat host buffer (storage dtype), copied in through the ring of device buffers."""
     FILE = "file"
@@ -86,14 +94,15 @@ class ParamPlan:
         name: qualified name (``"blocks.0.fc.weight"``).
         module: qualified name of the module holding it.
         attr: its name in that module.
-        storage_dtype: the dtype it is kept in while offloaded (in the file: the file's).
+        storage_dtype: the dtype it is kept in while offloaded, resident or not (in the file:
+            the file's).
         compute_dtype: the dtype its group computes with.
         shadow_dtype: with a ``master_dtype``: the dtype of the narrow copy that serves
             forwards without gradients (``None``: no copy).
         residency: where its values live while offloaded.
         file_key: its key in the checkpoint file, where it is read from there.
         tied_to: the name of the first occurrence of the same parameter, if this is not it.
-        nbytes: its bytes in the compute dtype.
+        nbytes: its bytes in the compute dtype (what a read of it widens to).
 
     Example:
         >>> import torch
@@ -137,16 +146,21 @@ class GroupPlan:
     Attributes:
         name: qualified name of the group's root module (``""``: the model).
         resident: kept on the device from the start (more may follow from measurements).
-        nbytes: its parameters' bytes in the compute dtype (tied ones counted once, in
-            the first group holding them).
+        nbytes: its parameters' bytes as they are held on the device when resident: in
+            their storage dtype, and a master's narrow copy besides (tied ones counted
+            once, in the first group holding them; see :func:`held_bytes`).
         params: its parameters, in module order.
 
     Example:
+        >>> import torch
         >>> from torch import nn
         >>> import torchsurgery
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
         >>> [(g.name, g.nbytes) for g in torchsurgery.plan_offload(model, groups="leaves").groups]
         [('0', 24), ('1', 24)]
+        >>> plan = torchsurgery.plan_offload(model, groups="leaves", storage_dtype=torch.bfloat16, dtype=torch.float32)
+        >>> [(g.name, g.nbytes) for g in plan.groups]  # held in bf16
+        [('0', 12), ('1', 12)]
     """
 
     name: str
@@ -177,7 +191,7 @@ class OffloadPlan:
         >>> import torchsurgery
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
         >>> print(torchsurgery.plan_offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32))
-        offload to cpu: 2 groups (0 resident), 112 B of weights in the compute dtype; budget none, prefetch 1, host memory not pinned
+        offload to cpu: 2 groups (0 resident), 72 B of weights as stored; budget none, prefetch 1, host memory not pinned
         group  parameter  residency  storage   compute  shadow  file key
         0      0.weight   narrow     bfloat16  float32  -       -
         0      0.bias     narrow     bfloat16  float32  -       -
@@ -205,7 +219,7 @@ class OffloadPlan:
         budget = "none" if self.budget is None else human_bytes(self.budget, binary=True)
         head = (
             f"offload to {self.device}: {len(self.groups)} groups ({resident} resident), "
-            f"{human_bytes(total, binary=True)} of weights in the compute dtype; budget {budget}, "
+            f"{human_bytes(total, binary=True)} of weights as stored; budget {budget}, "
             f"prefetch {self.prefetch}, host memory {'pinned' if self.pin_memory else 'not pinned'}"
         )
         rows = [("group", "parameter", "residency", "storage", "compute", "shadow", "file key")]
@@ -258,6 +272,7 @@ def _check_options(
     pin_memory: bool | None,
     skip: Callable[[nn.Module, str], bool] | None,
     groups: object,
+    storage: object,
 ) -> _Options:
     """Every argument checked, in the order a user would fix them."""
     _undo.check_not_compiling("offload")
@@ -265,8 +280,15 @@ def _check_options(
     _undo.check_idle(model, _WHAT)
     seam = resolve_device(device, _WHAT)
     compute = check_dtype(dtype, _WHAT, "dtype")
-    stored = check_dtype(storage_dtype, _WHAT, "storage_dtype")
-    master = check_dtype(master_dtype, _WHAT, "master_dtype")
+    stored = check_storage_dtype(storage_dtype, _WHAT)
+    master = check_storage_dtype(master_dtype, _WHAT, "master_dtype")
+    if stored is not None and storage is not None:
+        # streamed weights are read in the file's dtype: resident ones must not differ from them
+        raise ArgumentValueError(
+            _WHAT, "storage_dtype", stored,
+            f"does not apply with storage={storage!r}: the weights are read from the checkpoint in its own dtype",
+            "leave out storage_dtype (dtype= sets the compute dtype)",
+        )
     check_bytes(budget, _WHAT, "budget")
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise ArgumentValueError(_WHAT, "prefetch", prefetch, f"must be an int >= 0, got {prefetch!r}")
@@ -301,9 +323,15 @@ def _members(named: dict[str, nn.Module], names: list[str]) -> dict[str, list[st
     return members
 
 
-def _collect(named: dict[str, nn.Module], names: list[str], options: _Options) -> list[GroupPlan]:
-    """The groups with their parameters' dtypes (residency filled in later)."""
-    skip = options.skip
+def _collect(
+    named: dict[str, nn.Module],
+    names: list[str],
+    dtype: torch.dtype | None,
+    storage_dtype: torch.dtype | None,
+    master_dtype: torch.dtype | None,
+    skip: Callable[[nn.Module, str], bool] | None,
+) -> list[GroupPlan]:
+    """The groups with their parameters' dtypes and held bytes (residency filled in later)."""
     # a weight keeps its dtype when any module holding it is skipped (e.g. tied to an embedding)
     kept = {id(p) for q, m in named.items() if skip is not None and skip(m, q) for p in m.parameters(recurse=False)}
     first: dict[int, str] = {}  # parameter -> its first qualified name, while planning only
@@ -315,21 +343,82 @@ def _collect(named: dict[str, nn.Module], names: list[str], options: _Options) -
                 if p is None:
                     continue
                 floating = p.is_floating_point()
-                compute = options.dtype if (options.dtype is not None and floating) else p.dtype
-                stored = options.storage_dtype if (options.storage_dtype is not None and floating and id(p) not in kept) else compute
-                shadow = None
-                if stored != compute and options.master_dtype is not None:
-                    shadow, stored = stored, options.master_dtype  # the parameter keeps the master dtype
+                compute = dtype if (dtype is not None and floating) else p.dtype
+                stored = storage_dtype if (storage_dtype is not None and floating and id(p) not in kept) else compute
                 name = f"{qual}.{attr}" if qual else attr
+                shadow = None
+                if stored != compute and master_dtype is not None:
+                    _check_master_holds(master_dtype, name, p.dtype)
+                    shadow, stored = stored, master_dtype  # the parameter keeps the master dtype
                 tied = first.setdefault(id(p), name)
-                nbytes = p.numel() * compute.itemsize
-                group.params.append(ParamPlan(name, qual, attr, stored, compute, shadow, Residency.STREAMED, None,
-                                              tied if tied != name else None, nbytes))
+                entry = ParamPlan(name, qual, attr, stored, compute, shadow, Residency.STREAMED, None,
+                                  tied if tied != name else None, p.numel() * compute.itemsize)
+                group.params.append(entry)
                 if tied == name:
-                    group.nbytes += nbytes
+                    group.nbytes += held_bytes(entry)
         if group.params:
             plan.append(group)
     return plan
+
+
+def _check_master_holds(master: torch.dtype, name: str, dtype: torch.dtype) -> None:
+    """Refuse a master dtype that would round the values it keeps (``remove()`` gives them back)."""
+    if not holds_exactly(master, dtype):
+        choices = ", ".join(str(d) for d in STORAGE_DTYPES if holds_exactly(d, dtype))
+        raise ArgumentTypeError(
+            _WHAT, "master_dtype", master,
+            f"must hold the values of the weights it keeps exactly, but {master} cannot hold those of {name!r} "
+            f"({dtype}); give one that can ({choices}), or leave master_dtype out",
+        )
+
+
+def held_bytes(p: ParamPlan) -> int:
+    """Device bytes ``p`` takes resident: its values in its storage dtype, and a master's narrow copy besides.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> plan = torchsurgery.plan_offload(nn.Linear(4, 4, bias=False), storage_dtype=torch.bfloat16,
+        ...                                  master_dtype=torch.float32, dtype=torch.float32)
+        >>> held_bytes(plan.params[0])  # 16 fp32 master values and their 16 bf16 copies
+        96
+    """
+    numel = p.nbytes // p.compute_dtype.itemsize
+    return numel * (p.storage_dtype.itemsize + (p.shadow_dtype.itemsize if p.shadow_dtype is not None else 0))
+
+
+def _widened_bytes(p: ParamPlan) -> int:
+    """What a read of ``p`` widens it to for a product (its compute dtype), where it is held in another dtype."""
+    return p.nbytes if p.tied_to is None and (p.storage_dtype != p.compute_dtype or p.shadow_dtype is not None) else 0
+
+
+def sizes(
+    model: nn.Module,
+    what: str,
+    *,
+    dtype: torch.dtype | None,
+    storage_dtype: torch.dtype | None,
+    groups: str | Sequence[str],
+    skip: Callable[[nn.Module, str], bool] | None,
+) -> tuple[int, int]:
+    """Device bytes ``model`` takes kept whole (:func:`whole_bytes`) and its largest group's, as held.
+
+    What an offload with these arguments counts against its budget; the dtypes are checked
+    by the caller.
+    """
+    named = dict(model.named_modules())
+    plan = _collect(named, find_groups(model, groups, what), dtype, storage_dtype, None, skip)
+    return whole_bytes(plan), max((g.nbytes for g in plan), default=0)
+
+
+def whole_bytes(groups: Sequence[GroupPlan]) -> int:
+    """Device bytes the groups take kept whole: their weights as held, and the largest widened for a product.
+
+    A weight held in another dtype than it computes in is widened for each product that
+    reads it, one at a time: the widest such copy is part of what the model takes.
+    """
+    return sum(g.nbytes for g in groups) + max((_widened_bytes(p) for g in groups for p in g.params), default=0)
 
 
 def _reads_narrow(named: dict[str, nn.Module], group: GroupPlan, p: ParamPlan, options: _Options) -> bool:
@@ -347,9 +436,11 @@ def _route(named: dict[str, nn.Module], groups: list[GroupPlan], options: _Optio
         for p in group.params:
             first = where.get(p.tied_to) if p.tied_to else None
             host = options.device.host_compute
+            plain = type(_param(named, p)) in (torch.Tensor, nn.Parameter)
             if group.resident or (first is not None and first[0] is Residency.RESIDENT):
-                p.residency = Residency.RESIDENT
-                p.storage_dtype, p.shadow_dtype = p.compute_dtype, None  # kept as it computes
+                p.residency = Residency.RESIDENT  # in its storage dtype, as when it streams
+                if not plain:  # a tensor subclass is not wrapped to read as it computes: kept as it computes
+                    p.storage_dtype, p.shadow_dtype = p.compute_dtype, None
             elif from_file:
                 p.residency = Residency.FILE
             elif _reads_narrow(named, group, p, options):
@@ -358,7 +449,7 @@ def _route(named: dict[str, nn.Module], groups: list[GroupPlan], options: _Optio
                 p.residency = Residency.IN_PLACE
             elif first is not None and first[1] != group.name:
                 p.residency = Residency.CONVERTED  # its host copy is in the first group's buffer
-            elif type(_param(named, p)) not in (torch.Tensor, nn.Parameter):
+            elif not plain:
                 p.residency = Residency.CONVERTED  # a tensor subclass is not packed into bytes
             else:
                 p.residency = Residency.STREAMED
@@ -369,12 +460,13 @@ def _route(named: dict[str, nn.Module], groups: list[GroupPlan], options: _Optio
 def reads_as_computed(p: ParamPlan) -> bool:
     """Whether ``p`` becomes an :class:`~torchsurgery.compact.tensor.OffloadedTensor` (under its first name).
 
-    Weights kept in host memory in another dtype than they compute in (or next to a narrow
-    shadow) do, so that they read as the compute dtype; the others already do.
+    Weights kept in another dtype than they compute in (or next to a narrow shadow), in host
+    memory or resident on the device, do, so that they read as the compute dtype and their
+    values are those of the storage dtype wherever they live; the others already do.
     """
     return (
         p.tied_to is None
-        and p.residency in (Residency.NARROW, Residency.STREAMED)
+        and p.residency in (Residency.NARROW, Residency.STREAMED, Residency.RESIDENT)
         and (p.storage_dtype != p.compute_dtype or p.shadow_dtype is not None)
     )
 
@@ -415,8 +507,9 @@ def streaming_bytes(group: GroupPlan) -> tuple[int, int]:
 
     Returns:
         (its ring slot: the weights the ring carries, in their storage dtype, each aligned
-        as the ring packs them; what a run adds: casts to the compute dtype and the weights
-        converted at each run, such as a tied weight another group holds).
+        as the ring packs them; what a run adds: casts to the compute dtype, the weights
+        converted at each run, such as a tied weight another group holds, and the widest of
+        the weights read narrow in place, widened for a product).
 
     Example:
         >>> import torch
@@ -430,20 +523,21 @@ def streaming_bytes(group: GroupPlan) -> tuple[int, int]:
     end = per_run = 0
     for p in sorted(ring, key=lambda p: str(p.storage_dtype)):  # the order the engine packs them in
         end = align(end, ALIGNMENT) + p.nbytes // p.compute_dtype.itemsize * p.storage_dtype.itemsize
-        if p.storage_dtype != p.compute_dtype:
+        if p.storage_dtype != p.compute_dtype or p.shadow_dtype is not None:  # cast (a master: through its copy's dtype)
             per_run += p.nbytes
     per_run += sum(p.nbytes for p in group.params if p.residency is Residency.CONVERTED)
-    return end, per_run
+    in_place = (p for p in group.params if p.residency in (Residency.NARROW, Residency.RESIDENT))
+    return end, per_run + max(map(_widened_bytes, in_place), default=0)
 
 
 def in_flight_reserve(groups: Sequence[GroupPlan], prefetch: int) -> tuple[dict[str, int], int]:
     """What a budget keeps for streaming ``groups``: each group's size as the planner counts
-    it (the larger of its resident bytes and its ring slot) and the most a run adds.
+    it (the larger of its bytes held resident and its ring slot) and the most a run adds.
 
     The planner's ``prefetch + 1`` largest sizes then cover the ring (whose slots are sized
-    for the largest group streamed), and the run's additions are kept aside. A group stored
-    wider than it computes is counted at its slot's size also as a resident group (more than
-    it then takes): the budget holds, at the price of some residency.
+    for the largest group streamed), and the run's additions are kept aside. Both sizes are
+    in the storage dtype: a slot is larger by the alignment of its tensors, a resident group
+    with a master by the narrow copies it holds besides.
     """
     sizes = {g.name: max(g.nbytes, streaming_bytes(g)[0]) for g in groups}
     return sizes, max((streaming_bytes(g)[1] for g in groups), default=0)
@@ -457,7 +551,7 @@ def _choose_residency(named: dict[str, nn.Module], groups: list[GroupPlan], opti
     if budget is None:
         return None, None
     _check_budget_holds_largest(budget, groups, options.finer_groups)
-    if sum(g.nbytes for g in groups) <= budget:
+    if whole_bytes(groups) <= budget:
         for g in groups:
             g.resident = True  # never offload a model that fits
         return budget, None
@@ -527,14 +621,17 @@ def plan_offload(
         model: the model to plan for.
         device: where the computation would run.
         dtype: compute dtype of floating weights (default: theirs).
-        storage_dtype: the dtype weights would be stored in (``skip`` keeps theirs).
+        storage_dtype: the dtype weights would be stored in, resident or streamed (``skip``
+            keeps theirs).
         budget: device bytes the weights may take.
         prefetch: groups brought in ahead.
         pin_memory: pin host storage (default: on an accelerator that can).
         groups: ``"blocks"``, ``"leaves"`` or a list of qualified module names.
         skip: ``(module, name) -> bool``; selected modules keep their own dtype.
-        master_dtype: the dtype parameters keep for training, next to a narrow copy.
-        storage: a safetensors checkpoint to stream weights from.
+        master_dtype: the dtype parameters keep for training, next to a narrow copy; it
+            must hold their values exactly.
+        storage: a safetensors checkpoint to stream weights from (the weights are then
+            stored in its dtypes: no ``storage_dtype``).
 
     See :func:`~torchsurgery.offload` for what each argument does in full.
 
@@ -543,11 +640,15 @@ def plan_offload(
         shadow dtypes, the residency and the checkpoint key; ``print()`` it for a table.
 
     Raises:
-        TypeError: an argument of the wrong kind, or a module to keep in another dtype carries
-            a patch that reads weight memory directly (``__patch_needs_plain_weights__``).
+        TypeError: an argument of the wrong kind; a ``storage_dtype`` or ``master_dtype`` that
+            is not one of :data:`~torchsurgery._validate.STORAGE_DTYPES`, or a master dtype that
+            cannot hold the values of a weight it keeps (``torch.float8_e4m3fn`` for fp32
+            weights); or a module to keep in another dtype carries a patch that reads weight
+            memory directly (``__patch_needs_plain_weights__``).
         ValueError: a device that does not exist, ``pin_memory=True`` where host memory
             cannot be pinned, a budget below the largest group, an unknown group name,
-            weights without values and no checkpoint, a checkpoint lacking weights.
+            weights without values and no checkpoint, a checkpoint lacking weights, a
+            ``storage_dtype`` with a checkpoint.
         RuntimeError: the model is already offloaded (by torchsurgery, accelerate or diffusers).
 
     Example:
@@ -563,10 +664,10 @@ def plan_offload(
         torch.float32
     """
     options = _check_options(
-        model, device, dtype, storage_dtype, master_dtype, budget, prefetch, pin_memory, skip, groups
+        model, device, dtype, storage_dtype, master_dtype, budget, prefetch, pin_memory, skip, groups, storage
     )
     named = dict(model.named_modules())
-    plan = _collect(named, find_groups(model, groups, _WHAT), options)
+    plan = _collect(named, find_groups(model, groups, _WHAT), options.dtype, options.storage_dtype, options.master_dtype, options.skip)
     if not plan:
         raise ValueError(f"{_WHAT}: the model has no parameters to offload")
     if storage is None:

@@ -13,12 +13,14 @@ exact undo, so parameters keep their identity and every step is in the model's u
 log (a pool entry, and above it the offload while loaded); ``torchsurgery.restore``
 takes a model out of its pool.
 
-Sizes are counted as the weights take them on the device, in their compute dtype; the
-device footprint of a streamed model is its resident groups plus ``prefetch + 1`` of
-its largest group in flight. The device is the CPU or the accelerator PyTorch reports
+Sizes are counted as the weights take them on the device, as the offload's budget counts
+them: in their storage dtype (the compute dtype where none is given), and the widest
+weight stored in another dtype than it computes in once more, widened for a product; the device
+footprint of a streamed model is its resident groups plus ``prefetch + 1`` of its largest
+group in flight. The device is the CPU or the accelerator PyTorch reports
 (``torch.accelerator``: CUDA, ROCm, XPU, MPS or a registered backend), whose free memory
 comes from its own statistics. On a CPU device the limit works the same way (the
-"device" is host memory holding the compute-dtype copies); ``keep_free`` there is
+"device" is host memory holding the weights as loaded); ``keep_free`` there is
 measured against the host's available memory.
 """
 
@@ -36,10 +38,9 @@ import torch
 from torch import nn
 
 from torchsurgery import _undo
-from torchsurgery._validate import check_bytes, check_device
+from torchsurgery._validate import check_bytes, check_device, check_dtype, check_storage_dtype
 from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle, OffloadRecord, offload
-from torchsurgery.offloading.grouping import find_groups
-from torchsurgery.offloading.plan import already_offloaded
+from torchsurgery.offloading.plan import already_offloaded, sizes
 from torchsurgery.offloading.stats import OffloadStats
 
 __all__ = ["DevicePool", "PoolStats"]
@@ -91,8 +92,9 @@ class PoolStats:
     Attributes:
         name: the model's name in the pool.
         state: ``"host"``, ``"whole"`` (every weight on the device) or ``"partial"``.
-        total_bytes: the model's weights in their compute dtype.
-        largest_group_bytes: its largest offload group, in the compute dtype.
+        total_bytes: what the model takes on the device kept whole: its weights as stored
+            (see the module's docs).
+        largest_group_bytes: its largest offload group, as stored.
         device_bytes: what the pool counts the model as taking on the device now.
         loads: how often it was brought to the device.
         pushed_back: how often it went back to the host to make room for another model.
@@ -223,24 +225,6 @@ def _detached_record(name: str, seq: int) -> PoolRecord:
     return record
 
 
-def _sizes(model: nn.Module, groups: str | Sequence[str], dtype: torch.dtype | None) -> tuple[int, int]:
-    """The model's weight bytes in the compute dtype, and those of its largest group."""
-    names = find_groups(model, groups, _WHAT)
-    owner: dict[int, str] = {}
-    for qual, module in model.named_modules():
-        group = max((g for g in names if g == "" or qual == g or qual.startswith(f"{g}.")), key=len, default=None)
-        if group is None:
-            continue
-        for p in module.parameters(recurse=False):
-            owner.setdefault(id(p), group)
-    per_group = dict.fromkeys(names, 0)
-    for p in {id(p): p for p in model.parameters()}.values():
-        if id(p) in owner:
-            size = (dtype if dtype is not None and p.is_floating_point() else p.dtype).itemsize
-            per_group[owner[id(p)]] += p.numel() * size
-    return sum(per_group.values()), max(per_group.values(), default=0)
-
-
 class DevicePool:
     """Several models sharing one device within a limit; least recently used go back first.
 
@@ -259,7 +243,7 @@ class DevicePool:
         >>> import torch
         >>> from torch import nn
         >>> import torchsurgery
-        >>> pool = torchsurgery.DevicePool("cpu", budget=1000)
+        >>> pool = torchsurgery.DevicePool("cpu", budget=600)  # a model takes 832 bytes whole in bf16
         >>> a = pool.add(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), name="a", storage_dtype=torch.bfloat16, dtype=torch.float32)
         >>> b = pool.add(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), name="b", storage_dtype=torch.bfloat16, dtype=torch.float32)
         >>> _ = pool.load(a), pool.load(b)  # b does not fit next to a: a goes back to the host
@@ -311,7 +295,8 @@ class DevicePool:
             model: the model (changed in place when loaded; nothing is copied).
             name: its name in :meth:`stats` (default: its class name, numbered if taken).
             dtype: compute dtype, as for :func:`~torchsurgery.offload`.
-            storage_dtype: storage dtype while loaded, as for :func:`~torchsurgery.offload`.
+            storage_dtype: storage dtype while loaded, resident or streamed, as for
+                :func:`~torchsurgery.offload`.
             groups: offload groups, as for :func:`~torchsurgery.offload`.
             skip: modules that keep their dtype, as for :func:`~torchsurgery.offload`.
             prefetch: groups brought in ahead when streamed.
@@ -321,13 +306,17 @@ class DevicePool:
             ``model``.
 
         Raises:
+            TypeError: a ``dtype`` or ``storage_dtype`` :func:`~torchsurgery.offload` refuses.
             ValueError: the model is in a pool already, the name is taken, or the budget
                 is below what the model needs to run streamed.
             RuntimeError: the model is offloaded already (by torchsurgery, accelerate or
                 diffusers), or the device is gone.
         """
         self._check_alive("add")
-        _undo.check_module(model, f"{_WHAT}.add")
+        what = f"{_WHAT}.add"
+        _undo.check_module(model, what)
+        check_dtype(dtype, what, "dtype")
+        check_storage_dtype(storage_dtype, what)
         for record in _undo.records(model):
             if isinstance(record, PoolRecord) and record.pool is None:
                 record.undo(model)  # a copy of a pooled model: the record it carried is stale
@@ -348,7 +337,7 @@ class DevicePool:
             raise ValueError(f"{_WHAT}.add: name {name!r} is taken or not a string; the pool holds {sorted(taken)}")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"{_WHAT}.add: prefetch must be an int >= 0, got {prefetch!r}")
-        total, largest = _sizes(model, groups, dtype)
+        total, largest = sizes(model, what, dtype=dtype, storage_dtype=storage_dtype, groups=groups, skip=skip)
         options = {"dtype": dtype, "storage_dtype": storage_dtype, "groups": groups, "skip": skip,
                    "prefetch": prefetch, "pin_memory": pin_memory}
         entry = _Entry(model, name, options, total, largest)
@@ -369,7 +358,10 @@ class DevicePool:
         return model
 
     def discard(self, model: nn.Module) -> nn.Module:
-        """Take ``model`` out of the pool, back on the host exactly as it was added.
+        """Take ``model`` out of the pool, back on the host as it was added.
+
+        The same parameter objects in their dtypes; after a load with a ``storage_dtype``
+        their values keep its rounding, as after :meth:`~torchsurgery.OffloadHandle.remove`.
 
         Returns:
             ``model``.

@@ -12,7 +12,8 @@ class OffloadStats:
     """What an offloaded model did so far.
 
     Attributes:
-        bytes_moved: bytes brought to the device (or cast) for streamed groups.
+        bytes_moved: bytes brought to the device (or read for a cast) for streamed groups
+            and narrow weights, as they are stored (bf16 bytes for bf16 storage).
         transfers: number of group materialisations.
         seconds_waiting: time the computation spent waiting for transfers and casts
             (on a device with streams: between events on its stream, so a prefetched

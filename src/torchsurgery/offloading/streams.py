@@ -417,8 +417,20 @@ class _EndForward:
             after()
 
 
+def _through(narrow: torch.dtype | None) -> torch.dtype | None:
+    """The dtype a weight's values are rounded to on their way in: its narrow copy's (a master's
+    shadow dtype), in forwards without gradients only (those that record gradients read the master)."""
+    return narrow if narrow is not None and not torch.is_grad_enabled() else None
+
+
 class _GroupStreamer:
-    """Brings one group's weights in for its forward and puts the stored ones back after."""
+    """Brings one group's weights in for its forward and puts the stored ones back after.
+
+    ``narrow`` gives, for each entry of ``packed_entries + other_entries``, the dtype of its
+    narrow copy where it keeps a master (``None`` elsewhere): forwards without gradients read
+    the master rounded to it, as they read a resident weight's copy, so a weight computes the
+    same whether it streams or stays resident.
+    """
 
     def __init__(
         self,
@@ -427,13 +439,18 @@ class _GroupStreamer:
         other_entries: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]],
         packed: PackedGroup | None,
         streaming: _Streaming,
+        narrow: list[torch.dtype | None] | None = None,
     ) -> None:
         self.name = name
         self.packed_entries = packed_entries
         self.other_entries = other_entries
+        self.narrow = narrow if narrow is not None else [None] * (len(packed_entries) + len(other_entries))
         self.packed = packed
         self.streaming = streaming
-        self.nbytes = sum(p.numel() * dtype.itemsize for _, _, p, dtype in packed_entries + other_entries)
+        # bytes brought in per run, as they are stored (what crosses the link, and what the plan
+        # counts): the packed slots, and the weights converted directly
+        self.nbytes = sum(s.nbytes for s in packed.layout.slots) if packed is not None else 0
+        self.nbytes += sum(stored_values(p).nbytes for _, _, p, _ in other_entries)
         self.depth = 0
         self.slot: int | None = None
         self.measure: _Measure | None = None
@@ -453,7 +470,8 @@ class _GroupStreamer:
         streaming.order.ran(self.name)
         copy = None
         try:
-            direct = self.other_entries
+            entries = list(zip(self.packed_entries + self.other_entries, self.narrow, strict=True))
+            direct = entries[len(self.packed_entries):]
             if self.packed is not None and self.packed.from_file and torch.is_grad_enabled():
                 raise RuntimeError(
                     f"torchsurgery.offload: group {self.name!r} streams from a checkpoint file, which "
@@ -467,15 +485,20 @@ class _GroupStreamer:
                 self.slot, views, copy = streaming.ring.enter(self.packed, upcoming)
                 if self.slot < 0:  # every slot busy: a temporary buffer
                     fresh += self.packed.layout.nbytes
-                for (owner, pname, _, dtype), view in zip(self.packed_entries, views, strict=True):
+                for ((owner, pname, _, dtype), narrow), view in zip(entries, views, strict=False):  # the packed ones
+                    through = _through(narrow)
+                    if through is not None:
+                        view = view.to(through)
                     if view.dtype != dtype:
                         view = view.to(dtype)
                         fresh += view.nbytes
                     owner._parameters[pname] = view  # type: ignore[assignment]
             else:
-                direct = self.packed_entries + self.other_entries  # autograd keeps these until backward
-            for owner, pname, p, dtype in direct:
-                owner._parameters[pname] = p.to(device=device.device, dtype=dtype, non_blocking=True)  # type: ignore[assignment]
+                direct = entries  # autograd keeps these until backward
+            for (owner, pname, p, dtype), narrow in direct:
+                through = _through(narrow)
+                value = p.to(device=device.device, dtype=through or dtype, non_blocking=True)
+                owner._parameters[pname] = value if value.dtype == dtype else value.to(dtype)  # type: ignore[assignment]
                 fresh += p.numel() * dtype.itemsize
         except BaseException:
             self.depth = 1
@@ -533,8 +556,10 @@ class _StreamedGroup(Patch, nn.Module):
             # the group computes with plain weights, as its eager forward does
             entries = streamer.packed_entries + streamer.other_entries
             device = streamer.streaming.device.device
-            for owner, pname, p, dtype in entries:
-                owner._parameters[pname] = torch.ops.aten._to_copy.default(p, device=device, dtype=dtype)
+            for (owner, pname, p, dtype), narrow in zip(entries, streamer.narrow, strict=True):
+                through = _through(narrow)
+                value = torch.ops.aten._to_copy.default(p, device=device, dtype=through or dtype)
+                owner._parameters[pname] = value if through is None else torch.ops.aten._to_copy.default(value, dtype=dtype)
             try:
                 return super().forward(*args, **kwargs)
             finally:
