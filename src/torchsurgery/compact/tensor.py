@@ -61,6 +61,9 @@ _STORED, _READS, _SHADOW = "_torchsurgery_stored", "_torchsurgery_reads", "_torc
 _COUNTER = "_torchsurgery_counter"  # the stored tensor whose version counter counts writes (see _written_in_place)
 
 
+_ONE_BYTE_FLOATS = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+
+
 class ReadCounts(Protocol):
     """Where narrow reads are counted (an offload's statistics)."""
 
@@ -274,7 +277,13 @@ class OffloadedTensor(torch.Tensor):
         shadow: Shadow | None = d[_SHADOW]
         extras = {k: v for k, v in d.items() if k not in (_STORED, _READS, _SHADOW, _COUNTER)}
         shadow_dtype = shadow.copy.dtype if shadow is not None else None
-        args = (d[_STORED], self.dtype, self.requires_grad, d[_READS], shadow_dtype, extras, self.storage_offset())
+        stored: torch.Tensor = d[_STORED]
+        # torch's pickle cannot load fp8 values back (its legacy loader wants a typed storage):
+        # their bytes go as uint8, the same memory, and are viewed as fp8 again
+        as_bytes = stored.dtype in _ONE_BYTE_FLOATS
+        values = stored.view(torch.uint8) if as_bytes else stored
+        args = (values, self.dtype, self.requires_grad, d[_READS], shadow_dtype, extras, self.storage_offset(),
+                stored.dtype if as_bytes else None)
         return (_rebuild, args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OffloadedTensor:
@@ -301,8 +310,11 @@ class OffloadedTensor(torch.Tensor):
     ) -> Any:
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():  # the handlers' reads of the weight's fields, too
-            # the compiler describes the wrapper itself (its own storage), then traces inside
-            method = None if torch.compiler.is_compiling() else _METHODS.get(func)
+            if torch.compiler.is_compiling():
+                # the compiler describes the wrapper itself (its own storage) and traces every
+                # op, products included, down to __torch_dispatch__: nothing of this runs per call
+                return func(*args, **kwargs)
+            method = _METHODS.get(func)
             if method is not None:
                 return method(*args, **kwargs)
             product = _PRODUCTS.get(func)
@@ -327,6 +339,18 @@ class OffloadedTensor(torch.Tensor):
         return _widened(func, args, kwargs)
 
 
+# Compiled code inlines the weight's __torch_function__ into its graph. Called from eager
+# code that a compiled function runs (a hook between two graphs), it would otherwise become a
+# frame of its own (and so would the handlers it calls), compiled again for every function
+# it handles: it runs as Python there, with every frame it calls.
+# The same for __torch_dispatch__, which the dispatcher calls from C++ under eager code.
+for _entry in ("__torch_function__", "__torch_dispatch__"):
+    torch._dynamo.eval_frame.set_code_exec_strategy(
+        vars(OffloadedTensor)[_entry].__func__.__code__,
+        torch._dynamo.types.FrameExecStrategy(torch._dynamo.types.FrameAction.SKIP, torch._dynamo.types.FrameAction.SKIP),
+    )
+
+
 def _rebuild(
     stored: torch.Tensor,
     dtype: torch.dtype,
@@ -335,8 +359,11 @@ def _rebuild(
     shadow_dtype: torch.dtype | None,
     extras: dict[str, Any],
     offset: int | torch.SymInt = 0,
+    byte_dtype: torch.dtype | None = None,
 ) -> OffloadedTensor:
     """An OffloadedTensor from what :meth:`OffloadedTensor.__reduce_ex__` kept (``_is_param`` among the extras)."""
+    if byte_dtype is not None:
+        stored = stored.view(byte_dtype)
     t = OffloadedTensor(stored, dtype, requires_grad=requires_grad, reads=reads, offset=offset)
     if shadow_dtype is not None:
         t.__dict__[_SHADOW] = Shadow(t.stored, shadow_dtype)
@@ -578,7 +605,8 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         and all(v in (None, 1) for v in (kwargs.get("beta"), kwargs.get("alpha")))
     ):
         values = w._narrow()
-        if values.dtype != x.dtype and values.dim() == 2 and x.dim() == 2:
+        # a product that records gradients multiplies by the widened values, as eager does
+        if not torch.is_grad_enabled() and values.dtype != x.dtype and values.dim() == 2 and x.dim() == 2:
             narrow_bias = _narrow_operand(bias)  # as eager reads it: a master bias through its narrow copy
             if values.t().is_contiguous():  # W.T of an [out, in] weight: nn.Linear
                 return narrow_product_op(x, values.t(), narrow_bias, False)
@@ -778,4 +806,18 @@ def stored_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, loc
         entry = state_dict.get(prefix + name)
         # with keep_vars=True the entry is the tensor object itself: left as it is
         if isinstance(value, OffloadedTensor) and isinstance(entry, OffloadedTensor) and entry is not value:
-            state_dict[prefix + name] = value.stored
+            state_dict[prefix + name] = _own_storage(value.stored)
+
+
+def _own_storage(values: torch.Tensor) -> torch.Tensor:
+    """``values``, on a storage of their own where they share one (a packed group's buffer).
+
+    safetensors and ``save_pretrained`` take tensors on one storage for shared (tied)
+    memory and refuse to save those that do not cover it; the plain model's weights each
+    have their own. The same memory, seen through a storage that starts and ends with the
+    values (numpy's view keeps the buffer alive), so nothing is copied.
+    """
+    if values.device.type != "cpu" or not values.is_contiguous() or values.untyped_storage().nbytes() == values.nbytes:
+        return values
+    memory = values.reshape(-1).view(torch.uint8).numpy()
+    return torch.from_numpy(memory).view(values.dtype).view(values.shape)

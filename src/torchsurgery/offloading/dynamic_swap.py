@@ -19,13 +19,13 @@ converted with ``Tensor.to(**kwargs)``. Unlike the original:
   (``parameters()``, ``model.dtype``, optimizers): each becomes an
   :class:`~torchsurgery.compact.tensor.OffloadedTensor` (the same object) keeping its
   values as they were stored, and ``state_dict()`` holds the stored values, as the
-  original installer's does. An attribute read (``self.weight`` in a forward) still gives
+  original installer's does. An attribute read in a forward (``self.weight``) still gives
   what the original gives: a plain tensor, the stored values converted by
   ``Tensor.to(**kwargs)``, which the layer's own kernel multiplies by; so an installed
   model computes bit for bit what the plain model with converted weights computes (the
   narrow products of :func:`~torchsurgery.offload`, which sum in another order, are not
-  used), and writes go through ``parameters()`` or ``load_state_dict``, not through that
-  copy;
+  used). Outside forwards ``module.weight`` is the weight itself, so writes through it
+  (``.data =``, pruning, parametrizations, in-place edits) reach the stored values;
 * as with ``Module.to``, a ``dtype`` converts floating tensors only (integer buffers such
   as position ids keep theirs);
 * installing and uninstalling a model are all or nothing: what would refuse half-way (a
@@ -152,10 +152,11 @@ class _DynamicSwap(Patch, nn.Module):
             # tensor (an offload streams its values from a file into its forwards) has none to move
             kept = {"dtype": tensor.is_floating_point(), "device": not tensor.is_meta}
             kwargs = {k: v for k, v in d[_KWARGS].items() if kept.get(k, True)}
-            if isinstance(tensor, OffloadedTensor):
-                # it reads as the dtype already, so .to() would return the very tensor and
-                # products would read its stored values in place, summing in another order:
-                # a plain copy made from the stored values instead, as the plain weight's
+            if cache is not None and isinstance(tensor, OffloadedTensor):
+                # in a forward: it reads as the dtype already, so .to() would return the very
+                # tensor and products would read its stored values in place, summing in another
+                # order; a plain copy made from the stored values instead, as the plain weight's.
+                # Outside forwards the weight itself, so writes through it reach what is stored
                 kwargs = {**kwargs, "copy": True}
             value = tensor.to(**kwargs)  # differentiable: gradients reach the stored tensor
             if cache is not None:

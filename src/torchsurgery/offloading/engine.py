@@ -567,15 +567,12 @@ def offload(
 
     Args:
         model: the model (changed in place; nothing is copied).
-        device: where the computation runs: ``"cpu"`` or a device of the accelerator this
-            PyTorch reports (``"cuda"``, also for ROCm; ``"xpu"``, ``"mps"``, ...), or an
-            :class:`~torchsurgery.offloading.device.OffloadDevice` (e.g. a simulated one).
+        device: where the computation runs: ``"cpu"``, a device of the accelerator this
+            PyTorch reports (``"cuda"``, ``"xpu"``, ``"mps"``, ...) or an ``OffloadDevice``.
         dtype: the compute dtype of floating weights (default: their current dtype).
-        storage_dtype: the dtype weights are stored in (e.g. ``torch.bfloat16`` or
-            ``torch.float8_e4m3fn``), resident on the device or streamed: they compute with
-            the same values whatever the budget keeps resident; modules selected by ``skip``
-            keep theirs. One of ``float64``, ``float32``, ``float16``, ``bfloat16``,
-            ``float8_e4m3fn``, ``float8_e5m2``.
+        storage_dtype: the dtype weights are stored in, resident or streamed, whatever the
+            budget (``bfloat16``, ``float16``, ``float8_e4m3fn``, ``float8_e5m2``, ``float32``,
+            ``float64``); modules selected by ``skip`` keep theirs.
         budget: device bytes the weights may take as stored, next to the ``prefetch + 1``
             largest streamed groups in flight. A model that fits is kept whole. Otherwise the
             groups that stream through the ring are measured on the first forward and
@@ -583,18 +580,15 @@ def offload(
             (:func:`~torchsurgery.offloading.planner.plan_residency`); groups served by the
             CPU narrow-weight path are filled in execution order. ``None``: nothing is
             resident on a CPU; on an accelerator, what is free minus a margin.
-        prefetch: how many groups ahead to bring in, along the order recorded on the
-            first forward.
-        pin_memory: pin host storage; default: when ``device`` is an accelerator that can.
+        prefetch: how many groups ahead to bring in (in the first forward's order).
+        pin_memory: pin host storage (default: on an accelerator that can).
         groups: ``"blocks"``, ``"leaves"`` or a list of qualified module names.
         skip: ``(module, name) -> bool``; selected modules keep their own dtype.
         master_dtype: for training: the parameters themselves stay in this dtype (what
             the optimizer updates and gradients land in) and the engine keeps a
             ``storage_dtype`` copy for forwards without gradients, refreshed whenever a
-            parameter changes (a resident weight holds both on the device). It must hold
-            the parameters' values exactly (``torch.float32`` for an fp32 model), so that
-            ``remove()`` gives them back. ``None``: the parameters are stored in
-            ``storage_dtype``, and keep its rounding after ``remove()``.
+            parameter changes (a resident weight holds both). It must hold the values
+            exactly, so ``remove()`` gives them back; ``None``: they keep the rounding.
         storage: a safetensors checkpoint (file, sharded ``*.index.json`` or folder) with
             the model's weights under its ``state_dict`` names: streamed groups are then
             read from it on demand instead of being held in memory (for models larger than
@@ -608,10 +602,9 @@ def offload(
         installing it.
 
     Raises:
-        TypeError: an argument of the wrong kind; a ``storage_dtype`` or ``master_dtype``
-            weights cannot be stored in, or a master dtype that cannot hold the values of a
-            weight it keeps; or a module to keep in another dtype carries a patch that reads
-            weight memory directly (``__patch_needs_plain_weights__``).
+        TypeError: an argument of the wrong kind; a storage or master dtype weights cannot
+            be kept in (exactly, for the master); or a module to keep in another dtype
+            carries a patch that reads weight memory directly (``__patch_needs_plain_weights__``).
         ValueError: a device that does not exist, ``pin_memory=True`` where host memory
             cannot be pinned, a budget below the largest group, an unknown group name, a
             ``storage_dtype`` with a checkpoint ``storage``.
@@ -627,8 +620,6 @@ def offload(
         >>> with torchsurgery.offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32) as handle:
         ...     torch.allclose(model(x), expected, atol=0.05), model[0].weight.dtype, model[0].weight.stored.dtype
         (True, torch.float32, torch.bfloat16)
-        >>> model[0].weight.dtype
-        torch.float32
     """
     plan = plan_offload(
         model, device, dtype=dtype, storage_dtype=storage_dtype, budget=budget, prefetch=prefetch,

@@ -34,7 +34,7 @@ from torchsurgery._validate import (
     dtype_name,
     holds_exactly,
 )
-from torchsurgery.compact import is_matmul_layer, plain_reader
+from torchsurgery.compact import is_matmul_layer, plain_reader, stored_values
 from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, BudgetError, Setting
 from torchsurgery.offloading.device import OffloadDevice, resolve_device
 from torchsurgery.offloading.grouping import find_groups
@@ -298,6 +298,12 @@ def _check_options(
         raise ArgumentTypeError(
             _WHAT, "pin_memory", pin_memory, f"must be True, False or None (automatic), got {pin_memory!r}"
         )
+    for name, p in model.named_parameters():
+        if stored_values(p).dtype != p.dtype:  # remove() would give back plain values of the dtype it reads as
+            raise ValueError(
+                f"{_WHAT}: cannot offload {name!r}: it reads as {p.dtype} while kept in {stored_values(p).dtype} "
+                "(DynamicSwapInstaller with a dtype); uninstall_model() first"
+            )
     problem = already_offloaded(model)
     if problem:
         raise RuntimeError(f"{_WHAT}: cannot offload the model: {problem}")
@@ -348,7 +354,7 @@ def _collect(
                 name = f"{qual}.{attr}" if qual else attr
                 shadow = None
                 if stored != compute and master_dtype is not None:
-                    _check_master_holds(master_dtype, name, p.dtype)
+                    _check_master_holds(master_dtype, name, stored_values(p).dtype)  # the values as kept
                     shadow, stored = stored, master_dtype  # the parameter keeps the master dtype
                 tied = first.setdefault(id(p), name)
                 entry = ParamPlan(name, qual, attr, stored, compute, shadow, Residency.STREAMED, None,
@@ -631,20 +637,16 @@ def plan_offload(
         master_dtype: the dtype parameters keep for training, next to a narrow copy; it
             must hold their values exactly.
         storage: a safetensors checkpoint to stream weights from (the weights are then
-            stored in its dtypes: no ``storage_dtype``).
-
-    See :func:`~torchsurgery.offload` for what each argument does in full.
+            stored in its dtypes: no ``storage_dtype``). :func:`~torchsurgery.offload` says more.
 
     Returns:
         An :class:`OffloadPlan`: per group and per parameter the storage, compute and
         shadow dtypes, the residency and the checkpoint key; ``print()`` it for a table.
 
     Raises:
-        TypeError: an argument of the wrong kind; a ``storage_dtype`` or ``master_dtype`` that
-            is not one of :data:`~torchsurgery._validate.STORAGE_DTYPES`, or a master dtype that
-            cannot hold the values of a weight it keeps (``torch.float8_e4m3fn`` for fp32
-            weights); or a module to keep in another dtype carries a patch that reads weight
-            memory directly (``__patch_needs_plain_weights__``).
+        TypeError: an argument of the wrong kind; a storage or master dtype weights cannot
+            be kept in (exactly, for the master); or a module to keep in another dtype
+            carries a patch that reads weight memory directly (``__patch_needs_plain_weights__``).
         ValueError: a device that does not exist, ``pin_memory=True`` where host memory
             cannot be pinned, a budget below the largest group, an unknown group name,
             weights without values and no checkpoint, a checkpoint lacking weights, a
