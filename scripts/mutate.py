@@ -37,6 +37,13 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "an offload's remove gives a weight back kept as it was kept (an installer's)",
+        "src/torchsurgery/offloading/engine.py",
+        "tensor, dtype = o.tensor, o.kept or o.dtype",
+        "tensor, dtype = o.tensor, o.dtype",
+        ("tests/offloading/test_dynamic_swap.py::test_an_offload_over_an_installation_gives_back_the_weights_as_installed",),
+    ),
+    Mutation(
         "a master weight's narrow copy is a declared field of the flattened tensor",
         "src/torchsurgery/compact/tensor.py",
         'inner = [_STORED] if self.__dict__[_SHADOW] is None else [_STORED, "_shadow_values"]',

@@ -13,7 +13,7 @@ from torch import nn
 
 import torchsurgery
 from torchsurgery import DynamicSwapInstaller
-from torchsurgery.offloading import stored_values
+from torchsurgery.offloading import OffloadedTensor, stored_values
 
 
 def model_() -> nn.Module:
@@ -231,3 +231,19 @@ def test_over_weights_an_offload_streams_from_a_file_a_dtype_is_refused_and_a_de
     handle.remove()
     DynamicSwapInstaller.uninstall_model(model)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values(), strict=True))
+
+
+def test_an_offload_over_an_installation_gives_back_the_weights_as_installed() -> None:
+    # the installer's weights read as fp64 while kept in fp32; an offload over them, removed,
+    # gives back that very representation (not plain fp64 values), and uninstalling then the model
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    reference = copy.deepcopy(model)
+    DynamicSwapInstaller.install_model(model, dtype=torch.float64)
+    weight = model[0]._parameters["weight"]
+    handle = torchsurgery.offload(model, storage_dtype=torch.float32, dtype=torch.float64, groups="leaves")
+    handle.remove()
+    assert model[0]._parameters["weight"] is weight and isinstance(weight, OffloadedTensor)
+    assert (weight.dtype, weight.stored.dtype) == (torch.float64, torch.float32)
+    DynamicSwapInstaller.uninstall_model(model)
+    for ours, theirs in zip(model.state_dict().values(), reference.state_dict().values(), strict=True):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)

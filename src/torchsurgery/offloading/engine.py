@@ -43,6 +43,7 @@ from torchsurgery import _undo
 from torchsurgery._checkpoint import SafetensorsSource, open_source
 from torchsurgery._swap import swap_blocker, swap_in, wrap_like
 from torchsurgery.compact import (
+    OffloadedTensor,
     ReadContext,
     Scratch,
     converted_by,
@@ -91,6 +92,7 @@ class _Original:
     device: torch.device
     dtype: torch.dtype
     file_key: str | None = None
+    kept: torch.dtype | None = None  # the dtype its values were kept in, where it read as another (an installer's)
 
 
 class OffloadRecord(_undo.Record):
@@ -285,7 +287,8 @@ class OffloadHandle:
     def _remember(self, name: str, tensor: torch.Tensor, file_key: str | None = None) -> None:
         if id(tensor) not in self._remembered:
             self._remembered.add(id(tensor))
-            self._originals.append(_Original(name, tensor, tensor.device, tensor.dtype, file_key))
+            kept = stored_values(tensor).dtype if isinstance(tensor, OffloadedTensor) else None
+            self._originals.append(_Original(name, tensor, tensor.device, tensor.dtype, file_key, kept))
 
     def _stream(self, group: GroupPlan) -> None:
         """Patch the group's root module to bring its streamed weights in (and its narrow layers)."""
@@ -485,9 +488,9 @@ class OffloadHandle:
             if is_patched(module, _StreamedGroup):
                 unpatch(module, _StreamedGroup, _internal=True)
         self._patched.clear()
-        for tensor, data in restored:
+        for tensor, replacement in restored:
             # also where the graph of a live output holds it: the undo does not wait for the outputs to go
-            swap_in(tensor, wrap_like(tensor, data), pending_backward_ok=True)
+            swap_in(tensor, replacement, pending_backward_ok=True)
         self._originals.clear()
         if self._reader is not None:
             self._reader.close()
@@ -505,18 +508,19 @@ class OffloadHandle:
         return self.model
 
     def _restored_values(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each changed tensor with the values it gets back, on its device in its dtype; changes nothing."""
+        """Each changed tensor with what is swapped back into it: its values on its device, in its
+        dtype (kept as they were kept where it read as another dtype); changes nothing."""
         restored = []
         for o in reversed(self._originals):
-            tensor = o.tensor
+            tensor, dtype = o.tensor, o.kept or o.dtype
             if tensor.is_meta and o.device.type == "meta":
                 continue  # a skeleton's weight: meta it was, meta it stays
             if tensor.is_meta:  # its values are in the checkpoint file it was streamed from
                 assert self._reader is not None and o.file_key is not None
-                data = self._reader.read(o.file_key).to(device=o.device, dtype=o.dtype)
+                data = self._reader.read(o.file_key).to(device=o.device, dtype=dtype)
             else:
-                data = tensor.detach().to(device=o.device, dtype=o.dtype, copy=True)
-            restored.append((tensor, data))
+                data = tensor.detach().to(device=o.device, dtype=dtype, copy=True)
+            restored.append((tensor, wrap_like(tensor, data) if o.kept is None else offloaded_like(tensor, data, o.dtype)))
         return restored
 
 

@@ -298,12 +298,6 @@ def _check_options(
         raise ArgumentTypeError(
             _WHAT, "pin_memory", pin_memory, f"must be True, False or None (automatic), got {pin_memory!r}"
         )
-    for name, p in model.named_parameters():
-        if stored_values(p).dtype != p.dtype:  # remove() would give back plain values of the dtype it reads as
-            raise ValueError(
-                f"{_WHAT}: cannot offload {name!r}: it reads as {p.dtype} while kept in {stored_values(p).dtype} "
-                "(DynamicSwapInstaller with a dtype); uninstall_model() first"
-            )
     problem = already_offloaded(model)
     if problem:
         raise RuntimeError(f"{_WHAT}: cannot offload the model: {problem}")
