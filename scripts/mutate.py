@@ -279,7 +279,7 @@ MUTATIONS = [
     Mutation(
         "a master dtype must hold the values of the weights it keeps",
         "src/torchsurgery/offloading/plan.py",
-        "                    _check_master_holds(master_dtype, name, p.dtype)\n", "",
+        "                    _check_master_holds(master_dtype, name, stored_values(p).dtype)  # the values as kept\n", "",
         ("tests/offloading/test_plan.py::test_a_master_dtype_must_hold_the_weights_values_exactly"
          "[torch.float32-torch.bfloat16-torch.float8_e4m3fn-False]",),
     ),
