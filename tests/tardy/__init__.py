@@ -63,7 +63,8 @@ def build() -> str:
     """Compile the backend (or find the cached build) and load it into this process; its path."""
     from torch.utils.cpp_extension import load
 
-    digest = hashlib.sha256(torch.__version__.encode()).hexdigest()[:8]
+    # the name keys torch's build cache: a new torch or a changed source must never load an old build
+    digest = hashlib.sha256(torch.__version__.encode() + _SOURCE.read_bytes()).hexdigest()[:8]
     path = load(
         name=f"torchsurgery_tardy_{digest}", sources=[str(_SOURCE)], extra_cflags=["-O2"],
         is_python_module=False, verbose=False,

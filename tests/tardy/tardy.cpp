@@ -29,9 +29,11 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <c10/core/InferenceMode.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/core/CPUAllocator.h>
@@ -49,6 +51,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -202,6 +205,10 @@ void run_front(State& st, int sid, Lock& lock) {
     lock.unlock();
     std::string error;
     try {
+      // bytes moving, as a DMA moves them: the call bumped the destination's version already,
+      // and this thread (a worker, or whichever thread waits) need not share the caller's
+      // inference mode, so the copy runs below autograd and the version counters
+      at::AutoDispatchBelowADInplaceOrView raw;
       item.dst.copy_(item.src);
     } catch (const std::exception& e) {
       error = e.what();
@@ -550,7 +557,12 @@ c10::Storage cpu_storage(const c10::Storage& device, bool resizable) {
   return c10::Storage(std::move(impl));
 }
 
-at::Tensor view_on(const c10::Storage& storage, const at::Tensor& like, c10::DispatchKey key) {
+// A tensor over `storage` shaped as `like`; an inference tensor where `inference` is given and
+// true, else as the current mode makes it (a fresh tensor made inside inference mode is one).
+at::Tensor view_on(const c10::Storage& storage, const at::Tensor& like, c10::DispatchKey key,
+                   std::optional<bool> inference = std::nullopt) {
+  std::optional<c10::InferenceMode> mode;  // TensorImpl reads the mode to choose
+  if (inference && *inference != c10::InferenceMode::is_enabled()) mode.emplace(*inference);
   auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(storage), c10::DispatchKeySet(key), like.dtype());
   impl->set_sizes_and_strides(like.sizes(), like.strides(), like.storage_offset());
   return at::Tensor(std::move(impl));
@@ -632,6 +644,9 @@ struct Aliased {  // a device storage met in one call, and the CPU storage over 
   c10::Storage cpu;
   void* ptr;
   size_t nbytes;
+  // whether the tensors over it are inference tensors: a result that aliases it is one exactly
+  // then, as on CUDA (a view of a normal tensor is normal, in inference mode too)
+  bool inference;
 };
 
 struct Call {
@@ -640,11 +655,11 @@ struct Call {
   std::vector<std::pair<Block*, bool>> used;  // (memory, written)
   std::string op;
 
-  Aliased& alias(const c10::Storage& device) {
+  Aliased& alias(const c10::Storage& device, bool inference) {
     for (auto& a : storages) {
       if (a.device.unsafeGetStorageImpl() == device.unsafeGetStorageImpl()) return a;
     }
-    storages.push_back({device, cpu_storage(device, true), device.data_ptr().get(), device.nbytes()});
+    storages.push_back({device, cpu_storage(device, true), device.data_ptr().get(), device.nbytes(), inference});
     return storages.back();
   }
 
@@ -665,7 +680,7 @@ struct Call {
       return t;
     }
     TORCH_CHECK(on_device(t), "tardy: ", op, " got a tensor on ", t.device(), " next to tardy tensors");
-    at::Tensor view = view_on(alias(t.storage()).cpu, t, c10::DispatchKey::CPU);
+    at::Tensor view = view_on(alias(t.storage(), t.is_inference()).cpu, t, c10::DispatchKey::CPU);
     Block* b = uses ? block_of(t.storage()) : nullptr;
     if (b) used.emplace_back(b, writes);
     if (writes) written.emplace_back(t, view);
@@ -687,6 +702,11 @@ struct Call {
       return out;
     }
     if (value.isDevice() && value.toDevice().type() == kType) return c10::Device(c10::DeviceType::CPU);
+    if (value.isStorage() && value.toStorage().device_type() == kType) {
+      // Tensor.set_(storage): the kernel points its CPU view at the CPU storage over the same
+      // bytes, and follow_writes points the device tensor at the device storage
+      return alias(value.toStorage(), c10::InferenceMode::is_enabled()).cpu;
+    }
     return value;
   }
 
@@ -694,7 +714,7 @@ struct Call {
   at::Tensor to_device(const at::Tensor& t, std::vector<std::pair<c10::StorageImpl*, c10::Storage>>& fresh) {
     if (!t.defined() || !t.device().is_cpu()) return t;
     c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
-    if (const Aliased* a = by_cpu(impl)) return view_on(a->device, t, c10::DispatchKey::PrivateUse1);
+    if (const Aliased* a = by_cpu(impl)) return view_on(a->device, t, c10::DispatchKey::PrivateUse1, a->inference);
     for (auto& [cpu, device] : fresh) {
       if (cpu == impl) return view_on(device, t, c10::DispatchKey::PrivateUse1);
     }
