@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+import io
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -177,6 +180,144 @@ def test_autograd_and_convolutions_run_through_the_cpu_fallback() -> None:
     conv.to("tardy")
     conv(x.to("tardy")).square().sum().backward()
     torch.testing.assert_close(conv.weight.grad.cpu(), expected, rtol=0, atol=0)  # type: ignore[union-attr]
+
+
+def test_a_late_copy_inside_inference_mode_lands_and_bumps_no_version_when_it_lands() -> None:
+    side = torch.Stream(device="tardy")
+    source = torch.randn(4, 3)
+    with torch.inference_mode():
+        y = torch.empty(4, 3, device="tardy")  # an inference tensor, as in HF generate()
+        with side:
+            y.copy_(source, non_blocking=True)  # lands on a worker thread, outside inference mode
+            done = torch.Event(device="tardy")
+            done.record(side)
+        torch.accelerator.current_stream().wait_event(done)
+        assert torch.equal((y + 0).cpu(), source)
+    normal, reference = torch.zeros(3, device="tardy"), torch.zeros(3)
+    with tardy.settings(lazy=True):
+        normal.copy_(pinned([1.0, 2.0, 3.0]), non_blocking=True)
+        reference.copy_(torch.tensor([1.0, 2.0, 3.0]))
+        assert normal._version == reference._version == 1  # bumped at the call, as on the CPU
+        with torch.inference_mode():
+            torch.accelerator.synchronize()  # the copy runs now, on this thread, in inference mode
+    assert normal._version == 1 and normal.cpu().tolist() == [1.0, 2.0, 3.0]
+
+
+_OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "t": lambda x: x.t(),  # every nn.Linear forward
+    "view": lambda x: x.view(-1),
+    "narrow": lambda x: x.narrow(0, 1, 2),
+    "select": lambda x: x[1],
+    "split": lambda x: x.split(2)[1],
+    "expand": lambda x: x[:1].expand(3, 4),
+    "detach": lambda x: x.detach(),
+    "as_strided": lambda x: x.as_strided((2, 2), (1, 2), 1),
+    "view_as_real": lambda x: torch.view_as_real(x.to(torch.complex64)),
+    "add": lambda x: x + 1,
+    "mm": lambda x: x @ x.t(),
+    "contiguous": lambda x: x.t().contiguous(),
+    "sum": lambda x: x.sum(),
+}
+
+
+@pytest.mark.parametrize("op", list(_OPS))
+@pytest.mark.parametrize("base_in_inference", [False, True], ids=["normal_base", "inference_base"])
+@pytest.mark.parametrize("op_in_inference", [False, True], ids=["op_outside", "op_inside"])
+def test_views_and_fresh_results_are_inference_tensors_where_the_cpu_makes_them(
+    op: str, base_in_inference: bool, op_in_inference: bool
+) -> None:
+    results = {}
+    for device in ("cpu", "tardy"):
+        with torch.inference_mode(base_in_inference):
+            base = torch.arange(12.0, device=device).view(3, 4)
+        with torch.inference_mode(op_in_inference):
+            results[device] = _OPS[op](base)
+    got, expected = results["tardy"], results["cpu"]
+    assert torch.is_inference(got) == torch.is_inference(expected)
+    torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=0)
+    # a normal result's version: views share their base's counter (see docs/hardware.md for the
+    # results of inference tensors outside the mode)
+    if not torch.is_inference(expected) and not base_in_inference:
+        assert got._version == expected._version
+
+
+def test_a_view_taken_in_inference_mode_shares_its_base_version_counter_as_on_the_cpu() -> None:
+    versions = {}
+    for device in ("cpu", "tardy"):
+        weight = torch.zeros(3, 4, device=device)
+        with torch.inference_mode():
+            view = weight.t()
+            view.add_(1.0)
+            weight.mul_(2.0)
+        weight.add_(1.0)
+        versions[device] = (weight._version, view._version, torch.is_inference(view), weight.sum().item())
+    assert versions["tardy"] == versions["cpu"] == (3, 3, False, 36.0)
+
+
+def _tiny_gpt2() -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _tiny_llama() -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=64, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _tiny_unet() -> torch.nn.Module:
+    diffusers = pytest.importorskip("diffusers")
+    return diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(16, 32),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=16, norm_num_groups=8, attention_head_dim=4,
+    ).eval()
+
+
+def _with_buffers() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).eval()
+
+
+@pytest.mark.parametrize("build", [_tiny_gpt2, _tiny_llama, _tiny_unet, _with_buffers], ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize("in_inference", [False, True], ids=["outside", "inside_inference_mode"])
+def test_deepcopy_of_a_model_on_the_device_is_the_cpu_deepcopy(build: Callable[[], torch.nn.Module], in_inference: bool) -> None:
+    model = build()
+    with torch.inference_mode(in_inference):
+        expected = copy.deepcopy(model).state_dict()
+    model.to("tardy")
+    with torch.inference_mode(in_inference):
+        got = copy.deepcopy(model).state_dict()
+    kept = model.state_dict()
+    assert list(got) == list(expected)
+    for name, tensor in got.items():
+        assert tensor.device == kept[name].device and tensor.data_ptr() != kept[name].data_ptr(), name
+        assert torch.is_inference(tensor) == torch.is_inference(expected[name]), name
+        assert torch.equal(tensor.cpu(), expected[name]), name
+
+
+def test_save_and_load_round_trip_a_device_tensor() -> None:
+    x = torch.randn(3, 5, device="tardy")[:, 1:4]
+    buffer = io.BytesIO()
+    torch.save({"x": x}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)["x"]
+    assert loaded.device == x.device and loaded.stride() == x.stride()
+    assert torch.equal(loaded.cpu(), x.cpu())
+
+
+def test_generate_under_inference_mode_gives_the_cpu_tokens() -> None:
+    model = _tiny_gpt2()
+    ids = torch.randint(0, 64, (2, 5))
+    options: dict[str, object] = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    with torch.inference_mode():
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+    model.to("tardy")
+    with torch.inference_mode():
+        got = model.generate(ids.to("tardy"), attention_mask=torch.ones_like(ids).to("tardy"), **options)
+    assert got.device.type == "tardy" and got.shape == (2, 13)
+    assert torch.equal(got.cpu(), expected)
 
 
 def test_the_suite_stops_loudly_when_the_device_cannot_be_built(tmp_path: Path) -> None:
