@@ -10,7 +10,7 @@ it cannot be built the session stops with the build's error: nothing is skipped 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -70,6 +70,21 @@ def accelerator() -> torch.device:
     device = torch.accelerator.current_accelerator()
     assert device is not None
     return torch.device(device.type, 0)
+
+
+@pytest.fixture
+def allocation_bytes(accelerator: torch.device) -> Callable[[int], int]:
+    """The bytes the accelerator's allocator counts for one allocation of ``n`` bytes.
+
+    CUDA's caching allocator rounds every block up to a multiple of 512 bytes; the test device
+    counts what was asked. Measured, not assumed: a one-byte allocation shows the granule.
+    """
+    torch.accelerator.synchronize()
+    before = torch.accelerator.memory_allocated()
+    probe = torch.empty(1, dtype=torch.uint8, device=accelerator)
+    granule = torch.accelerator.memory_allocated() - before
+    del probe
+    return lambda n: -(-n // granule) * granule
 
 
 @pytest.fixture

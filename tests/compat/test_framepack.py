@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+import tardy
 import torchsurgery
 from torchsurgery import DevicePool
 from torchsurgery.compat import framepack
@@ -172,10 +173,17 @@ def test_bad_arguments_get_the_librarys_typed_errors() -> None:
 
 
 @pytest.mark.accelerator
-def test_the_app_pattern_on_the_accelerator(models: Any, expected: dict[str, torch.Tensor], accelerator: torch.device) -> None:
+def test_the_app_pattern_on_the_accelerator(models: Any, accelerator: torch.device) -> None:
+    # the oracle is the plain pipeline on the same device: a GPU's kernels (cuDNN, TF32
+    # convolutions) differ from the CPU's by ~1e-3, and the pattern must not change them
+    expected = app.run(copy.deepcopy(models), app.plain_moves(), accelerator)
     ours = copy.deepcopy(models)
     app.install_like_the_app(ours, accelerator)
     got = app.run(ours, framepack, accelerator)
-    _assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    # the test device computes as the CPU does, bit for bit; on a GPU the same kernels may pick
+    # other algorithms for weights that arrive per forward (cuBLAS and cuDNN heuristics read
+    # alignment and free workspace), which moves the last bits only
+    exact = accelerator.type == tardy.NAME
+    _assert_close(got, expected, **({"rtol": 0, "atol": 0} if exact else {"rtol": 1e-4, "atol": 1e-5}))
     _clean(ours)
     assert all(p.device.type == "cpu" for m in vars(ours).values() for p in m.parameters())

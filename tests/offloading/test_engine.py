@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -444,7 +445,9 @@ def _group_budget(model: nn.Module, blocks: int) -> int:
 
 @pytest.mark.accelerator
 @pytest.mark.parametrize("make", [tiny_gpt2, tiny_llama])
-def test_streaming_on_the_accelerator_matches_the_resident_model_within_the_budget(make: Any, accelerator: torch.device) -> None:
+def test_streaming_on_the_accelerator_matches_the_resident_model_within_the_budget(
+    make: Any, accelerator: torch.device, allocation_bytes: Callable[[int], int]
+) -> None:
     model = make()
     resident = copy.deepcopy(model).to(accelerator)
     ids = IDS.to(accelerator)
@@ -458,8 +461,12 @@ def test_streaming_on_the_accelerator_matches_the_resident_model_within_the_budg
         for _ in range(3):  # the first forward records the order; later ones prefetch along it
             exact = model(ids).logits
             torch.testing.assert_close(exact, expected, rtol=0, atol=0)
-        # the weights on the device (resident groups, the ring's slots) stay within the budget
-        assert _peak_of(lambda: model(ids)) <= budget + activations
+        # the weights on the device (resident groups, the ring's slots) stay within the budget,
+        # as the device's allocator counts them: each weight is on the device at most twice at
+        # once (resident, or in one of the ring's two slots), each allocation rounded up by
+        # less than one granule (none on the test device, 511 bytes at most on CUDA)
+        rounding = 2 * len(list(model.parameters())) * (allocation_bytes(1) - 1)
+        assert _peak_of(lambda: model(ids)) <= budget + activations + rounding
     s = handle.stats()
     assert s.transfers > 0 and s.prefetch_hits > 0
     # the peak counts the ring's two slots (prefetch=1), each at least the largest group, and stays in the budget
