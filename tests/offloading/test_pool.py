@@ -269,7 +269,7 @@ def test_on_the_accelerator_models_move_within_the_budget_and_go_back_exactly(
     torch.accelerator.synchronize()
     # three blocks' weights and the activations, as the device's allocator counts them (each
     # weight in an allocation of its own at most: a slot's one buffer rounds up less)
-    block = sum(allocation_bytes(p.nbytes) for p in a[0].parameters())
+    block = sum(allocation_bytes(p.nbytes) for p in blocks(1).parameters())
     assert torch.accelerator.max_memory_allocated() - before <= 3 * block + 4 * allocation_bytes(x.nbytes)
     pool.close()
     assert [identity_map(m) for m in (a, b)] == ids

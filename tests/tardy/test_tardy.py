@@ -312,10 +312,10 @@ def test_generate_under_inference_mode_gives_the_cpu_tokens() -> None:
     ids = torch.randint(0, 64, (2, 5))
     options: dict[str, object] = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
     with torch.inference_mode():
-        expected = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), **options)  # type: ignore[operator]
     model.to("tardy")
     with torch.inference_mode():
-        got = model.generate(ids.to("tardy"), attention_mask=torch.ones_like(ids).to("tardy"), **options)
+        got = model.generate(ids.to("tardy"), attention_mask=torch.ones_like(ids).to("tardy"), **options)  # type: ignore[operator]
     assert got.device.type == "tardy" and got.shape == (2, 13)
     assert torch.equal(got.cpu(), expected)
 
