@@ -539,7 +539,8 @@ def test_gradient_checkpointing_recomputes_streamed_layers_on_the_accelerator(ac
         loss.backward()
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
     for (name, mine), theirs in zip(model.named_parameters(), resident.parameters(), strict=True):
-        torch.testing.assert_close(mine.grad, theirs.grad.cpu(), rtol=0, atol=0, msg=name)
+        # on the device, as the resident model's: a streamed weight reads as a tensor there
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=0, msg=name)
     handle.remove()
 
 

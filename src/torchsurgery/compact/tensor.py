@@ -188,6 +188,7 @@ class OffloadedTensor(torch.Tensor):
         shadow: Shadow | TracedShadow | ViewedShadow | None = None,
         counter: torch.Tensor | None = None,
         offset: int | torch.SymInt = 0,
+        device: torch.device | None = None,
     ) -> OffloadedTensor:
         self: OffloadedTensor = torch.Tensor._make_wrapper_subclass(
             cls,
@@ -195,7 +196,7 @@ class OffloadedTensor(torch.Tensor):
             strides=stored.stride(),
             storage_offset=offset,  # where a view starts in the weight's own frame, as for a plain tensor
             dtype=dtype,
-            device=stored.device,
+            device=stored.device if device is None else device,  # where it computes: the values come there
             layout=stored.layout,
             requires_grad=requires_grad,
         )
@@ -234,7 +235,9 @@ class OffloadedTensor(torch.Tensor):
         """Another view or alias of the same values, reading the same way."""
         d = self.__dict__
         offset = stored.storage_offset() - self._frame()
-        return OffloadedTensor(stored, self.dtype, reads=d[_READS], shadow=shadow, counter=d[_COUNTER], offset=offset)
+        return OffloadedTensor(
+            stored, self.dtype, reads=d[_READS], shadow=shadow, counter=d[_COUNTER], offset=offset, device=self.device
+        )
 
     def _rehome(self, stored: torch.Tensor) -> None:
         """Keep the values in ``stored`` from now on (the same values, in new memory)."""
@@ -251,24 +254,28 @@ class OffloadedTensor(torch.Tensor):
     # Every field that changes what the tensor computes is declared here, so that a compiled
     # graph reads what eager code reads: the stored values, the narrow copy of a master weight
     # (its no-grad products read it), the dtype it reads as and where it starts in its frame.
-    def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype, int | torch.SymInt]]:
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype, int | torch.SymInt, torch.device]]:
         inner = [_STORED] if self.__dict__[_SHADOW] is None else [_STORED, "_shadow_values"]
-        return inner, (self.dtype, self.storage_offset())
+        return inner, (self.dtype, self.storage_offset(), self.device)
 
     @staticmethod
     def __tensor_unflatten__(
-        inner: dict[str, torch.Tensor], ctx: tuple[torch.dtype, int | torch.SymInt], outer_size: Any, outer_stride: Any
+        inner: dict[str, torch.Tensor],
+        ctx: tuple[torch.dtype, int | torch.SymInt, torch.device],
+        outer_size: Any,
+        outer_stride: Any,
     ) -> OffloadedTensor:
         shadow = inner.get("_shadow_values")
         return OffloadedTensor(
-            inner[_STORED], ctx[0], shadow=None if shadow is None else TracedShadow(shadow), offset=ctx[1]
+            inner[_STORED], ctx[0], shadow=None if shadow is None else TracedShadow(shadow), offset=ctx[1], device=ctx[2]
         )
 
     def _stable_hash_for_caching(self) -> str:
         # the compiler's cache key for this input: what it reads as and how it is stored
         stored, shadow = self.stored, self.__dict__[_SHADOW]
         narrow = "" if shadow is None else f":{shadow.copy.dtype}"
-        return f"OffloadedTensor:{self.dtype}:{stored.dtype}{narrow}:{tuple(stored.shape)}:{stored.stride()}"
+        where = "" if self.device == stored.device else f"@{self.device}"
+        return f"OffloadedTensor:{self.dtype}{where}:{stored.dtype}{narrow}:{tuple(stored.shape)}:{stored.stride()}"
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         # pickle and torch.save: the stored values (torch keeps the memory they share with
@@ -282,8 +289,9 @@ class OffloadedTensor(torch.Tensor):
         # their bytes go as uint8, the same memory, and are viewed as fp8 again
         as_bytes = stored.dtype in _ONE_BYTE_FLOATS
         values = stored.view(torch.uint8) if as_bytes else stored
+        device = None if self.device == stored.device else self.device
         args = (values, self.dtype, self.requires_grad, d[_READS], shadow_dtype, extras, self.storage_offset(),
-                stored.dtype if as_bytes else None)
+                stored.dtype if as_bytes else None, device)
         return (_rebuild, args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OffloadedTensor:
@@ -297,6 +305,7 @@ class OffloadedTensor(torch.Tensor):
             reads=copy.deepcopy(d[_READS], memo),
             shadow=copy.deepcopy(d[_SHADOW], memo),
             offset=self.storage_offset(),
+            device=self.device,
         )
         new.__dict__.update(copy.deepcopy({k: v for k, v in d.items() if k not in (_STORED, _READS, _SHADOW, _COUNTER)}, memo))
         memo[id(self)] = new
@@ -360,11 +369,12 @@ def _rebuild(
     extras: dict[str, Any],
     offset: int | torch.SymInt = 0,
     byte_dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
 ) -> OffloadedTensor:
     """An OffloadedTensor from what :meth:`OffloadedTensor.__reduce_ex__` kept (``_is_param`` among the extras)."""
     if byte_dtype is not None:
         stored = stored.view(byte_dtype)
-    t = OffloadedTensor(stored, dtype, requires_grad=requires_grad, reads=reads, offset=offset)
+    t = OffloadedTensor(stored, dtype, requires_grad=requires_grad, reads=reads, offset=offset, device=device)
     if shadow_dtype is not None:
         t.__dict__[_SHADOW] = Shadow(t.stored, shadow_dtype)
     t.__dict__.update(extras)
@@ -377,9 +387,9 @@ def _widened(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _wide(t: OffloadedTensor) -> torch.Tensor:
-    """``t``'s values in its dtype: the stored tensor itself where it already is in it."""
+    """``t``'s values in its dtype on its device: the stored tensor itself where it already is so."""
     stored = t.stored
-    return stored if stored.dtype == t.dtype else stored.to(t.dtype)
+    return stored.to(device=t.device, dtype=t.dtype)
 
 
 # ------------------------------------------------------------------ fast products
@@ -530,19 +540,24 @@ def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return dst.copy_(src_values, **kwargs)
 
 
-def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-    t: OffloadedTensor = args[0]
+def _as_read(t: OffloadedTensor, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` of a conversion or factory, with the dtype and device ``t`` reads as where they give none."""
     if kwargs.get("dtype") is None:
         kwargs = {**kwargs, "dtype": t.dtype}
-    return func(t.stored, **kwargs)
+    if kwargs.get("device") is None:
+        kwargs = {**kwargs, "device": t.device}
+    return kwargs
+
+
+def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    t: OffloadedTensor = args[0]
+    return func(t.stored, **_as_read(t, kwargs))
 
 
 def _like(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
     # empty_like & co. read only the shape: no widened copy
     t: OffloadedTensor = args[0]
-    if kwargs.get("dtype") is None:
-        kwargs = {**kwargs, "dtype": t.dtype}
-    return func(t.stored, *args[1:], **kwargs)
+    return func(t.stored, *args[1:], **_as_read(t, kwargs))
 
 
 def _written_in_place(t: OffloadedTensor) -> None:
@@ -579,8 +594,9 @@ def _write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if id(t) not in written:
             return _wide(t)
         stored = t.stored
-        # already in the compute dtype: written directly; else a widened copy, stored back after
-        plain = stored if stored.dtype == t.dtype else stored.to(t.dtype)
+        # already in the compute dtype where it computes: written directly; else a widened
+        # copy (on the device it reads as), stored back after
+        plain = stored.to(device=t.device, dtype=t.dtype)
         targets[id(plain)] = (t, plain)
         return plain
 
@@ -606,7 +622,10 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     ):
         values = w._narrow()
         # a product that records gradients multiplies by the widened values, as eager does
-        if not torch.is_grad_enabled() and values.dtype != x.dtype and values.dim() == 2 and x.dim() == 2:
+        if (
+            not torch.is_grad_enabled() and values.dtype != x.dtype and values.device == x.device
+            and values.dim() == 2 and x.dim() == 2
+        ):
             narrow_bias = _narrow_operand(bias)  # as eager reads it: a master bias through its narrow copy
             if values.t().is_contiguous():  # W.T of an [out, in] weight: nn.Linear
                 return narrow_product_op(x, values.t(), narrow_bias, False)
@@ -667,7 +686,7 @@ def _is_pinned(t: OffloadedTensor, device: Any = None) -> bool:
 
 def _pin_memory(t: OffloadedTensor, device: Any = None) -> OffloadedTensor:
     pinned = t.stored.pin_memory() if device is None else t.stored.pin_memory(device)
-    return OffloadedTensor(pinned, t.dtype, reads=t.__dict__[_READS])
+    return OffloadedTensor(pinned, t.dtype, reads=t.__dict__[_READS], device=t.device)
 
 
 def _values_out(t: OffloadedTensor, force: bool = False) -> torch.Tensor:
@@ -706,12 +725,13 @@ def _set_data(t: OffloadedTensor, new: Any) -> None:
         )
     values = new.stored if isinstance(new, OffloadedTensor) else new.detach()
     stored = t.stored
-    if values.shape == stored.shape and values.stride() == stored.stride() and values.device == stored.device:
+    here = new.device == t.device  # values where it computes: kept where it keeps its values
+    if here and values.shape == stored.shape and values.stride() == stored.stride():
         stored.copy_(values)
         _written_in_place(t)
         return
-    kept = values.to(stored.dtype)
-    _DATA.__set__(t, OffloadedTensor(kept, t.dtype))  # the wrapper's shape, strides, device
+    kept = values.to(device=stored.device if here else values.device, dtype=stored.dtype)
+    _DATA.__set__(t, OffloadedTensor(kept, t.dtype, device=new.device))  # the wrapper's shape, strides, device
     t._rehome(kept)
     shadow = t.__dict__[_SHADOW]
     if isinstance(shadow, Shadow):
@@ -774,13 +794,16 @@ def offloaded_like(
     *,
     reads: ReadContext | None = None,
     shadow_dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
-    """The object to swap into ``tensor`` so that it reads as ``dtype`` with ``stored`` as its values.
+    """The object to swap into ``tensor`` so that it reads as ``dtype`` on ``device`` with ``stored`` as its values.
 
-    A parameter stays a parameter (``isinstance``, ``requires_grad``); attributes the user
-    set on the tensor object are carried along.
+    ``device`` (default: where ``stored`` is) is where it computes: a weight kept in host
+    memory for a model offloaded to an accelerator reads as a tensor there. A parameter
+    stays a parameter (``isinstance``, ``requires_grad``); attributes the user set on the
+    tensor object are carried along.
     """
-    wrapper = OffloadedTensor(stored, dtype, reads=reads)
+    wrapper = OffloadedTensor(stored, dtype, reads=reads, device=device)
     prepare_kernel(shadow_dtype if shadow_dtype is not None else stored.dtype, stored.device)
     if shadow_dtype is not None:  # follows the very tensor the wrapper keeps (copies keep the link)
         wrapper.__dict__[_SHADOW] = Shadow(wrapper.stored, shadow_dtype)

@@ -63,6 +63,7 @@ from torchsurgery.offloading.plan import (
     in_flight_reserve,
     plan_offload,
     reads_as_computed,
+    reads_elsewhere,
 )
 from torchsurgery.offloading.planner import GroupCost, plan_residency
 from torchsurgery.offloading.stats import OffloadStats
@@ -266,7 +267,7 @@ class OffloadHandle:
                     seen.add(id(b))
                     moves.append((bname, b, target, b.dtype, False))
         swapped = [(name, t) for name, t, to, dtype, _ in moves if t.device != to or t.dtype != dtype]
-        swapped += [(p.name, _param(self._modules, p)) for p in filter(reads_as_computed, self.plan.params)]
+        swapped += [(p.name, _param(self._modules, p)) for p in self.plan.params if self._wrapped(p)]
         if self._reader is not None:
             files = [(p, _param(self._modules, p)) for p in self.plan.params if p.residency is Residency.FILE]
             swapped += [(p.name, t) for p, t in files if _made_meta(t, p)]
@@ -314,14 +315,19 @@ class OffloadHandle:
         _undo.records(module)[-1].internal = True
         self._patched.append(module)
 
-    def _read_as_computed(self) -> None:
-        """Weights kept in another dtype than they compute in become OffloadedTensors (same objects).
+    def _wrapped(self, p: ParamPlan) -> bool:
+        """Whether ``p`` becomes an OffloadedTensor: kept in another dtype, or away from the device it computes on."""
+        return reads_as_computed(p) or reads_elsewhere(p, self.device)
 
-        They then read as the compute dtype everywhere (``weight.dtype``, ``model.dtype``,
-        code inside and outside forwards), and ``state_dict()`` shows their stored values.
+    def _read_as_computed(self) -> None:
+        """Weights kept in another dtype or place than they compute in become OffloadedTensors (same objects).
+
+        They then read as the compute dtype and device everywhere (``weight.dtype``,
+        ``model.dtype``, ``model.device``, code inside and outside forwards), and
+        ``state_dict()`` shows their stored values.
         """
         owners: dict[int, nn.Module] = {}
-        for p in filter(reads_as_computed, self.plan.params):
+        for p in filter(self._wrapped, self.plan.params):
             tensor = _param(self._modules, p)
             self._remember(p.name, tensor)
             self._wrap(tensor, p, tensor.detach())
@@ -332,7 +338,9 @@ class OffloadHandle:
 
     def _wrap(self, tensor: torch.Tensor, p: ParamPlan, stored: torch.Tensor) -> None:
         """Give ``tensor`` (same object) the values ``stored`` (in ``p``'s storage dtype), read as it computes."""
-        swap_in(tensor, offloaded_like(tensor, stored, p.compute_dtype, reads=self._reads, shadow_dtype=p.shadow_dtype))
+        device = self.device if reads_elsewhere(p, self.device) else None
+        wrapper = offloaded_like(tensor, stored, p.compute_dtype, reads=self._reads, shadow_dtype=p.shadow_dtype, device=device)
+        swap_in(tensor, wrapper)
 
     def _pack(self, group: GroupPlan, packable: list[tuple[_Entry, ParamPlan]]) -> PackedGroup:
         """The group's streamed weights in host buffers (their only host copy), or left in the file."""
@@ -513,9 +521,12 @@ class OffloadHandle:
         restored = []
         for o in reversed(self._originals):
             tensor, dtype = o.tensor, o.kept or o.dtype
-            if tensor.is_meta and o.device.type == "meta":
-                continue  # a skeleton's weight: meta it was, meta it stays
-            if tensor.is_meta:  # its values are in the checkpoint file it was streamed from
+            meta = stored_values(tensor).is_meta
+            if meta and o.device.type == "meta":  # a skeleton's weight: meta it was, meta it stays
+                if isinstance(tensor, OffloadedTensor):  # it read as the device it computed on
+                    restored.append((tensor, wrap_like(tensor, torch.empty(tensor.shape, dtype=o.dtype, device="meta"))))
+                continue
+            if meta:  # its values are in the checkpoint file it was streamed from
                 assert self._reader is not None and o.file_key is not None
                 data = self._reader.read(o.file_key).to(device=o.device, dtype=dtype)
             else:

@@ -39,7 +39,9 @@ from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, BudgetErr
 from torchsurgery.offloading.device import OffloadDevice, resolve_device
 from torchsurgery.offloading.grouping import find_groups
 
-__all__ = ["plan_offload", "OffloadPlan", "GroupPlan", "ParamPlan", "Residency", "DEFAULT_SKIP", "reads_as_computed"]
+__all__ = [
+    "plan_offload", "OffloadPlan", "GroupPlan", "ParamPlan", "Residency", "DEFAULT_SKIP", "reads_as_computed", "reads_elsewhere",
+]
 
 _WHAT = "torchsurgery.offload"
 
@@ -469,6 +471,17 @@ def reads_as_computed(p: ParamPlan) -> bool:
         and p.residency in (Residency.NARROW, Residency.STREAMED, Residency.RESIDENT)
         and (p.storage_dtype != p.compute_dtype or p.shadow_dtype is not None)
     )
+
+
+def reads_elsewhere(p: ParamPlan, device: torch.device) -> bool:
+    """Whether ``p`` keeps its values in host memory (or its file) while it computes on an accelerator.
+
+    It then becomes an :class:`~torchsurgery.compact.tensor.OffloadedTensor` reading as a
+    tensor on ``device`` (under its first name): the model reads as a model there
+    (``model.device``, ``next(model.parameters()).device``), as the dtype rule makes it read
+    as its compute dtype.
+    """
+    return p.tied_to is None and device.type != "cpu" and p.residency in (Residency.STREAMED, Residency.FILE)
 
 
 def _check_plain_readers(named: dict[str, nn.Module], groups: list[GroupPlan]) -> None:

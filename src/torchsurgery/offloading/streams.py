@@ -497,7 +497,10 @@ class _GroupStreamer:
                 direct = entries  # autograd keeps these until backward
             for (owner, pname, p, dtype), narrow in direct:
                 through = _through(narrow)
-                value = p.to(device=device.device, dtype=through or dtype, non_blocking=True)
+                if stored_values(p).device != device.device:  # one copy per run, also of a weight reading as the device
+                    value = torch.ops.aten._to_copy.default(p, device=device.device, dtype=through or dtype, non_blocking=True)
+                else:
+                    value = p.to(device=device.device, dtype=through or dtype, non_blocking=True)
                 owner._parameters[pname] = value if value.dtype == dtype else value.to(dtype)  # type: ignore[assignment]
                 fresh += p.numel() * dtype.itemsize
         except BaseException:
