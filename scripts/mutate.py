@@ -37,6 +37,27 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "the device rule: a weight kept on the host reads as the device the offload computes on",
+        "src/torchsurgery/offloading/engine.py",
+        "device = self.device if reads_elsewhere(p, self.device) else None",
+        "device = None",
+        ("tests/offloading/test_generate_on_device.py::test_the_offloaded_model_reads_as_a_model_on_the_device",),
+    ),
+    Mutation(
+        "the device rule: a weight reading as the device gives its values there",
+        "src/torchsurgery/compact/tensor.py",
+        "return stored.to(device=t.device, dtype=t.dtype)",
+        "return stored.to(dtype=t.dtype)",
+        ("tests/compact/test_tensor_api.py::test_a_streamed_weight_reads_as_a_tensor_on_the_device",),
+    ),
+    Mutation(
+        "views of a normal weight made in inference mode are normal tensors",
+        "src/torchsurgery/compact/tensor.py",
+        "with torch.inference_mode(self.is_inference()) if torch.is_inference_mode_enabled() else contextlib.nullcontext():",
+        "with contextlib.nullcontext():",
+        ("tests/compact/test_tensor_api.py::test_views_made_in_inference_mode_are_normal_tensors_as_the_plain_weight_s",),
+    ),
+    Mutation(
         "an offload's remove gives a weight back kept as it was kept (an installer's)",
         "src/torchsurgery/offloading/engine.py",
         "tensor, dtype = o.tensor, o.kept or o.dtype",

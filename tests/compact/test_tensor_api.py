@@ -124,3 +124,52 @@ def test_a_compiled_no_grad_forward_of_a_master_weight_reads_its_narrow_copy_as_
         with torch.no_grad():
             model[0].weight.mul_(1.5)  # the master changes: the narrow copy follows, compiled too
         assert torch.equal(compiled(x), model(x))
+
+
+@pytest.mark.parametrize("op", [lambda t: t.t(), lambda t: t.detach(), lambda t: t[1:], lambda t: t.view(-1)])
+def test_views_made_in_inference_mode_are_normal_tensors_as_the_plain_weight_s(op) -> None:  # type: ignore[no-untyped-def]
+    model, plain, _ = _pair()
+    with torch.inference_mode():
+        got, want = op(model[0].weight), op(plain[0].weight)
+        assert got.is_inference() == want.is_inference()
+        assert torch.equal(got * 1, want * 1)
+        x = torch.randn(3, 8)
+        assert torch.equal(model(x), plain(x))
+
+
+# ------------------------------------------------------------------ a weight that reads as the device it computes on
+
+
+@pytest.mark.accelerator
+def test_a_streamed_weight_reads_as_a_tensor_on_the_device(accelerator: torch.device) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
+    plain = copy.deepcopy(model).to(accelerator)
+    layer = (8 * 8 + 8) * 4
+    handle = torchsurgery.offload(model, accelerator, groups="leaves", budget=3 * layer - 1)  # the ring, no residency
+    assert "0" in handle.stats().streamed_groups
+    w, p = model[0].weight, plain[0].weight
+    assert isinstance(w, OffloadedTensor) and w.stored.device.type == "cpu"
+    assert (w.device, w.dtype, w.shape, w.stride()) == (p.device, p.dtype, p.shape, p.stride())
+    with torch.no_grad():
+        for op in (lambda t: t * 2, lambda t: t.t() @ torch.ones(8, device=accelerator), lambda t: t.sum(0), torch.clone):
+            got, want = op(w), op(p)
+            assert got.device == want.device and torch.equal(got.cpu(), want.cpu())
+        assert w.to(accelerator) is w and p.to(accelerator) is p  # already there: the tensor itself
+        assert torch.equal(w.cpu(), p.cpu()) and w.cpu().device.type == "cpu"
+    for t in (w, p):  # values on an accelerator do not go to numpy, alike
+        with pytest.raises(TypeError):
+            t.detach().numpy()
+    with torch.no_grad():  # an in-place write lands in the host values
+        w.mul_(2)
+        p.mul_(2)
+    assert torch.equal(w.stored, p.cpu())
+    x = torch.randn(3, 8, device=accelerator)
+    with torch.no_grad():
+        assert torch.equal(model(x), plain(x))
+    model(x).sum().backward()  # gradients reach the weight on the device, as the plain one's
+    plain(x).sum().backward()
+    assert w.grad is not None and w.grad.device == p.grad.device
+    assert torch.equal(w.grad, p.grad)
+    handle.remove()
+    assert type(model[0].weight) is nn.Parameter and model[0].weight.device.type == "cpu"
+    assert torch.equal(model[0].weight, p.detach().cpu())

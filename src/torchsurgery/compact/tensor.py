@@ -31,6 +31,7 @@ the master.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import threading
@@ -235,9 +236,12 @@ class OffloadedTensor(torch.Tensor):
         """Another view or alias of the same values, reading the same way."""
         d = self.__dict__
         offset = stored.storage_offset() - self._frame()
-        return OffloadedTensor(
-            stored, self.dtype, reads=d[_READS], shadow=shadow, counter=d[_COUNTER], offset=offset, device=self.device
-        )
+        # a view of a normal tensor is a normal tensor, also made in inference mode (autograd
+        # then gives it its base's version counter, which an inference tensor cannot take)
+        with torch.inference_mode(self.is_inference()) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
+            return OffloadedTensor(
+                stored, self.dtype, reads=d[_READS], shadow=shadow, counter=d[_COUNTER], offset=offset, device=self.device
+            )
 
     def _rehome(self, stored: torch.Tensor) -> None:
         """Keep the values in ``stored`` from now on (the same values, in new memory)."""

@@ -15,8 +15,10 @@ converted with ``Tensor.to(**kwargs)``. Unlike the original:
   pickle, compile once per layer type, and uninstall to exactly their original class,
   also after installing twice or on top of other patches; ``forward`` keeps its
   signature (``inspect.signature``), so ``generate()`` passes what it would pass;
-* given a ``dtype``, the stored floating weights read as that dtype everywhere
-  (``parameters()``, ``model.dtype``, optimizers): each becomes an
+* given a ``device`` or a ``dtype``, the stored weights read as tensors on that device in
+  that dtype everywhere (``parameters()``, ``model.device``, ``model.dtype``, optimizers),
+  so programs that read a model's device from its first parameter (transformers'
+  ``generate()``, diffusers pipelines) send their inputs where it computes: each becomes an
   :class:`~torchsurgery.compact.tensor.OffloadedTensor` (the same object) keeping its
   values as they were stored, and ``state_dict()`` holds the stored values, as the
   original installer's does. An attribute read in a forward (``self.weight``) still gives
@@ -59,8 +61,20 @@ _KWARGS = "_dynamic_swap_kwargs"
 _WHAT = "torchsurgery.DynamicSwapInstaller"
 
 
-def _read_as(module: nn.Module, dtype: Any) -> list[torch.Tensor]:
-    """The plain floating tensors of ``module`` itself that installing with ``dtype`` swaps into OffloadedTensors.
+def _target(t: torch.Tensor, kwargs: dict[str, Any]) -> tuple[torch.device, torch.dtype]:
+    """Where and in what ``t`` reads once installed with ``kwargs``: a dtype applies to floating tensors only."""
+    dtype, device = kwargs.get("dtype"), kwargs.get("device")
+    to_dtype = dtype if isinstance(dtype, torch.dtype) and t.is_floating_point() else t.dtype
+    return (torch.device(device) if device is not None and not t.is_meta else t.device), to_dtype
+
+
+def _read_as(module: nn.Module, kwargs: dict[str, Any]) -> list[tuple[torch.Tensor, torch.device, torch.dtype]]:
+    """The plain tensors of ``module`` itself that installing with ``kwargs`` swaps into OffloadedTensors.
+
+    With their device and dtype: a tensor kept where the conversion would move it, or in
+    another dtype than it would convert to, reads as a tensor on that device in that dtype
+    (``next(model.parameters()).device`` and ``model.dtype`` then read what the forwards
+    compute with), its values staying as they are kept.
 
     Each checked first: a patch reading weight memory directly, another surgery depending on
     the object (an offload), or the graph of a pending backward (the swap would poison it)
@@ -70,30 +84,31 @@ def _read_as(module: nn.Module, dtype: Any) -> list[torch.Tensor]:
         TypeError: a patch of ``module`` reads weight memory directly.
         RuntimeError: a tensor is held by another surgery or by a graph.
     """
-    if not isinstance(dtype, torch.dtype):
-        return []
     found = []
     for tensors in (module._parameters, module._buffers):
         for name, t in tensors.items():
-            if t is None or type(t) not in (torch.Tensor, nn.Parameter) or not t.is_floating_point() or t.dtype == dtype:
+            if t is None or type(t) not in (torch.Tensor, nn.Parameter):
+                continue
+            device, dtype = _target(t, kwargs)
+            if (device, dtype) == (t.device, t.dtype):
                 continue
             reader = plain_reader(module)
             if reader is not None:
                 raise TypeError(
-                    f"{_WHAT}: cannot keep {name!r} of this {type(module).__name__} in {t.dtype} while it reads as "
-                    f"{dtype}: its patch {reader.__qualname__} reads weight memory directly "
-                    "(__patch_needs_plain_weights__); install without dtype=, or convert the module first"
+                    f"{_WHAT}: cannot keep {name!r} of this {type(module).__name__} as {t.dtype} on {t.device} while it "
+                    f"reads as {dtype} on {device}: its patch {reader.__qualname__} reads weight memory directly "
+                    "(__patch_needs_plain_weights__); move or convert the module first, or leave it out"
                 )
             holder = _undo.holder_of_any([t])
             if holder is not None:
                 raise RuntimeError(
-                    f"{_WHAT}: cannot make {name!r} of this {type(module).__name__} read as {dtype}: {holder} keeps it "
-                    "as it is; remove that first (handle.remove()), install, and offload again"
+                    f"{_WHAT}: cannot make {name!r} of this {type(module).__name__} read as {dtype} on {device}: "
+                    f"{holder} keeps it as it is; remove that first (handle.remove()), install, and offload again"
                 )
             problem = swap_blocker(name, t, None, _WHAT, weak_references_ok=True)
             if problem:
                 raise RuntimeError(problem)
-            found.append(t)
+            found.append((t, device, dtype))
     return found
 
 
@@ -117,7 +132,7 @@ def _check_install(module: nn.Module, kwargs: dict[str, Any]) -> None:
         )
     if is_patched(module, _DynamicSwap):
         check_unpatch(module, _DynamicSwap)  # the installation it replaces comes off
-    _read_as(module, dtype)
+    _read_as(module, kwargs)
 
 
 class _DynamicSwap(Patch, nn.Module):
@@ -125,15 +140,14 @@ class _DynamicSwap(Patch, nn.Module):
 
     def __patch_init__(self, **to_kwargs: Any) -> None:
         self.__dict__[_KWARGS] = to_kwargs
-        dtype = to_kwargs.get("dtype")
-        if not isinstance(dtype, torch.dtype):
-            return
-        # the stored weights read as the dtype they compute in (swapped objects, values as
-        # stored), and state_dict() shows them as stored; unpatch undoes both, as it undoes
-        # everything this method changes
-        self.register_state_dict_post_hook(stored_state)
-        for t in _read_as(self, dtype):
-            swap_in(t, offloaded_like(t, t.detach(), dtype))
+        # the stored weights read as the device and dtype they compute in (swapped objects,
+        # values as stored), and state_dict() shows them as stored; unpatch undoes both, as
+        # it undoes everything this method changes
+        found = _read_as(self, to_kwargs)
+        if found:
+            self.register_state_dict_post_hook(stored_state)
+        for t, device, dtype in found:
+            swap_in(t, offloaded_like(t, t.detach(), dtype, device=device))
 
     def __getattr__(self, name: str) -> Any:
         d = self.__dict__
