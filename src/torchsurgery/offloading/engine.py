@@ -518,7 +518,7 @@ class OffloadHandle:
     def _restored_values(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each changed tensor with what is swapped back into it: its values on its device, in its
         dtype (kept as they were kept where it read as another dtype); changes nothing."""
-        restored = []
+        restored: list[tuple[torch.Tensor, torch.Tensor]] = []
         for o in reversed(self._originals):
             tensor, dtype = o.tensor, o.kept or o.dtype
             meta = stored_values(tensor).is_meta

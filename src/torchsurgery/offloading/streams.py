@@ -501,7 +501,7 @@ class _GroupStreamer:
                     value = torch.ops.aten._to_copy.default(p, device=device.device, dtype=through or dtype, non_blocking=True)
                 else:
                     value = p.to(device=device.device, dtype=through or dtype, non_blocking=True)
-                owner._parameters[pname] = value if value.dtype == dtype else value.to(dtype)  # type: ignore[assignment]
+                owner._parameters[pname] = value if value.dtype == dtype else value.to(dtype)
                 fresh += p.numel() * dtype.itemsize
         except BaseException:
             self.depth = 1
