@@ -226,3 +226,26 @@ def test_a_model_under_the_installer_reads_as_the_device_and_generates_as_the_pl
     torchsurgery.DynamicSwapInstaller.uninstall_model(model)
     assert list(model.parameters()) == params and all(type(p) is nn.Parameter for p in params)
     assert {p.device.type for p in params} == {"cpu"}
+
+
+def test_an_offload_over_the_installer_s_model_streams_its_host_values_and_gives_them_back(accelerator: torch.device) -> None:
+    # FramePack's low-VRAM pattern: the installer first, then a partial load by the pool's offload
+    torch.manual_seed(0)
+    model = ARCHITECTURES["llama"]().eval()
+    plain = copy.deepcopy(model).to(accelerator)
+    torchsurgery.DynamicSwapInstaller.install_model(model, device=accelerator)
+    installed = {name: (type(p), p.stored) for name, p in model.named_parameters()}
+    handle = torchsurgery.offload(model, accelerator, budget=_size(model) // 2)
+    streamed = [p for p in handle.plan.params if p.residency.value == "streamed"]
+    assert streamed, "the installer's weights are packed and streamed as their host values"
+    assert model.device == accelerator
+    ids, mask = _prompts(accelerator)
+    kwargs: dict[str, Any] = {"max_new_tokens": 4, "do_sample": False, "output_scores": True, "return_dict_in_generate": True}
+    with torch.inference_mode():
+        _same_output(model.generate(ids, attention_mask=mask, **kwargs), plain.generate(ids, attention_mask=mask, **kwargs))
+    handle.remove()
+    for name, p in model.named_parameters():  # reading as the device again, values on the host
+        kind, stored = installed[name]
+        assert type(p) is kind and p.device == accelerator and p.stored.device.type == "cpu"
+        assert torch.equal(p.stored, stored)
+    torchsurgery.DynamicSwapInstaller.uninstall_model(model)

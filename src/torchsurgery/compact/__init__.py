@@ -15,6 +15,7 @@ from torchsurgery.compact.tensor import (
     converted_by,
     offloaded_like,
     plain_reader,
+    reads_elsewhere_only,
     stored_state,
     stored_values,
 )
@@ -23,6 +24,7 @@ __all__ = [
     # the weight
     "OffloadedTensor",
     "stored_values",
+    "reads_elsewhere_only",
     "offloaded_like",
     "stored_state",
     "converted_by",

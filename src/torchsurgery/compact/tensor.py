@@ -54,7 +54,7 @@ from torchsurgery.compact.narrow import (
 )
 from torchsurgery.patching import Patch, patches
 
-__all__ = ["OffloadedTensor", "stored_values"]
+__all__ = ["OffloadedTensor", "stored_values", "reads_elsewhere_only"]
 
 # keys of an OffloadedTensor's __dict__ that belong to it; the prefix keeps them out of the
 # user's attributes, which swaps carry along (torchsurgery._swap.user_attributes)
@@ -771,6 +771,26 @@ def stored_values(tensor: torch.Tensor) -> torch.Tensor:
         torch.float32
     """
     return tensor.stored if isinstance(tensor, OffloadedTensor) else tensor
+
+
+def reads_elsewhere_only(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is an :class:`OffloadedTensor` whose stored values differ from it only in where they are.
+
+    Plain values in its own dtype, kept on another device than the one it reads as (a
+    ``DynamicSwapInstaller``'s weight installed with a ``device``): a surgery that moves
+    weights itself can take the stored values as the plain tensor they are.
+
+    Example:
+        >>> import torch
+        >>> from torchsurgery.compact import reads_elsewhere_only
+        >>> reads_elsewhere_only(torch.ones(2))
+        False
+    """
+    if not isinstance(tensor, OffloadedTensor):
+        return False
+    d = tensor.__dict__
+    stored: torch.Tensor = d[_STORED]
+    return d[_SHADOW] is None and type(stored) is torch.Tensor and stored.dtype == tensor.dtype and stored.device != tensor.device
 
 
 def converted_by(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> str | None:

@@ -48,6 +48,7 @@ from torchsurgery.compact import (
     Scratch,
     converted_by,
     offloaded_like,
+    reads_elsewhere_only,
     stored_state,
     stored_values,
 )
@@ -94,6 +95,7 @@ class _Original:
     dtype: torch.dtype
     file_key: str | None = None
     kept: torch.dtype | None = None  # the dtype its values were kept in, where it read as another (an installer's)
+    kept_on: torch.device | None = None  # the device its values were kept on, where it read as another
 
 
 class OffloadRecord(_undo.Record):
@@ -258,6 +260,7 @@ class OffloadHandle:
 
     def _convert(self) -> None:
         """Storage and residency conversions, every one checked before the first is made."""
+        self._take_stored_values()
         target = self.plan.device
         moves = [(p.name, t, to, dtype, pin) for p, t, to, dtype, pin in self._conversions() if not t.is_meta]
         seen: set[int] = set()
@@ -285,11 +288,26 @@ class OffloadHandle:
                 self._remember(name, tensor)
                 _swap_to(tensor, to, dtype, pin=self._seam if pin else None)
 
+    def _take_stored_values(self) -> None:
+        """Weights that only read as another device (an installer's) hold their stored values, plain, from here on.
+
+        The plan took them as those values; ``remove()`` makes them read as they did again.
+        """
+        lowered = [(p.name, t) for p in self.plan.params if reads_elsewhere_only(t := _param(self._modules, p))]
+        for name, tensor in lowered:
+            problem = swap_blocker(name, tensor, None, _WHAT, weak_references_ok=True)
+            if problem:
+                raise RuntimeError(problem)
+        for name, tensor in lowered:
+            self._remember(name, tensor)
+            swap_in(tensor, wrap_like(tensor, stored_values(tensor)))
+
     def _remember(self, name: str, tensor: torch.Tensor, file_key: str | None = None) -> None:
         if id(tensor) not in self._remembered:
             self._remembered.add(id(tensor))
-            kept = stored_values(tensor).dtype if isinstance(tensor, OffloadedTensor) else None
-            self._originals.append(_Original(name, tensor, tensor.device, tensor.dtype, file_key, kept))
+            wrapped = isinstance(tensor, OffloadedTensor)
+            kept, kept_on = (stored_values(tensor).dtype, stored_values(tensor).device) if wrapped else (None, None)
+            self._originals.append(_Original(name, tensor, tensor.device, tensor.dtype, file_key, kept, kept_on))
 
     def _stream(self, group: GroupPlan) -> None:
         """Patch the group's root module to bring its streamed weights in (and its narrow layers)."""
@@ -526,12 +544,14 @@ class OffloadHandle:
                 if isinstance(tensor, OffloadedTensor):  # it read as the device it computed on
                     restored.append((tensor, wrap_like(tensor, torch.empty(tensor.shape, dtype=o.dtype, device="meta"))))
                 continue
+            where = o.kept_on or o.device
             if meta:  # its values are in the checkpoint file it was streamed from
                 assert self._reader is not None and o.file_key is not None
-                data = self._reader.read(o.file_key).to(device=o.device, dtype=dtype)
+                data = self._reader.read(o.file_key).to(device=where, dtype=dtype)
             else:
-                data = tensor.detach().to(device=o.device, dtype=dtype, copy=True)
-            restored.append((tensor, wrap_like(tensor, data) if o.kept is None else offloaded_like(tensor, data, o.dtype)))
+                data = tensor.detach().to(device=where, dtype=dtype, copy=True)
+            back = wrap_like(tensor, data) if o.kept is None else offloaded_like(tensor, data, o.dtype, device=o.device)
+            restored.append((tensor, back))
         return restored
 
 

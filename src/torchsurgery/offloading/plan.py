@@ -34,7 +34,7 @@ from torchsurgery._validate import (
     dtype_name,
     holds_exactly,
 )
-from torchsurgery.compact import is_matmul_layer, plain_reader, stored_values
+from torchsurgery.compact import is_matmul_layer, plain_reader, reads_elsewhere_only, stored_values
 from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, BudgetError, Setting
 from torchsurgery.offloading.device import OffloadDevice, resolve_device
 from torchsurgery.offloading.grouping import find_groups
@@ -438,7 +438,10 @@ def _route(named: dict[str, nn.Module], groups: list[GroupPlan], options: _Optio
         for p in group.params:
             first = where.get(p.tied_to) if p.tied_to else None
             host = options.device.host_compute
-            plain = type(_param(named, p)) in (torch.Tensor, nn.Parameter)
+            # an installer's weight reading as another device is taken as its host values (the
+            # engine swaps them in before it moves anything)
+            t = _param(named, p)
+            plain = type(t) in (torch.Tensor, nn.Parameter) or reads_elsewhere_only(t)
             if group.resident or (first is not None and first[0] is Residency.RESIDENT):
                 p.residency = Residency.RESIDENT  # in its storage dtype, as when it streams
                 if not plain:  # a tensor subclass is not wrapped to read as it computes: kept as it computes
