@@ -86,6 +86,11 @@ def _say(line: str) -> None:
     if verbose:
         print(line)
 
+
+def _name(model: nn.Module) -> str:
+    """The model's class name as the app prints it (its installer's classes are named ``DynamicSwap_...``)."""
+    return ("DynamicSwap_" if DynamicSwapInstaller.installed(model) else "") + type(model).__name__
+
 cpu = torch.device("cpu")
 """The host."""
 
@@ -202,13 +207,14 @@ def move_model_to_device_with_memory_preservation(
         >>> from torchsurgery.compat.framepack import cpu, move_model_to_device_with_memory_preservation
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
         >>> move_model_to_device_with_memory_preservation(model, cpu, preserved_memory_gb=0)
+        Moving Sequential to cpu with preserved memory: 0 GB
         >>> model[0].weight.device.type
         'cpu'
     """
     what = "move_model_to_device_with_memory_preservation"
     model = _model(model, what)
     target = _device(target_device, what)
-    _say(f"Moving {type(model).__name__} to {target_device} with preserved memory: {preserved_memory_gb} GB")
+    _say(f"Moving {_name(model)} to {target_device} with preserved memory: {preserved_memory_gb} GB")
     pool = _pool_for(model, target)
     keep = None if pool.device.type == "cpu" else int(preserved_memory_gb * _GIB)
     if pool.try_load(model, keep_free=keep) is None and _is_shared(pool):
@@ -235,11 +241,12 @@ def offload_model_from_device_for_memory_preservation(
         >>> from torch import nn
         >>> from torchsurgery.compat.framepack import cpu, offload_model_from_device_for_memory_preservation
         >>> offload_model_from_device_for_memory_preservation(nn.Linear(2, 2), cpu, preserved_memory_gb=0)
+        Offloading Linear from cpu to preserve memory: 0 GB
     """
     what = "offload_model_from_device_for_memory_preservation"
     model = _model(model, what)
     target = _device(target_device, what)
-    _say(f"Offloading {type(model).__name__} from {target_device} to preserve memory: {preserved_memory_gb} GB")
+    _say(f"Offloading {_name(model)} from {target_device} to preserve memory: {preserved_memory_gb} GB")
     keep = int(preserved_memory_gb * _GIB)
     pool = DevicePool.holding(model)
     if target.type == "cpu" or _shared_pool(target).free_bytes() >= keep:
@@ -267,8 +274,10 @@ def load_model_as_complete(model: nn.Module, target_device: str | torch.device, 
         >>> from torch import nn
         >>> from torchsurgery.compat.framepack import cpu, load_model_as_complete, unload_complete_models
         >>> vae = nn.Linear(4, 4)
-        >>> load_model_as_complete(vae, cpu)
+        >>> load_model_as_complete(vae, cpu, unload=False)
+        Loaded Linear to cpu as complete.
         >>> unload_complete_models()
+        Unloaded Linear as complete.
     """
     model = _model(model, "load_model_as_complete")
     target = _device(target_device, "load_model_as_complete")
@@ -276,7 +285,7 @@ def load_model_as_complete(model: nn.Module, target_device: str | torch.device, 
         unload_complete_models()
     pool = _pool_for(model, target)
     pool.load(model)
-    _say(f"Loaded {type(model).__name__} to {target_device} as complete.")
+    _say(f"Loaded {_name(model)} to {target_device} as complete.")
     _complete.append(weakref.ref(model))  # as the app's list: loaded twice, unloaded (and printed) twice
 
 
@@ -288,13 +297,18 @@ def unload_complete_models(*extra_models: nn.Module) -> None:
 
     Example:
         >>> from torch import nn
-        >>> from torchsurgery.compat.framepack import unload_complete_models
-        >>> unload_complete_models(nn.Linear(2, 2))
+        >>> from torchsurgery.compat import framepack
+        >>> framepack.unload_complete_models()  # clear the list of earlier loads
+        >>> framepack.unload_complete_models(nn.Embedding(2, 2))
+        Unloaded Embedding as complete.
+        >>> framepack.verbose = False  # silenced
+        >>> framepack.unload_complete_models(nn.Embedding(2, 2))
+        >>> framepack.verbose = True
     """
     extra = [_model(m, "unload_complete_models", "extra_models") for m in extra_models]
     for model in [*(m for m in (ref() for ref in _complete) if m is not None), *extra]:
         _to_host(model)
-        _say(f"Unloaded {type(model).__name__} as complete.")
+        _say(f"Unloaded {_name(model)} as complete.")
     _complete.clear()
     if torch.accelerator.is_available():
         torch.accelerator.empty_cache()  # a no-op before the device's allocator is initialised

@@ -207,7 +207,7 @@ class _DynamicSwap(Patch, nn.Module):
             for tensors in (self._parameters, self._buffers):
                 for t in tensors.values():
                     new = _converted(t, fn) if t is not None else None
-                    if new is not None:
+                    if t is not None and new is not None:
                         if isinstance(t, OffloadedTensor):
                             self._keep_on_uninstall(t)
                         swap_in(t, new, pending_backward_ok=True)  # as `.data =` on the plain module
@@ -266,6 +266,23 @@ class DynamicSwapInstaller:
         """Remove the installation from one module (a no-op where there is none)."""
         if is_patched(module, _DynamicSwap):
             unpatch(module, _DynamicSwap)
+
+    @staticmethod
+    def installed(module: nn.Module) -> bool:
+        """Whether ``module`` itself has the installation.
+
+        Example:
+            >>> from torch import nn
+            >>> import torchsurgery
+            >>> layer = nn.Linear(2, 2)
+            >>> torchsurgery.DynamicSwapInstaller.install_model(layer, device="cpu")
+            >>> torchsurgery.DynamicSwapInstaller.installed(layer)
+            True
+            >>> torchsurgery.DynamicSwapInstaller.uninstall_model(layer)
+            >>> torchsurgery.DynamicSwapInstaller.installed(layer)
+            False
+        """
+        return is_patched(module, _DynamicSwap)
 
     @staticmethod
     def install_model(model: nn.Module, **kwargs: Any) -> None:

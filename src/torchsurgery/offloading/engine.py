@@ -65,7 +65,7 @@ from torchsurgery.offloading.plan import (
     plan_converted,
     reads_as_computed,
     reads_elsewhere,
-    whole_bytes,
+    sizes,
 )
 from torchsurgery.offloading.planner import GroupCost, plan_residency
 from torchsurgery.offloading.stats import OffloadStats
@@ -523,7 +523,9 @@ class OffloadHandle:
         options, model, whole = dict(self._options), self.model, all(g.resident for g in self.plan.groups)
         if whole and options.get("budget") is not None:
             # kept whole, as the plain module would be: the budget grows by what the conversion adds
-            grown = whole_bytes(plan_converted(model, self._seam, converted, **{**options, "budget": None}).groups)
+            o = options
+            grown, _ = sizes(model, _WHAT, dtype=o["dtype"], storage_dtype=o["storage_dtype"], groups=o["groups"],
+                             skip=o["skip"], converted=converted)
             options["budget"] = max(int(options["budget"]), grown)
         self.remove()
         with torch.no_grad():

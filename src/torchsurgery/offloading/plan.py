@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch

@@ -39,7 +39,12 @@ from torch import nn
 
 from torchsurgery import _undo
 from torchsurgery._validate import check_bytes, check_device, check_dtype, check_storage_dtype
-from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle, OffloadRecord, offload_converted
+from torchsurgery.offloading.engine import (
+    DEFAULT_SKIP,
+    OffloadHandle,
+    OffloadRecord,
+    offload_converted,
+)
 from torchsurgery.offloading.plan import already_offloaded, sizes
 from torchsurgery.offloading.stats import OffloadStats
 
