@@ -23,7 +23,7 @@ import tardy
 import torchsurgery
 from torchsurgery import DevicePool
 from torchsurgery.compat import framepack
-from torchsurgery.offloading import DEFAULT_SKIP
+from torchsurgery.offloading import DEFAULT_SKIP, stored_values
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
@@ -208,7 +208,8 @@ def _app_pattern(
     memory.DynamicSwapInstaller.install_model(models.text_encoder, device=device)
 
     def record(module: nn.Module, args: Any) -> None:  # where the weights are kept as a forward starts
-        where.append({p.device.type for p in module.parameters()})
+        # where each weight's values are kept (a weight kept on the host reads as the device it computes on)
+        where.append({stored_values(p).device.type for p in module.parameters()})
 
     models.transformer.register_forward_pre_hook(record)
     # TODO(inference_mode): the app runs under torch.inference_mode(), which tardy's queued copies
