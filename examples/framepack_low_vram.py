@@ -8,6 +8,10 @@ with tiny random-weight models from ``diffusers`` and ``transformers``, once wit
 ``.to()`` moves and once with ``torchsurgery.compat.framepack`` (the app's function names),
 and the outputs are compared. Without a GPU everything runs on the CPU.
 
+``build_models(app_dtypes=True)`` gives the models the app's dtypes: a bf16 transformer
+whose ``high_quality_fp32_output_for_inference`` switch is on (its output projection is
+converted to fp32 inside ``forward`` and computes in fp32), fp16 text encoders and VAE.
+
 Run: .venv/bin/python examples/framepack_low_vram.py
 """
 
@@ -35,6 +39,30 @@ SIZES: dict[str, dict[str, int]] = {
 LATENT = 4
 
 
+class FramePackTransformer(diffusers.HunyuanVideoFramepackTransformer3DModel):
+    """diffusers' FramePack transformer with the app's fp32 output switch.
+
+    With ``high_quality_fp32_output_for_inference`` on, the app's transformer converts its
+    output projection with ``self.proj_out.to(dtype=torch.float32)`` inside ``forward``
+    (once: when it does not compute in fp32 yet) and feeds it fp32 hidden states. diffusers'
+    class has no such switch: here it is done between the output norm and the projection,
+    where the app does it (a forward hook of ``norm_out``).
+    """
+
+    high_quality_fp32_output_for_inference = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.norm_out.register_forward_hook(self._fp32_output)
+
+    def _fp32_output(self, norm_out: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
+        if not self.high_quality_fp32_output_for_inference:
+            return None
+        if self.proj_out.weight.dtype != torch.float32:
+            self.proj_out.to(dtype=torch.float32)
+        return output.to(dtype=torch.float32)
+
+
 @dataclass
 class Models:
     """The app's four models."""
@@ -45,8 +73,12 @@ class Models:
     vae: nn.Module  # the Hunyuan-video VAE
 
 
-def build_models(size: str = "tiny", seed: int = 0) -> Models:
-    """Random-weight models of the app's architectures, built from small configs."""
+def build_models(size: str = "tiny", seed: int = 0, *, app_dtypes: bool = False) -> Models:
+    """Random-weight models of the app's architectures, built from small configs.
+
+    With ``app_dtypes``, in the app's dtypes: the transformer in bf16 with its fp32 output
+    switch on, the text encoders and the VAE in fp16.
+    """
     s = SIZES[size]
     torch.manual_seed(seed)
     llama = transformers.LlamaModel(transformers.LlamaConfig(
@@ -58,7 +90,7 @@ def build_models(size: str = "tiny", seed: int = 0) -> Models:
         vocab_size=128, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
     ))
     third = s["head_dim"] // 3
-    transformer = diffusers.HunyuanVideoFramepackTransformer3DModel(
+    transformer = FramePackTransformer(
         in_channels=LATENT, out_channels=LATENT, num_attention_heads=s["heads"], attention_head_dim=s["head_dim"],
         num_layers=s["double"], num_single_layers=s["single"], num_refiner_layers=1, text_embed_dim=s["text"],
         pooled_projection_dim=s["text"] // 2, rope_axes_dim=(third, third, third), image_condition_type=None,
@@ -72,6 +104,11 @@ def build_models(size: str = "tiny", seed: int = 0) -> Models:
     models = Models(llama, clip, transformer, vae)
     for model in vars(models).values():
         model.eval().requires_grad_(False)
+    if app_dtypes:
+        transformer.high_quality_fp32_output_for_inference = True
+        transformer.to(dtype=torch.bfloat16)
+        for model in (llama, clip, vae):
+            model.to(dtype=torch.float16)
     return models
 
 
@@ -93,8 +130,17 @@ def plain_moves() -> Any:
 
 
 def run(models: Models, memory: Any, device: torch.device, *, sections: int = 2, steps: int = 3,
-        size: str = "tiny", seed: int = 1) -> dict[str, torch.Tensor]:
-    """The app's stages, with its moves in and out, done with ``memory``'s functions."""
+        size: str = "tiny", seed: int = 1, preserved_gb: tuple[float, float] = (6, 8),
+        grad_off: Any = torch.no_grad) -> dict[str, torch.Tensor]:
+    """The app's stages, with its moves in and out, done with ``memory``'s functions.
+
+    ``preserved_gb``: the GiB the app keeps free when it moves the transformer in and when
+    it takes it back for the VAE. Inputs take each model's dtype, as the app's pipelines do.
+    ``grad_off``: the app runs under ``torch.inference_mode``.
+    """
+    # TODO(inference_mode): default to torch.inference_mode, as the app, once the test device
+    # (tests/tardy) takes inference tensors in its queued copies and the installer with a dtype
+    # reads under inference_mode on the CPU ("Cannot set version_counter for inference tensor")
     s = SIZES[size]
     text, clip, transformer, vae = models.text_encoder, models.text_encoder_2, models.transformer, models.vae
     g = torch.Generator().manual_seed(seed)
@@ -102,7 +148,8 @@ def run(models: Models, memory: Any, device: torch.device, *, sections: int = 2,
     mask = torch.ones_like(ids)
     image = torch.rand(1, 3, 1, 8 * s["side"], 8 * s["side"], generator=g) * 2 - 1
     out: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
+    t_dtype, v_dtype = transformer.dtype, vae.dtype  # read before any model is installed or moved
+    with grad_off():
         memory.unload_complete_models(text, clip, vae, transformer)
 
         # text: the Llama encoder is only made to look as if on the device (the installer
@@ -116,7 +163,7 @@ def run(models: Models, memory: Any, device: torch.device, *, sections: int = 2,
 
         # the start image, encoded by the VAE loaded whole
         memory.load_model_as_complete(vae, device)
-        start = vae.encode(image.to(device)).latent_dist.mode() * vae.config.scaling_factor
+        start = vae.encode(image.to(device, v_dtype)).latent_dist.mode() * vae.config.scaling_factor
         out["start"] = start.cpu()
 
         frames, side = s["frames"], s["side"]
@@ -124,28 +171,30 @@ def run(models: Models, memory: Any, device: torch.device, *, sections: int = 2,
         image_embeds = torch.randn(1, 4, 16, generator=g).to(device)
         for section in range(sections):
             memory.unload_complete_models()
-            memory.move_model_to_device_with_memory_preservation(transformer, device, preserved_memory_gb=6)
+            memory.move_model_to_device_with_memory_preservation(transformer, device, preserved_memory_gb=preserved_gb[0])
             latents = torch.randn(1, LATENT, frames, side, side, generator=g).to(device)
             clean = torch.cat([start, history[:, :, :1]], dim=2)
             for step in range(steps):
                 t = 1.0 - step / steps
                 velocity = transformer(
-                    hidden_states=latents, timestep=torch.tensor([t * 1000.0], device=device),
-                    encoder_hidden_states=prompt, encoder_attention_mask=mask.bool().to(device),
-                    pooled_projections=pooled, image_embeds=image_embeds,
+                    hidden_states=latents.to(t_dtype), timestep=torch.tensor([t * 1000.0], device=device),
+                    encoder_hidden_states=prompt.to(t_dtype), encoder_attention_mask=mask.bool().to(device),
+                    pooled_projections=pooled.to(t_dtype), image_embeds=image_embeds.to(t_dtype),
                     indices_latents=torch.arange(3, 3 + frames, device=device),
                     guidance=torch.tensor([10000.0], device=device),
-                    latents_clean=clean, indices_latents_clean=torch.tensor([0, 1], device=device),
-                    latents_history_2x=history[:, :, 1:3], indices_latents_history_2x=torch.tensor([2, 3], device=device),
-                    latents_history_4x=history[:, :, 3:], indices_latents_history_4x=torch.arange(4, 20, device=device),
+                    latents_clean=clean.to(t_dtype), indices_latents_clean=torch.tensor([0, 1], device=device),
+                    latents_history_2x=history[:, :, 1:3].to(t_dtype),
+                    indices_latents_history_2x=torch.tensor([2, 3], device=device),
+                    latents_history_4x=history[:, :, 3:].to(t_dtype),
+                    indices_latents_history_4x=torch.arange(4, 20, device=device),
                 ).sample
-                latents = latents - velocity / steps  # a plain Euler step of the flow
+                latents = latents - velocity.float() / steps  # a plain Euler step of the flow, in fp32
             out[f"latents{section}"] = latents.cpu()
             history = torch.cat([latents[:, :, :1], history[:, :, :-1]], dim=2)
 
-            memory.offload_model_from_device_for_memory_preservation(transformer, device, preserved_memory_gb=8)
+            memory.offload_model_from_device_for_memory_preservation(transformer, device, preserved_memory_gb=preserved_gb[1])
             memory.load_model_as_complete(vae, device)
-            pixels = vae.decode(latents / vae.config.scaling_factor).sample
+            pixels = vae.decode((latents / vae.config.scaling_factor).to(v_dtype)).sample
             out[f"pixels{section}"] = pixels.cpu()
             memory.unload_complete_models()
     return out

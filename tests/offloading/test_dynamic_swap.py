@@ -154,18 +154,26 @@ def test_a_dtype_converts_floating_tensors_only() -> None:
     assert layer.positions.dtype == torch.int64 and layer.weight.dtype == torch.float32
 
 
-def test_a_conversion_of_a_model_installed_with_a_dtype_is_refused_unless_it_changes_nothing() -> None:
-    model = model_().to(torch.bfloat16)
-    DynamicSwapInstaller.install_model(model, dtype=torch.float32)
+@pytest.mark.parametrize("dtype", [None, torch.float32], ids=["no-dtype", "fp32"])
+def test_an_installed_model_takes_dtype_conversions_as_the_plain_model(dtype: Any) -> None:
+    model = model_().eval().to(torch.bfloat16)
+    plain = copy.deepcopy(model)
+    if dtype is not None:
+        plain.to(dtype)
+    DynamicSwapInstaller.install_model(model, device="cpu", **({"dtype": dtype} if dtype else {}))
     ids = {n: id(p) for n, p in model.named_parameters()}
-    with pytest.raises(RuntimeError, match=r"cannot convert this Sequential .*\('0.weight' would change"):
-        model.half()
-    assert {n: id(p) for n, p in model.named_parameters()} == ids
-    assert all(stored_values(p).dtype == torch.bfloat16 for p in model.parameters())
-    model.to("cpu")  # changes nothing: goes through
-    DynamicSwapInstaller.uninstall_model(model)
-    model.half()
-    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    x = torch.randn(2, 4)
+    for convert in (lambda m: m.to(torch.float64), lambda m: m.half(), lambda m: m.float()):
+        convert(model)
+        convert(plain)
+        assert {n: id(p) for n, p in model.named_parameters()} == ids
+        assert [p.dtype for p in model.parameters()] == [p.dtype for p in plain.parameters()]
+        first = next(plain.parameters()).dtype
+        got, want = model(x.to(first)), plain(x.to(first))
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    model.to("cpu")  # changes nothing
+    DynamicSwapInstaller.uninstall_model(model)  # the conversions are the user's: they stay
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
 
 
 def _installs(model: nn.Module) -> list[tuple[str, str]]:

@@ -1156,16 +1156,14 @@ def test_remove_with_its_file_cut_short_changes_nothing_and_can_be_retried(tmp_p
 
 
 @pytest.mark.parametrize(
-    "convert",
-    [lambda m: m.to("meta"), lambda m: m.half(), lambda m: m[1].to(torch.float64), lambda m: m.to_empty(device="cpu")],
-    ids=["to-meta", "half", "submodule-to", "to_empty"],
+    "convert", [lambda m: m.to("meta"), lambda m: m.to_empty(device="cpu")], ids=["to-meta", "to_empty"]
 )
-def test_conversions_of_an_offloaded_model_are_refused_changing_nothing(convert: Any) -> None:
+def test_conversions_without_meaning_for_an_offloaded_model_are_refused_changing_nothing(convert: Any) -> None:
     model = mlp(2)
     handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
     state = {k: (v.dtype, v.device, v.clone()) for k, v in model.state_dict().items()}
     ids = identity_map(model)
-    with pytest.raises(RuntimeError, match=r"while it is offloaded \('.*' would change\): its weights live in the offload's"):
+    with pytest.raises(RuntimeError, match=r"cannot (move|convert) <root> \(Sequential\) .*remove the offload first"):
         convert(model)
     assert identity_map(model) == ids and handle.active
     assert {k: (v.dtype, v.device) for k, v in model.state_dict().items()} == {k: s[:2] for k, s in state.items()}
@@ -1175,8 +1173,34 @@ def test_conversions_of_an_offloaded_model_are_refused_changing_nothing(convert:
         same(model)
         assert identity_map(model) == ids and handle.active
     torchsurgery.restore(model)
-    model.half()  # once removed, the model converts as any other
-    assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
+@pytest.mark.parametrize("budget", [None, 1200], ids=["whole", "streamed"])
+@pytest.mark.parametrize("storage", [None, torch.bfloat16], ids=["as-given", "bf16-storage"])
+def test_an_offloaded_model_takes_dtype_conversions_as_the_plain_model(budget: int | None, storage: Any) -> None:
+    model = mlp(3, d=8).to(torch.bfloat16)
+    plain = copy.deepcopy(model)
+    handle = offload(model, budget=budget, groups="leaves", storage_dtype=storage, dtype=torch.float32 if storage else None)
+    if storage:
+        plain.float()  # the offload computes in fp32, from bf16 values: exact
+    ids = {n: id(p) for n, p in model.named_parameters()}
+    x = torch.randn(2, 8)
+
+    def both(convert: Any) -> None:
+        convert(model)
+        convert(plain)
+        assert {n: id(p) for n, p in model.named_parameters()} == ids and handle.active
+        assert [p.dtype for p in model.parameters()] == [p.dtype for p in plain.parameters()]
+        dtype = next(plain.parameters()).dtype
+        got, want = model(x.to(dtype)), plain(x.to(dtype))
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+    both(lambda m: m.to(torch.float64))  # wider: exact
+    both(lambda m: m.half())  # narrower: rounds as the plain model does
+    both(lambda m: m.to(dtype=torch.float32))
+    handle.remove()  # the conversions are the user's: the model stays as converted
+    assert [p.dtype for p in model.parameters()] == [p.dtype for p in plain.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
 
 
 def test_surgery_is_refused_while_another_thread_runs_the_model() -> None:

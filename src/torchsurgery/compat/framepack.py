@@ -15,12 +15,18 @@ its weights in their own dtype; a model you added yourself to a
 in that pool. What changes from moving modules one ``.to()`` at a time:
 
 * a model that does not fit is loaded *partly*: whole offload groups (transformer
-  blocks) stay resident up to the memory to preserve, the rest are streamed group by
-  group by the offload engine at each forward; nothing runs out of memory;
+  blocks) stay resident up to the memory to preserve, or, where not even one block fits,
+  single modules (as the app moves each module with a ``weight`` while memory allows);
+  the rest are streamed by the offload engine at each forward; nothing runs out of
+  memory. :func:`offload_model_from_device_for_memory_preservation` takes back only as
+  much as it must to leave the memory to preserve free, as the app does;
 * :func:`load_model_as_complete` pushes back other models least recently used first,
   only as far as needed, instead of all of them;
 * every move is reversible and recorded: ``torchsurgery.restore(model)`` takes a model
   out of its pool, back on the host as it was;
+* a loaded model takes ``.to(dtype)``, ``.float()``, ``.half()`` as the plain model does
+  (the app's transformer converts its output projection to fp32 inside ``forward``): the
+  offload is planned again in the new dtype, and undoing it keeps the user's conversion;
 * nothing is kept that the app does not need: a model pushed back to the host leaves the
   shared pool (its hook and undo record go with it), and the functions hold no strong
   reference to a model, so one the app drops is freed.
@@ -33,6 +39,14 @@ reports the host's available memory (``MemAvailable``). Loading a model into the
 default CPU pool moves nothing (its weights are already there, in their dtype); a pool
 of your own with a budget and a storage dtype converts them, as on a GPU. A script
 runs unchanged and gives the results of plain ``.to()`` moves.
+
+The functions print the app's lines at the same points (``Moving UNet to cuda:0 with
+preserved memory: 6 GB``, ``Offloading ... from ... to preserve memory: ... GB``,
+``Loaded ... to ... as complete.``, ``Unloaded ... as complete.``), so a script's log reads
+the same. Set the module attribute :data:`verbose` to ``False`` to silence them::
+
+    import torchsurgery.compat.framepack as framepack
+    framepack.verbose = False
 """
 
 from __future__ import annotations
@@ -50,6 +64,7 @@ from torchsurgery.offloading.dynamic_swap import DynamicSwapInstaller
 from torchsurgery.offloading.pool import DevicePool
 
 __all__ = [
+    "verbose",
     "cpu",
     "gpu",
     "get_cuda_free_memory_gb",
@@ -62,6 +77,19 @@ __all__ = [
 ]
 
 _GIB = 1 << 30
+
+verbose = True
+"""Whether the functions print the app's lines (``Moving ... with preserved memory``, ``Loaded ... as complete.``...)."""
+
+
+def _say(line: str) -> None:
+    if verbose:
+        print(line)
+
+
+def _name(model: nn.Module) -> str:
+    """The model's class name as the app prints it (its installer's classes are named ``DynamicSwap_...``)."""
+    return ("DynamicSwap_" if DynamicSwapInstaller.installed(model) else "") + type(model).__name__
 
 cpu = torch.device("cpu")
 """The host."""
@@ -169,42 +197,64 @@ def move_model_to_device_with_memory_preservation(
 ) -> None:
     """Bring ``model`` to ``target_device`` while ``preserved_memory_gb`` GiB stay free there.
 
-    What fits goes in as whole offload groups; the rest is streamed by the offload
-    engine at each forward. When not even one group fits, the model stays on the host.
+    What fits goes in as whole offload groups (transformer blocks), or module by module
+    where not even one group fits; the rest is streamed by the offload engine at each
+    forward. When not even one module fits, the model stays on the host. Prints the app's
+    ``Moving ... with preserved memory: ... GB`` line first (see :data:`verbose`).
 
     Example:
         >>> from torch import nn
         >>> from torchsurgery.compat.framepack import cpu, move_model_to_device_with_memory_preservation
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
         >>> move_model_to_device_with_memory_preservation(model, cpu, preserved_memory_gb=0)
+        Moving Sequential to cpu with preserved memory: 0 GB
         >>> model[0].weight.device.type
         'cpu'
     """
     what = "move_model_to_device_with_memory_preservation"
-    pool = _pool_for(_model(model, what), _device(target_device, what))
+    model = _model(model, what)
+    target = _device(target_device, what)
+    _say(f"Moving {_name(model)} to {target_device} with preserved memory: {preserved_memory_gb} GB")
+    pool = _pool_for(model, target)
     keep = None if pool.device.type == "cpu" else int(preserved_memory_gb * _GIB)
-    pool.try_load(model, keep_free=keep)  # not even one group fits: the model stays on the host
+    if pool.try_load(model, keep_free=keep) is None and _is_shared(pool):
+        # not even one block has room: module by module, as the app moves each module with a
+        # weight while memory allows (the rest streamed leaf by leaf)
+        pool.discard(model)
+        pool.add(model, groups="leaves", prefetch=0)
+        pool.try_load(model, keep_free=keep)  # not even one module fits: the model stays on the host
 
 
 def offload_model_from_device_for_memory_preservation(
     model: nn.Module, target_device: str | torch.device, preserved_memory_gb: float = 0
 ) -> None:
-    """Push ``model`` back to the host unless ``preserved_memory_gb`` GiB are free on ``target_device``.
+    """Take back as much of ``model`` as needed for ``preserved_memory_gb`` GiB to be free on ``target_device``.
 
-    The model goes back whole (its groups come in again at the next move). A no-op on
-    a CPU target.
+    As the app does, nothing moves while that much is free; otherwise the model keeps the
+    groups that still leave that much free (planned again, the rest streamed), or goes back
+    to the host whole when what is left is below what it needs streamed. Its groups come in
+    again at the next move. A model no pool of ``target_device`` holds goes back to the host
+    when too little is free. A no-op on a CPU target. Prints the app's ``Offloading ... to
+    preserve memory: ... GB`` line first (see :data:`verbose`).
 
     Example:
         >>> from torch import nn
         >>> from torchsurgery.compat.framepack import cpu, offload_model_from_device_for_memory_preservation
         >>> offload_model_from_device_for_memory_preservation(nn.Linear(2, 2), cpu, preserved_memory_gb=0)
+        Offloading Linear from cpu to preserve memory: 0 GB
     """
     what = "offload_model_from_device_for_memory_preservation"
     model = _model(model, what)
     target = _device(target_device, what)
-    if target.type == "cpu" or _shared_pool(target).free_bytes() >= preserved_memory_gb * _GIB:
+    _say(f"Offloading {_name(model)} from {target_device} to preserve memory: {preserved_memory_gb} GB")
+    keep = int(preserved_memory_gb * _GIB)
+    pool = DevicePool.holding(model)
+    if target.type == "cpu" or _shared_pool(target).free_bytes() >= keep:
         return
-    _to_host(model)
+    if pool is None or pool.device != target:
+        _to_host(model)
+    elif pool.shrink(model, keep_free=keep) is None and _is_shared(pool):
+        pool.discard(model)  # back on the host: out of the shared pool
 
 
 def load_model_as_complete(model: nn.Module, target_device: str | torch.device, unload: bool = True) -> None:
@@ -217,14 +267,17 @@ def load_model_as_complete(model: nn.Module, target_device: str | torch.device, 
             does); otherwise they stay and are pushed back only as far as needed.
 
     A model too large to fit whole even alone is loaded partly, its remaining groups
-    streamed, instead of running out of memory.
+    streamed, instead of running out of memory. Prints the app's ``Loaded ... as
+    complete.`` line (see :data:`verbose`).
 
     Example:
         >>> from torch import nn
         >>> from torchsurgery.compat.framepack import cpu, load_model_as_complete, unload_complete_models
         >>> vae = nn.Linear(4, 4)
-        >>> load_model_as_complete(vae, cpu)
+        >>> load_model_as_complete(vae, cpu, unload=False)
+        Loaded Linear to cpu as complete.
         >>> unload_complete_models()
+        Unloaded Linear as complete.
     """
     model = _model(model, "load_model_as_complete")
     target = _device(target_device, "load_model_as_complete")
@@ -232,23 +285,30 @@ def load_model_as_complete(model: nn.Module, target_device: str | torch.device, 
         unload_complete_models()
     pool = _pool_for(model, target)
     pool.load(model)
-    if not any(ref() is model for ref in _complete):
-        _complete.append(weakref.ref(model))
+    _say(f"Loaded {_name(model)} to {target_device} as complete.")
+    _complete.append(weakref.ref(model))  # as the app's list: loaded twice, unloaded (and printed) twice
 
 
 def unload_complete_models(*extra_models: nn.Module) -> None:
     """Push back every model loaded with :func:`load_model_as_complete`, and ``extra_models``.
 
-    An extra model that no pool holds is moved to the host with ``.to("cpu")``.
+    An extra model that no pool holds is moved to the host with ``.to("cpu")``. Prints the
+    app's ``Unloaded ... as complete.`` line for each (see :data:`verbose`).
 
     Example:
         >>> from torch import nn
-        >>> from torchsurgery.compat.framepack import unload_complete_models
-        >>> unload_complete_models(nn.Linear(2, 2))
+        >>> from torchsurgery.compat import framepack
+        >>> framepack.unload_complete_models()  # clear the list of earlier loads
+        >>> framepack.unload_complete_models(nn.Embedding(2, 2))
+        Unloaded Embedding as complete.
+        >>> framepack.verbose = False  # silenced
+        >>> framepack.unload_complete_models(nn.Embedding(2, 2))
+        >>> framepack.verbose = True
     """
     extra = [_model(m, "unload_complete_models", "extra_models") for m in extra_models]
     for model in [*(m for m in (ref() for ref in _complete) if m is not None), *extra]:
         _to_host(model)
+        _say(f"Unloaded {_name(model)} as complete.")
     _complete.clear()
     if torch.accelerator.is_available():
         torch.accelerator.empty_cache()  # a no-op before the device's allocator is initialised

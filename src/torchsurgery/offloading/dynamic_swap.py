@@ -37,22 +37,21 @@ converted with ``Tensor.to(**kwargs)``. Unlike the original:
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
 from torch import nn
 
 from torchsurgery import _undo
-from torchsurgery._swap import swap_blocker, swap_in
+from torchsurgery._swap import swap_blocker, swap_in, wrap_like
 from torchsurgery.compact import (
     OffloadedTensor,
-    converted_by,
     offloaded_like,
     plain_reader,
     stored_state,
+    stored_values,
 )
-from torchsurgery.patching import Patch, check_unpatch, is_patched, patch, unpatch
+from torchsurgery.patching import Patch, PatchRecord, check_unpatch, is_patched, patch, unpatch
 
 __all__ = ["DynamicSwapInstaller"]
 
@@ -110,6 +109,24 @@ def _read_as(module: nn.Module, kwargs: dict[str, Any]) -> list[tuple[torch.Tens
                 raise RuntimeError(problem)
             found.append((t, device, dtype))
     return found
+
+
+def _converted(tensor: torch.Tensor, fn: Any) -> torch.Tensor | None:
+    """What ``Module._apply(fn)`` makes of ``tensor`` as it reads, ready to swap in; ``None``: unchanged.
+
+    A weight kept in another dtype than it reads as is converted from the values it reads
+    as (the stored ones, in the read dtype), into a plain tensor: the conversion is the
+    user's, so uninstalling keeps it.
+    """
+    if not isinstance(tensor, OffloadedTensor):
+        new = fn(tensor)
+        return None if new is tensor else wrap_like(tensor, new)
+    stored = stored_values(tensor)
+    shown = fn(torch.empty(0, dtype=tensor.dtype, device=stored.device))
+    if shown.dtype == tensor.dtype and shown.device == stored.device:
+        return None
+    return wrap_like(tensor, stored.to(tensor.dtype).to(device=shown.device, dtype=shown.dtype), nn.Parameter
+                     if isinstance(tensor, nn.Parameter) else torch.Tensor)
 
 
 def _check_install(module: nn.Module, kwargs: dict[str, Any]) -> None:
@@ -179,18 +196,32 @@ class _DynamicSwap(Patch, nn.Module):
         return super().__getattr__(name)
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
-        # .to(), .half(), .cuda()... would replace the weights that read as the installed
-        # dtype with plain converted ones: refused before anything changes (a conversion
-        # that changes nothing, such as .to("cpu") on the CPU, goes through)
-        wrapped = any(isinstance(t, OffloadedTensor) for t in itertools.chain(self.parameters(), self.buffers()))
-        changed = converted_by(self, fn) if wrapped else None
-        if changed is not None:
-            raise RuntimeError(
-                f"{_WHAT}: cannot convert this {type(self).__name__} with .to(), .half() or "
-                f"the like while installed with a dtype ({changed!r} would change; its weights keep their stored "
-                "values and read as that dtype); uninstall_model() first, convert, and install again"
-            )
-        return super()._apply(fn, recurse)
+        # .to(), .half(), .float()... as on the plain module: each tensor, as it reads (a weight
+        # kept in another dtype reads as the installed dtype), converted and swapped into the
+        # same object; an installed dtype follows the conversion, so that reads in forwards
+        # give the dtype the module was converted to
+        if recurse:
+            for child in self.children():
+                child._apply(fn)
+        with torch.no_grad():
+            for tensors in (self._parameters, self._buffers):
+                for t in tensors.values():
+                    new = _converted(t, fn) if t is not None else None
+                    if t is not None and new is not None:
+                        if isinstance(t, OffloadedTensor):
+                            self._keep_on_uninstall(t)
+                        swap_in(t, new, pending_backward_ok=True)  # as `.data =` on the plain module
+            kwargs = self.__dict__[_KWARGS]
+            dtype = kwargs.get("dtype")
+            if isinstance(dtype, torch.dtype):
+                self.__dict__[_KWARGS] = {**kwargs, "dtype": fn(torch.empty(0, dtype=dtype)).dtype}
+        return self
+
+    def _keep_on_uninstall(self, tensor: torch.Tensor) -> None:
+        """Uninstalling no longer swaps back what ``tensor`` held before it read as the installed dtype."""
+        for record in _undo.records(self):
+            if isinstance(record, PatchRecord) and record.patch is _DynamicSwap:
+                record.changes.storage = [e for e in record.changes.storage if e[0] is not tensor]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         d = self.__dict__
@@ -235,6 +266,23 @@ class DynamicSwapInstaller:
         """Remove the installation from one module (a no-op where there is none)."""
         if is_patched(module, _DynamicSwap):
             unpatch(module, _DynamicSwap)
+
+    @staticmethod
+    def installed(module: nn.Module) -> bool:
+        """Whether ``module`` itself has the installation.
+
+        Example:
+            >>> from torch import nn
+            >>> import torchsurgery
+            >>> layer = nn.Linear(2, 2)
+            >>> torchsurgery.DynamicSwapInstaller.install_model(layer, device="cpu")
+            >>> torchsurgery.DynamicSwapInstaller.installed(layer)
+            True
+            >>> torchsurgery.DynamicSwapInstaller.uninstall_model(layer)
+            >>> torchsurgery.DynamicSwapInstaller.installed(layer)
+            False
+        """
+        return is_patched(module, _DynamicSwap)
 
     @staticmethod
     def install_model(model: nn.Module, **kwargs: Any) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,9 +63,10 @@ from torchsurgery.offloading.plan import (
     Residency,
     _param,
     in_flight_reserve,
-    plan_offload,
+    plan_converted,
     reads_as_computed,
     reads_elsewhere,
+    sizes,
 )
 from torchsurgery.offloading.planner import GroupCost, plan_residency
 from torchsurgery.offloading.stats import OffloadStats
@@ -159,9 +161,13 @@ class OffloadHandle:
         (True, True, torch.float32)
     """
 
-    def __init__(self, model: nn.Module, plan: OffloadPlan) -> None:
+    def __init__(self, model: nn.Module, plan: OffloadPlan, options: dict[str, Any] | None = None) -> None:
         self.model = model
         self.plan = plan
+        # what offload() was given, and the dtypes the user converted parameters to since
+        # (by id): a conversion plans the offload again with both
+        self._options: dict[str, Any] = dict(options or {})
+        self.converted: dict[int, torch.dtype] = {}
         self.device = plan.device
         self._seam = plan.offload_device
         self._stats = OffloadStats()
@@ -424,7 +430,7 @@ class OffloadHandle:
             # behind its back: refused, before anything changes (the instance attribute wins
             # over the class method; removed with the offload)
             if "_apply" not in module.__dict__:
-                module.__dict__["_apply"] = _ConversionRefused(module, name)
+                module.__dict__["_apply"] = _Conversion(module, name, self)
         self._record = OffloadRecord(self)
         _undo.push(model, self._record)
 
@@ -475,6 +481,79 @@ class OffloadHandle:
         stats.resident_groups.append(name)
         stats.streamed_groups.remove(name)
         stats.resident_bytes += next(g.nbytes for g in self.plan.groups if g.name == name)
+
+    # ------------------------------------------------------------------ conversions
+
+    def _convert_subtree(self, module: nn.Module, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """``module.to(dtype)``, ``.half()``, ``.float()``... while offloaded, taken as the plain module takes it.
+
+        ``fn`` is what the conversion applies to every tensor; it is shown each parameter as
+        the parameter reads (its compute dtype, on the device it computes on) and each buffer.
+        A move to another device is refused, one to the device the model computes on is
+        nothing. Where dtypes change, the offload is planned again with those parameters
+        computing in their new dtype (sizes, residency, ring slots, casts follow; a model kept
+        whole stays whole) and their values those of the plain module converted the same way:
+        read as they computed, then converted (widening is exact, and a narrower storage dtype
+        is kept; narrowing rounds). The conversion is the user's: :meth:`remove` gives the
+        module back in the dtypes it was converted to.
+
+        Raises:
+            RuntimeError: a move to another device; a model streamed from a checkpoint file;
+                a conversion while a streamed group runs (inside its forward). Nothing changed.
+        """
+        label = f"{name or '<root>'} ({type(module).__name__})"
+        changes: dict[int, tuple[torch.Tensor, torch.dtype, torch.dtype]] = {}  # tensor, read as, converted to
+        with torch.no_grad():
+            for qual, t in [*module.named_parameters(), *module.named_buffers()]:
+                shown = torch.empty(0, dtype=t.dtype, device=self.device if isinstance(t, nn.Parameter) else t.device)
+                after = fn(shown)
+                if after.device != shown.device:
+                    raise RuntimeError(
+                        f"{_WHAT}: cannot move {label} to {after.device} while it is offloaded to {self.device} "
+                        f"({qual!r} computes there; its weights live in the offload's storage): remove the offload "
+                        "first (handle.remove() or torchsurgery.restore(model)) and offload to the new device; "
+                        ".to(dtype) alone is taken while offloaded"
+                    )
+                if after.dtype != t.dtype:
+                    changes[id(t)] = (t, t.dtype, after.dtype)
+                elif after is not shown:  # new values of the same dtype (to_empty): none to keep in storage
+                    raise RuntimeError(
+                        f"{_WHAT}: cannot convert {label} with a conversion that gives {qual!r} new values while it "
+                        "is offloaded (its weights live in the offload's storage): remove the offload first "
+                        "(handle.remove() or torchsurgery.restore(model))"
+                    )
+        if not changes:
+            return
+        if self.plan.storage is not None:
+            raise RuntimeError(
+                f"{_WHAT}: cannot convert {label} to another dtype while it is streamed from {self.plan.storage!r}: "
+                "its weights are read in the file's dtypes. Remove the offload first, or give offload() dtype="
+            )
+        running = [m for m in self._patched if m.__dict__["_offload_streamer"].depth > 0]
+        if running:
+            group = next(n for n, m in self.model.named_modules() if m is running[0])
+            raise RuntimeError(
+                f"{_WHAT}: cannot convert {label} while the streamed group {group or '<root>'!r} runs (inside its "
+                "forward its weights are in use): convert before or after the group's forward"
+            )
+        params = {id(p) for p in module.parameters()}
+        converted = {**self.converted, **{k: d for k, (_, _, d) in changes.items() if k in params}}
+        options, model, whole = dict(self._options), self.model, all(g.resident for g in self.plan.groups)
+        if whole and options.get("budget") is not None:
+            # kept whole, as the plain module would be: the budget grows by what the conversion adds
+            o = options
+            grown, _ = sizes(model, _WHAT, dtype=o["dtype"], storage_dtype=o["storage_dtype"], groups=o["groups"],
+                             skip=o["skip"], converted=converted)
+            options["budget"] = max(int(options["budget"]), grown)
+        self.remove()
+        with torch.no_grad():
+            for t, read_as, dtype in changes.values():
+                # as the offloaded module read it (the compute dtype), then converted
+                swap_in(t, wrap_like(t, t.detach().to(read_as).to(dtype)), pending_backward_ok=True)
+        # planned and installed again on this handle, so that references to it stay valid
+        OffloadHandle.__init__(self, model, plan_converted(model, self._seam, converted, **options), options)
+        self.converted = converted
+        self._install()
 
     # ------------------------------------------------------------------ undo
 
@@ -527,7 +606,7 @@ class OffloadHandle:
             _undo.release(self._hold)
             self._hold = None
         for module in self.model.modules():
-            if isinstance(module.__dict__.get("_apply"), _ConversionRefused):
+            if isinstance(module.__dict__.get("_apply"), _Conversion):
                 del module.__dict__["_apply"]
         _undo.remove(self.model, self._record)
         self._record = None
@@ -555,27 +634,36 @@ class OffloadHandle:
         return restored
 
 
-class _ConversionRefused:
-    """Stands in for ``Module._apply`` on an offloaded module: conversions are refused (picklable).
+class _Conversion:
+    """Stands in for ``Module._apply`` on an offloaded module: ``.to(dtype)``, ``.half()``... go through the offload.
 
-    A conversion that changes no tensor (``.to("cpu")`` of a model offloaded on the CPU) goes
-    through; any other is refused before anything converts.
+    A conversion that changes no tensor (``.to("cpu")`` of a model offloaded on the CPU, ``.to(device)``
+    to the device the model computes on) does nothing; a dtype conversion is taken as the plain
+    module takes it (:meth:`OffloadHandle._convert_subtree`); a move to another device is refused.
+    A copy of the model (``deepcopy``, ``pickle``) carries no offload: its copy refuses conversions.
     """
 
-    def __init__(self, module: nn.Module, name: str) -> None:
+    def __init__(self, module: nn.Module, name: str, handle: OffloadHandle | None = None) -> None:
         self.module = module
         self.name = name
+        self.handle = weakref.ref(handle) if handle is not None else None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"module": self.module, "name": self.name, "handle": None}
 
     def __call__(self, fn: Any, recurse: bool = True) -> nn.Module:
+        handle = self.handle() if self.handle is not None else None
+        if handle is not None and handle.active:
+            handle._convert_subtree(self.module, self.name, fn)
+            return self.module
         changed = converted_by(self.module, fn)
         if changed is None:
             return nn.Module._apply(self.module, fn, recurse)
         where = f"{self.name}.{changed}" if self.name else changed
         raise RuntimeError(
-            f"{_WHAT}: cannot convert {self.name or '<root>'} ({type(self.module).__name__}) with .to(), .half(), "
-            f".float(), .cuda() or the like while it is offloaded ({where!r} would change): its weights live in the "
-            "offload's storage. Remove the offload first (handle.remove() or torchsurgery.restore(model)), or "
-            "give offload() the dtype and device to compute in"
+            f"{_WHAT}: cannot convert {self.name or '<root>'} ({type(self.module).__name__}) with .to(), .half() "
+            f"or the like ({where!r} would change): it is a copy of an offloaded module, whose weights live in "
+            "the original's offload. Remove the offload before copying (handle.remove() or torchsurgery.restore(model))"
         )
 
 
@@ -656,10 +744,20 @@ def offload(
         ...     torch.allclose(model(x), expected, atol=0.05), model[0].weight.dtype, model[0].weight.stored.dtype
         (True, torch.float32, torch.bfloat16)
     """
-    plan = plan_offload(
-        model, device, dtype=dtype, storage_dtype=storage_dtype, budget=budget, prefetch=prefetch,
-        pin_memory=pin_memory, groups=groups, skip=skip, master_dtype=master_dtype, storage=storage,
-    )
-    handle = OffloadHandle(model, plan)
+    options = {"dtype": dtype, "storage_dtype": storage_dtype, "budget": budget, "prefetch": prefetch,
+               "pin_memory": pin_memory, "groups": groups, "skip": skip, "master_dtype": master_dtype,
+               "storage": storage}
+    return offload_converted(model, device, None, options)
+
+
+def offload_converted(
+    model: nn.Module, device: str | torch.device | OffloadDevice, converted: dict[int, torch.dtype] | None,
+    options: dict[str, Any],
+) -> OffloadHandle:
+    """:func:`offload` with ``options`` (its keywords), the parameters in ``converted`` computing in
+    the dtypes the user converted them to (by ``id``; see :meth:`OffloadHandle._convert_subtree`)."""
+    plan = plan_converted(model, device, converted, **options)
+    handle = OffloadHandle(model, plan, options)
+    handle.converted = dict(converted or {})
     handle._install()
     return handle

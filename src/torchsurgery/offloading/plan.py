@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -332,8 +332,14 @@ def _collect(
     storage_dtype: torch.dtype | None,
     master_dtype: torch.dtype | None,
     skip: Callable[[nn.Module, str], bool] | None,
+    converted: Mapping[int, torch.dtype] | None = None,
 ) -> list[GroupPlan]:
-    """The groups with their parameters' dtypes and held bytes (residency filled in later)."""
+    """The groups with their parameters' dtypes and held bytes (residency filled in later).
+
+    ``converted`` maps parameters (by ``id``) the user converted with ``.to()`` while offloaded
+    to the dtype they were converted to: they compute in it, whatever ``dtype`` says, and
+    keep ``storage_dtype`` only where it holds their values exactly (narrower than theirs).
+    """
     # a weight keeps its dtype when any module holding it is skipped (e.g. tied to an embedding)
     kept = {id(p) for q, m in named.items() if skip is not None and skip(m, q) for p in m.parameters(recurse=False)}
     first: dict[int, str] = {}  # parameter -> its first qualified name, while planning only
@@ -347,6 +353,9 @@ def _collect(
                 floating = p.is_floating_point()
                 compute = dtype if (dtype is not None and floating) else p.dtype
                 stored = storage_dtype if (storage_dtype is not None and floating and id(p) not in kept) else compute
+                if converted is not None and id(p) in converted:
+                    compute = converted[id(p)]
+                    stored = stored if stored.itemsize < compute.itemsize else compute
                 name = f"{qual}.{attr}" if qual else attr
                 shadow = None
                 if stored != compute and master_dtype is not None:
@@ -403,6 +412,7 @@ def sizes(
     storage_dtype: torch.dtype | None,
     groups: str | Sequence[str],
     skip: Callable[[nn.Module, str], bool] | None,
+    converted: Mapping[int, torch.dtype] | None = None,
 ) -> tuple[int, int]:
     """Device bytes ``model`` takes kept whole (:func:`whole_bytes`) and its largest group's, as held.
 
@@ -410,7 +420,7 @@ def sizes(
     by the caller.
     """
     named = dict(model.named_modules())
-    plan = _collect(named, find_groups(model, groups, what), dtype, storage_dtype, None, skip)
+    plan = _collect(named, find_groups(model, groups, what), dtype, storage_dtype, None, skip, converted)
     return whole_bytes(plan), max((g.nbytes for g in plan), default=0)
 
 
@@ -675,11 +685,36 @@ def plan_offload(
         >>> model[0].weight.dtype  # nothing changed yet
         torch.float32
     """
+    return plan_converted(
+        model, device, None, dtype=dtype, storage_dtype=storage_dtype, budget=budget, prefetch=prefetch,
+        pin_memory=pin_memory, groups=groups, skip=skip, master_dtype=master_dtype, storage=storage,
+    )
+
+
+def plan_converted(
+    model: nn.Module,
+    device: str | torch.device | OffloadDevice,
+    converted: Mapping[int, torch.dtype] | None,
+    *,
+    dtype: torch.dtype | None,
+    storage_dtype: torch.dtype | None,
+    budget: int | None,
+    prefetch: int,
+    pin_memory: bool | None,
+    groups: str | Sequence[str],
+    skip: Callable[[nn.Module, str], bool] | None,
+    master_dtype: torch.dtype | None,
+    storage: str | os.PathLike[str] | None,
+) -> OffloadPlan:
+    """:func:`plan_offload`, with the parameters the user converted while offloaded (see :func:`_collect`)."""
     options = _check_options(
         model, device, dtype, storage_dtype, master_dtype, budget, prefetch, pin_memory, skip, groups, storage
     )
     named = dict(model.named_modules())
-    plan = _collect(named, find_groups(model, groups, _WHAT), options.dtype, options.storage_dtype, options.master_dtype, options.skip)
+    plan = _collect(
+        named, find_groups(model, groups, _WHAT), options.dtype, options.storage_dtype, options.master_dtype,
+        options.skip, converted,
+    )
     if not plan:
         raise ValueError(f"{_WHAT}: the model has no parameters to offload")
     if storage is None:

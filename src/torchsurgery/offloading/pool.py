@@ -39,7 +39,12 @@ from torch import nn
 
 from torchsurgery import _undo
 from torchsurgery._validate import check_bytes, check_device, check_dtype, check_storage_dtype
-from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle, OffloadRecord, offload
+from torchsurgery.offloading.engine import (
+    DEFAULT_SKIP,
+    OffloadHandle,
+    OffloadRecord,
+    offload_converted,
+)
 from torchsurgery.offloading.plan import already_offloaded, sizes
 from torchsurgery.offloading.stats import OffloadStats
 
@@ -145,6 +150,9 @@ class _Entry:
         self.seconds = 0.0
         self.hook: Any = None
         self.record: PoolRecord | None = None
+        # parameters (by id) the user converted with .to(dtype) while loaded, to the dtype:
+        # later loads plan them in it
+        self.converted: dict[int, torch.dtype] = {}
 
     @property
     def model(self) -> nn.Module:
@@ -339,7 +347,7 @@ class DevicePool:
             raise ValueError(f"{_WHAT}.add: prefetch must be an int >= 0, got {prefetch!r}")
         total, largest = sizes(model, what, dtype=dtype, storage_dtype=storage_dtype, groups=groups, skip=skip)
         options = {"dtype": dtype, "storage_dtype": storage_dtype, "groups": groups, "skip": skip,
-                   "prefetch": prefetch, "pin_memory": pin_memory}
+                   "prefetch": prefetch, "pin_memory": pin_memory, "master_dtype": None, "storage": None}
         entry = _Entry(model, name, options, total, largest)
         if self.budget is not None and self.budget < min(entry.total, entry.minimum):
             raise ValueError(
@@ -430,13 +438,54 @@ class DevicePool:
         if entry.loaded:
             self._push_back(entry)
         grant = entry.total if room >= entry.total else room
-        options = dict(entry.options)
-        handle = offload(model, self.device, budget=grant, **options)
+        handle = self._offload(entry, grant, keep)
+        entry.seconds += time.perf_counter() - start
+        self._touch(entry)
+        return handle
+
+    def shrink(self, model: nn.Module, *, keep_free: int) -> OffloadHandle | None:
+        """Leave ``keep_free`` bytes of the device free by taking back only as much of ``model`` as needed.
+
+        No other model is pushed back. A model that is on the host, or leaves that much free
+        already, stays as it is; otherwise it is planned again with what is left as its
+        budget (fewer groups resident, the rest streamed), or goes back to the host when that
+        is below what it needs streamed.
+
+        Returns:
+            The model's :class:`~torchsurgery.OffloadHandle`, or ``None`` when it is on the host.
+
+        Example:
+            >>> from torch import nn
+            >>> import torchsurgery
+            >>> pool = torchsurgery.DevicePool("cpu", budget=1 << 20)
+            >>> model = pool.add(nn.Linear(4, 4))
+            >>> _ = pool.load(model)
+            >>> pool.shrink(model, keep_free=1 << 62) is None, pool.state(model)
+            (True, 'host')
+            >>> pool.close()
+        """
+        entry = self._entry(model, "shrink")
+        keep = check_bytes(keep_free, _WHAT, "keep_free")
+        handle = entry.handle
+        if handle is None:
+            return None
+        room = _free_bytes(self.device) - int(keep or 0) + entry.granted
+        if room >= entry.granted:
+            return handle
+        start = time.perf_counter()
+        self._push_back(entry)
+        if room >= min(entry.total, entry.minimum):
+            handle = self._offload(entry, room, keep)
+        else:
+            handle = None
+        entry.seconds += time.perf_counter() - start
+        return handle
+
+    def _offload(self, entry: _Entry, grant: int, keep: int | None) -> OffloadHandle:
+        handle = offload_converted(entry.model, self.device, entry.converted, {**entry.options, "budget": grant})
         entry.granted = grant
         entry.keep_free = keep
         entry.loads += 1
-        entry.seconds += time.perf_counter() - start
-        self._touch(entry)
         return handle
 
     def try_load(self, model: nn.Module, *, keep_free: int | None = None) -> OffloadHandle | None:
@@ -555,10 +604,24 @@ class DevicePool:
             held = [e.name for e in self._entries.values()]
             kind = type(model).__name__
             raise ValueError(f"{_WHAT}.{what}: this {kind} is not in the pool (it holds {held}); add() it first")
-        return entry
+        return self._refresh(entry)
 
     def _loaded(self, but: _Entry) -> list[_Entry]:
-        return [e for e in self._entries.values() if e is not but and e.loaded]
+        return [self._refresh(e) for e in self._entries.values() if e is not but and e.loaded]
+
+    def _refresh(self, entry: _Entry) -> _Entry:
+        """Sizes and grant again after the user converted the loaded model's weights (``.to(dtype)``)."""
+        handle = entry.handle
+        if handle is not None and handle.converted != entry.converted:
+            entry.converted = dict(handle.converted)
+            o = entry.options
+            entry.total, entry.largest = sizes(
+                entry.model, f"{_WHAT}.load", dtype=o["dtype"], storage_dtype=o["storage_dtype"], groups=o["groups"],
+                skip=o["skip"], converted=entry.converted,
+            )
+            if all(g.resident for g in handle.plan.groups):
+                entry.granted = max(entry.granted, entry.total)  # kept whole, as converted
+        return entry
 
     def _room(self, entry: _Entry, keep_free: int | None) -> tuple[int, int]:
         """Device bytes free for ``entry`` now, and what pushing back the others would add."""
@@ -573,7 +636,7 @@ class DevicePool:
         return max(0, room), others
 
     def _push_back(self, entry: _Entry) -> None:
-        handle = entry.handle
+        handle = self._refresh(entry).handle
         if handle is not None:
             start = time.perf_counter()
             handle.remove()
