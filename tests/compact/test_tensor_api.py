@@ -173,3 +173,15 @@ def test_a_streamed_weight_reads_as_a_tensor_on_the_device(accelerator: torch.de
     handle.remove()
     assert type(model[0].weight) is nn.Parameter and model[0].weight.device.type == "cpu"
     assert torch.equal(model[0].weight, p.detach().cpu())
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+def test_to_gives_what_it_gives_for_the_plain_weight_in_and_out_of_inference_mode(inference: bool) -> None:
+    model, plain, _ = _pair()
+    w, p = model[0].weight, plain[0].weight
+    with torch.inference_mode(inference):
+        for kwargs in ({"dtype": torch.float64}, {"device": "cpu", "dtype": torch.float16, "copy": True}, {"dtype": torch.float32}):
+            got, want = w.detach().to(**kwargs), p.detach().to(**kwargs)
+            assert type(got) is torch.Tensor or got is not w.detach()  # a new plain tensor, or the weight itself
+            assert (got.dtype, got.device) == (want.dtype, want.device) and torch.equal(got, want)
+        assert type(w.detach().to(torch.float16, copy=True)) is torch.Tensor

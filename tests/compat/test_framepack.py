@@ -212,9 +212,8 @@ def _app_pattern(
         where.append({stored_values(p).device.type for p in module.parameters()})
 
     models.transformer.register_forward_pre_hook(record)
-    # TODO(inference_mode): the app runs under torch.inference_mode(), which tardy's queued copies
-    # refuse until the tardy fix lands on main; then pass grad_off=torch.inference_mode
-    return app.run(models, memory, device, preserved_gb=preserved_gb, grad_off=torch.no_grad), models
+    # under torch.inference_mode(), as the app samples
+    return app.run(models, memory, device, preserved_gb=preserved_gb, grad_off=torch.inference_mode), models
 
 
 @pytest.mark.accelerator

@@ -558,6 +558,12 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.
     return func(t.stored, **_as_read(t, kwargs))
 
 
+def _decomposed(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # Tensor.to reaches here whole in inference mode (no autograd layer decomposes it first): as
+    # PyTorch computes it, the tensor itself where nothing changes, else a _to_copy (above)
+    return func.decompose(*args, **kwargs)
+
+
 def _like(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
     # empty_like & co. read only the shape: no widened copy
     t: OffloadedTensor = args[0]
@@ -643,6 +649,7 @@ _HANDLERS: dict[Any, Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = {
     _aten.alias.default: _alias,
     _aten.copy_.default: _copy,
     _aten._to_copy.default: _to_copy,
+    **dict.fromkeys([_aten.to.dtype, _aten.to.device, _aten.to.dtype_layout, _aten.to.other], _decomposed),
     _aten.mm.default: _matmul,
     _aten.addmm.default: _matmul,
     **dict.fromkeys(

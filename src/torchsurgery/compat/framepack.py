@@ -59,6 +59,7 @@ from torch import nn
 
 from torchsurgery._swap import swap_in, wrap_like
 from torchsurgery._validate import check_device
+from torchsurgery.compact import stored_values
 from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, Setting
 from torchsurgery.offloading.dynamic_swap import DynamicSwapInstaller
 from torchsurgery.offloading.pool import DevicePool
@@ -153,7 +154,8 @@ def _host_tensors(model: nn.Module) -> None:
     installer keeps in their stored dtype (which refuse ``.to()``) and across backends
     ``.data =`` refuses (e.g. what :func:`fake_diffusers_current_device` moved)."""
     for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.device.type != "cpu":
+        # an installer's weight kept on the host (it reads as the device it computes on) stays as it is
+        if stored_values(tensor).device.type != "cpu":
             swap_in(tensor, wrap_like(tensor, tensor.detach().to(cpu)))
 
 

@@ -111,22 +111,32 @@ def _read_as(module: nn.Module, kwargs: dict[str, Any]) -> list[tuple[torch.Tens
     return found
 
 
-def _converted(tensor: torch.Tensor, fn: Any) -> torch.Tensor | None:
-    """What ``Module._apply(fn)`` makes of ``tensor`` as it reads, ready to swap in; ``None``: unchanged.
+def _converted(tensor: torch.Tensor, fn: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """What ``Module._apply(fn)`` makes of ``tensor`` as it reads, ready to swap in, and what
+    uninstalling then gives back (``None``: what it is then); ``None``: unchanged.
 
-    A weight kept in another dtype than it reads as is converted from the values it reads
-    as (the stored ones, in the read dtype), into a plain tensor: the conversion is the
-    user's, so uninstalling keeps it.
+    A weight kept in another dtype or place than it reads as is converted from the values it
+    reads as (the stored ones, in the read dtype): the conversion is the user's, so
+    uninstalling keeps it. Where it read as the device it is installed for and is moved
+    there or to where its values are kept (the host), it goes on reading so, its converted
+    values kept where its values were (uninstalling gives those back, plain); else it
+    becomes a plain tensor.
     """
     if not isinstance(tensor, OffloadedTensor):
         new = fn(tensor)
-        return None if new is tensor else wrap_like(tensor, new)
+        return None if new is tensor else (wrap_like(tensor, new), None)
     stored = stored_values(tensor)
-    shown = fn(torch.empty(0, dtype=tensor.dtype, device=stored.device))
-    if shown.dtype == tensor.dtype and shown.device == stored.device:
+    shown = fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device))
+    # a weight read as the installed device and kept on the host is where .to() puts it
+    # either way (FramePack moves installed models to the host between jobs)
+    stays = shown.device in (tensor.device, stored.device)
+    if shown.dtype == tensor.dtype and stays:
         return None
-    return wrap_like(tensor, stored.to(tensor.dtype).to(device=shown.device, dtype=shown.dtype), nn.Parameter
-                     if isinstance(tensor, nn.Parameter) else torch.Tensor)
+    kind = nn.Parameter if isinstance(tensor, nn.Parameter) else torch.Tensor
+    if stays and tensor.device != stored.device:
+        values = stored.to(tensor.dtype).to(shown.dtype)
+        return offloaded_like(tensor, values, shown.dtype, device=tensor.device), values
+    return wrap_like(tensor, stored.to(tensor.dtype).to(device=shown.device, dtype=shown.dtype), kind), None
 
 
 def _check_install(module: nn.Module, kwargs: dict[str, Any]) -> None:
@@ -206,10 +216,11 @@ class _DynamicSwap(Patch, nn.Module):
         with torch.no_grad():
             for tensors in (self._parameters, self._buffers):
                 for t in tensors.values():
-                    new = _converted(t, fn) if t is not None else None
-                    if t is not None and new is not None:
+                    done = _converted(t, fn) if t is not None else None
+                    if t is not None and done is not None:
+                        new, given_back = done
                         if isinstance(t, OffloadedTensor):
-                            self._keep_on_uninstall(t)
+                            self._give_back_on_uninstall(t, given_back)
                         swap_in(t, new, pending_backward_ok=True)  # as `.data =` on the plain module
             kwargs = self.__dict__[_KWARGS]
             dtype = kwargs.get("dtype")
@@ -217,11 +228,16 @@ class _DynamicSwap(Patch, nn.Module):
                 self.__dict__[_KWARGS] = {**kwargs, "dtype": fn(torch.empty(0, dtype=dtype)).dtype}
         return self
 
-    def _keep_on_uninstall(self, tensor: torch.Tensor) -> None:
-        """Uninstalling no longer swaps back what ``tensor`` held before it read as the installed dtype."""
+    def _give_back_on_uninstall(self, tensor: torch.Tensor, values: torch.Tensor | None) -> None:
+        """Uninstalling gives ``tensor`` ``values`` (the user's conversion; ``None``: leaves it as it is then),
+        not what it held before it was installed."""
         for record in _undo.records(self):
             if isinstance(record, PatchRecord) and record.patch is _DynamicSwap:
-                record.changes.storage = [e for e in record.changes.storage if e[0] is not tensor]
+                storage = [e for e in record.changes.storage if e[0] is not tensor]
+                kinds = [kind for t, _, kind in record.changes.storage if t is tensor]
+                if values is not None and kinds:
+                    storage.append((tensor, values.detach(), kinds[0]))
+                record.changes.storage = storage
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         d = self.__dict__

@@ -548,8 +548,14 @@ class OffloadHandle:
         self.remove()
         with torch.no_grad():
             for t, read_as, dtype in changes.values():
-                # as the offloaded module read it (the compute dtype), then converted
-                swap_in(t, wrap_like(t, t.detach().to(read_as).to(dtype)), pending_backward_ok=True)
+                if not isinstance(t, OffloadedTensor):
+                    # as the offloaded module read it (the compute dtype), then converted
+                    swap_in(t, wrap_like(t, t.detach().to(read_as).to(dtype)), pending_backward_ok=True)
+            # weights that read as another dtype or device than they keep (an installer's): as
+            # their own modules convert them, so that they go on reading as installed
+            for m in module.modules():
+                if any(isinstance(t, OffloadedTensor) and id(t) in changes for t in [*m._parameters.values(), *m._buffers.values()]):
+                    m._apply(fn, recurse=False)
         # planned and installed again on this handle, so that references to it stay valid
         OffloadHandle.__init__(self, model, plan_converted(model, self._seam, converted, **options), options)
         self.converted = converted
@@ -652,13 +658,13 @@ class _Conversion:
         return {"module": self.module, "name": self.name, "handle": None}
 
     def __call__(self, fn: Any, recurse: bool = True) -> nn.Module:
+        changed = converted_by(self.module, fn)
+        if changed is None:  # nothing changes (share_memory_, .to() where it already is): as on the plain module
+            return nn.Module._apply(self.module, fn, recurse)
         handle = self.handle() if self.handle is not None else None
         if handle is not None and handle.active:
             handle._convert_subtree(self.module, self.name, fn)
             return self.module
-        changed = converted_by(self.module, fn)
-        if changed is None:
-            return nn.Module._apply(self.module, fn, recurse)
         where = f"{self.name}.{changed}" if self.name else changed
         raise RuntimeError(
             f"{_WHAT}: cannot convert {self.name or '<root>'} ({type(self.module).__name__}) with .to(), .half() "

@@ -76,7 +76,8 @@ class PackedGroup:
         The sum of the parameters' version counters (an offloaded weight counts in the one of
         its stored values, which also sees writes through ``.data``).
         """
-        return sum(stored_values(t)._version for t in self.tensors)
+        # weights made under inference_mode (a .to(dtype) inside such a forward) count no versions
+        return sum(v._version for v in map(stored_values, self.tensors) if not v.is_inference())
 
     def host_runs(self, allocate: Callable[[int], torch.Tensor] | None = None) -> list[tuple[int, torch.Tensor]]:
         """Per dtype run, its byte offset in the device slot and its host bytes (a ``uint8`` view).
