@@ -37,6 +37,27 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "an offloaded module's .to(dtype) converts its weights (the offload is planned again)",
+        "src/torchsurgery/offloading/engine.py",
+        "swap_in(t, wrap_like(t, t.detach().to(read_as).to(dtype)), pending_backward_ok=True)",
+        "pass",
+        ("tests/offloading/test_engine.py::test_an_offloaded_model_takes_dtype_conversions_as_the_plain_model",),
+    ),
+    Mutation(
+        "compat prints FramePack's lines",
+        "src/torchsurgery/compat/framepack.py",
+        "    if verbose:\n        print(line)",
+        "    pass",
+        ("tests/compat/test_framepack.py::test_the_app_pattern_in_its_dtypes_equals_the_app_s_own_memory_module",),
+    ),
+    Mutation(
+        "Tensor.to reaching the weight's dispatch whole (inference mode) is decomposed as PyTorch does",
+        "src/torchsurgery/compact/tensor.py",
+        "    **dict.fromkeys([_aten.to.dtype, _aten.to.device, _aten.to.dtype_layout, _aten.to.other], _decomposed),\n",
+        "",
+        ("tests/compact/test_tensor_api.py::test_to_gives_what_it_gives_for_the_plain_weight_in_and_out_of_inference_mode",),
+    ),
+    Mutation(
         "the device rule: a weight kept on the host reads as the device the offload computes on",
         "src/torchsurgery/offloading/engine.py",
         "device = self.device if reads_elsewhere(p, self.device) else None",
