@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 CONSTRAINTS := $(VENV)/constraints.txt
 
-.PHONY: demo test lint unit slow docs bench soak clean
+.PHONY: demo test lint unit slow docs bench soak oldest clean
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -65,8 +65,27 @@ test: lint unit docs
 soak: $(VENV)/.dev
 	TORCHSURGERY_HYPOTHESIS_EXAMPLES=5000 $(PY) -m pytest -q -p no:cacheprovider tests/test_undo.py -k SurgeryMachine
 
+# The oldest torch that pyproject.toml claims, in a venv of its own (.venv-oldest), runs the
+# suite less the slow tests: `make oldest` (not part of `make test`). `make oldest OLDEST_TORCH=2.11.0
+# OLDEST=.venv-2.11` tries another; on x86_64 the registry's torch is a CUDA build of several GB, run on the CPU.
+OLDEST_TORCH ?= 2.13.0
+OLDEST       := .venv-oldest
+OLDEST_PY    := $(OLDEST)/bin/python
+
+$(OLDEST)/.dev: pyproject.toml $(KERNEL)
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST_PY) -m pip install -q --upgrade pip
+	$(OLDEST_PY) -m pip install -q "torch==$(OLDEST_TORCH)"
+	echo "torch==$(OLDEST_TORCH)" > $(OLDEST)/constraints.txt
+	$(OLDEST_PY) -m pip install -q -c $(OLDEST)/constraints.txt -e ".[dev]"
+	touch $@
+
+oldest: $(OLDEST)/.dev
+	$(OLDEST_PY) -c "import torch; print('torch', torch.__version__)"
+	$(OLDEST_PY) -m pytest -q -p no:cacheprovider --timeout=600 -m "not slow" $(PYTEST_ARGS)
+
 bench: $(VENV)/.bench
 	@echo "benchmarks: $(PY) benchmarks/<name>.py (see docs/benchmarks.md)"
 
 clean:
-	rm -rf $(VENV) build dist site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST) build dist site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

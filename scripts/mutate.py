@@ -141,6 +141,19 @@ MUTATIONS = [
         ("tests/compact/test_narrow_matvec.py::test_a_nan_weight_in_a_long_row_makes_its_outputs_nan_and_no_other",),
     ),
     Mutation(
+        "the kernel: an e4m3fn NaN widened one value at a time is NaN, not 480",
+        "src/torchsurgery/compact/narrow_matvec.cpp",
+        "    if ((b & 0x7f) == 0x7f) return bits_to_float(0x7fc00000u);  // e4m3fn's only NaN\n", "",
+        ("tests/compact/test_narrow_matvec.py::test_an_e4m3fn_nan_at_every_place_of_a_row_makes_its_outputs_nan",
+         "tests/compact/test_narrow_matvec.py::test_an_e4m3fn_nan_at_every_place_of_a_weight_stored_in_out_makes_its_column_nan"),
+    ),
+    Mutation(
+        "the kernel: the generic path's NaN scan reads a row's last bytes (past its 64-byte steps)",
+        "src/torchsurgery/compact/narrow_matvec.cpp",
+        "  for (; i < n; ++i) any |= (b[i] & 0x7f) == 0x7f;\n", "",
+        ("tests/compact/test_narrow_matvec.py::test_an_e4m3fn_nan_at_every_place_of_a_row_makes_its_outputs_nan",),
+    ),
+    Mutation(
         "fp8 in 64-byte blocks: x is laid out in the order the byte unpacks leave the weights in",
         "src/torchsurgery/compact/narrow_matvec.cpp",
         "kChunks[8] = {0, 2, 4, 6, 1, 3, 5, 7};", "kChunks[8] = {0, 1, 2, 3, 4, 5, 6, 7};",
@@ -401,6 +414,25 @@ MUTATIONS = [
         "src/torchsurgery/flex/captures.py",
         "            stream.synchronize()", "            pass",
         ("tests/flex/test_captures.py::test_accelerator_captures_are_pinned_and_finished_when_forward_returns",),
+    ),
+    Mutation(
+        "flex: state_dict() holds the trainable modules, under flex_model's keys",
+        "src/torchsurgery/flex/model.py",
+        "        return self._layout().state_dict(*args, **kwargs)\n",
+        "        return self.module.state_dict(*args, **kwargs)\n",
+        ("tests/flex/test_model.py::test_a_trained_module_saved_and_loaded_comes_back_bit_for_bit_as_under_flex_model",),
+    ),
+    Mutation(
+        "the command: Ctrl-C is handled from before torch's import",
+        "src/_torchsurgery_command.py",
+        "    signal.signal(signal.SIGINT, _interrupted)\n", "    pass\n",
+        ("tests/cli/test_interrupt.py::test_an_interrupt_at_any_point_is_one_line_exit_130_and_no_partial_file",),
+    ),
+    Mutation(
+        "the command: an interrupt removes the files being written",
+        "src/_torchsurgery_command.py",
+        "    for path in reversed(_partial):\n", "    for path in []:\n",
+        ("tests/cli/test_interrupt.py::test_an_interrupt_removes_what_was_being_written_and_nothing_else",),
     ),
 ]
 

@@ -17,6 +17,11 @@ buffer objects.
   (:class:`FlexModel`); undone by taking every hook off.
 """
 
+# `python -m torchsurgery`: Ctrl-C is the command's from here on, before torch is imported
+from _torchsurgery_command import install_if_run_as_module as _command_start
+
+_command_start()
+
 from torchsurgery._undo import SurgeryEntry, restore, surgery_log
 from torchsurgery.errors import (
     ArgumentError,

@@ -36,6 +36,14 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     return out if bias is None else out + bias.float()
 
 
+@pytest.fixture(params=["dispatched", "generic"])
+def each_path(kernel: _NarrowMatvec, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> _NarrowMatvec:
+    """The kernel as it dispatches on this CPU (fp8 blocks of 64 where it has AVX-512 VBMI), and
+    forced down the generic path that CPUs without VBMI take: both run on every host."""
+    monkeypatch.setattr(kernel, "generic", request.param == "generic")
+    return kernel
+
+
 @pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
 @pytest.mark.parametrize("transposed", [False, True], ids=["out-in", "in-out"])
 def test_outputs_match_fp32_for_many_shapes_rows_and_biases(kernel: _NarrowMatvec, dtype: torch.dtype, transposed: bool) -> None:
@@ -276,3 +284,51 @@ def test_setup_builds_the_kernels_at_install_and_installs_without_a_compiler(tmp
     assert len(told) == 1 and "(no C++ compiler" in told[0], without.stderr  # one line for every dtype
     kernels = tmp_path / "without" / "torchsurgery" / "compact" / "_kernels"
     assert not kernels.exists() or not os.listdir(kernels)
+
+
+# rows shorter than a vector, than the NaN scan's 64 bytes and than a VBMI block, and longer
+# ones with every kind of tail (64 + 36, 2 x 64 + 16 + 5, 3 x 64 + 8)
+ROW_LENGTHS = [1, 5, 16, 17, 40, 63, 64, 100, 149, 200]
+
+
+def _e4m3_nan(raw: torch.Tensor, index: Any, negative: torch.Tensor) -> None:
+    raw[index] = torch.where(negative, 0xFF, 0x7F).to(torch.uint8)  # e4m3fn's NaN, either sign
+
+
+@pytest.mark.parametrize("inp", ROW_LENGTHS)
+def test_an_e4m3fn_nan_at_every_place_of_a_row_makes_its_outputs_nan(each_path: _NarrowMatvec, inp: int) -> None:
+    # weight row o < inp holds a NaN at column o; rows inp and inp + 1 none, and the narrow
+    # bias a NaN at inp + 1 (widened one value at a time): against torch's own widening
+    torch.manual_seed(5)
+    weight = torch.randn(inp + 2, inp).to(torch.float8_e4m3fn)
+    places = torch.arange(inp)
+    _e4m3_nan(weight.view(torch.uint8), (places, places), places % 2 == 1)
+    bias = torch.randn(inp + 2).to(torch.float8_e4m3fn)
+    _e4m3_nan(bias.view(torch.uint8), inp + 1, torch.tensor(False))
+    for rows in range(1, 7):
+        x = torch.randn(rows, inp)
+        got = each_path(x, weight, bias, False)
+        expected = reference(x, weight, bias, False)
+        assert got is not None
+        assert torch.equal(got.isnan(), expected.isnan()), (rows, (got.isnan() != expected.isnan()).nonzero()[:4].tolist())
+        assert not bool(expected[:, inp].isnan().any()) and bool(expected[:, :inp].isnan().all())
+        torch.testing.assert_close(got.nan_to_num(0.0), expected.nan_to_num(0.0), rtol=1e-5, atol=1e-4 * inp**0.5)
+
+
+@pytest.mark.parametrize(("inp", "out"), [(5, 37), (17, 149), (63, 100), (64, 16)])
+def test_an_e4m3fn_nan_at_every_place_of_a_weight_stored_in_out_makes_its_column_nan(
+    each_path: _NarrowMatvec, inp: int, out: int
+) -> None:
+    # a weight [in, out] is read along its rows: every third column holds one NaN, at a row that
+    # moves through the rows, so that NaNs sit in the vector part and in both tails
+    torch.manual_seed(6)
+    weight = torch.randn(inp, out).to(torch.float8_e4m3fn)
+    columns = torch.arange(0, out, 3)
+    _e4m3_nan(weight.view(torch.uint8), ((columns // 3) % inp, columns), columns % 2 == 1)
+    for rows in range(1, 7):
+        x = torch.randn(rows, inp)
+        got = each_path(x, weight, None, True)
+        expected = reference(x, weight, None, True)
+        assert got is not None
+        assert torch.equal(got.isnan(), expected.isnan()), (rows, (got.isnan() != expected.isnan()).nonzero()[:4].tolist())
+        torch.testing.assert_close(got.nan_to_num(0.0), expected.nan_to_num(0.0), rtol=1e-5, atol=1e-4 * inp**0.5)

@@ -3,7 +3,11 @@ shared state, trainable modules, copies and pickles (single process)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -133,7 +137,7 @@ def test_save_ctx_carries_values_between_layers_and_forwards() -> None:
 def test_module_surface_is_the_wrapped_models() -> None:
     model = tiny_gpt2()
     flex = FlexModel(model, {})
-    assert flex.state_dict().keys() == model.state_dict().keys()
+    assert list(flex.state_dict()) == ["module." + k for k in model.state_dict()]
     assert [n for n, _ in flex.named_parameters()] == [n for n, _ in model.named_parameters()]
     flex.train()
     assert model.training and model.transformer.h[0].training
@@ -290,14 +294,105 @@ def test_modules_parameters_and_buffers_set_on_the_wrapper_are_refused() -> None
     assert (pristine(model), model.state_dict().keys()) == before
 
 
-def test_state_dict_and_named_parameters_keys_are_the_models() -> None:
-    # flex_model's state_dict() says "module.fc1.weight" while its named_parameters() says
-    # "fc1.weight": keys that disagree. Both are the model's own here.
+def test_named_parameters_are_the_models_and_state_dict_is_flex_models() -> None:
+    # as flex_model: named_parameters() gives the model's names, state_dict() the wrapper's
+    # tree (the model under "module.", the trainable modules under "trainable_modules.")
     model = nn.Sequential(nn.Linear(2, 2))
     flex = FlexModel(model, {})
     flex.register_trainable_module("probe", nn.Linear(2, 2))
-    assert list(flex.state_dict()) == ["0.weight", "0.bias"] == [n for n, _ in flex.named_parameters()]
-    model.load_state_dict(flex.state_dict())
+    assert [n for n, _ in flex.named_parameters()] == ["0.weight", "0.bias"]
+    assert list(flex.state_dict()) == [
+        "module.0.weight", "module.0.bias", "trainable_modules.probe.weight", "trainable_modules.probe.bias",
+    ]
+    assert all(flex.state_dict(keep_vars=True)[f"module.{k}"] is v for k, v in model.state_dict(keep_vars=True).items())
+    flex.restore()
+
+
+def test_load_state_dict_names_the_fix_for_the_models_own_keys() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    flex = FlexModel(model, {})
+    with pytest.raises(RuntimeError, match=r"(?s)torchsurgery\.FlexModel\.load_state_dict: .*flex\.module\.load_state_dict"):
+        flex.load_state_dict(model.state_dict())
+    saved = flex.state_dict()
+    flex.register_trainable_module("probe", nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match=r"(?s)Missing key\(s\).*trainable_modules\.probe\.weight"):
+        flex.load_state_dict(saved)
+    flex.restore()
+
+
+# ---------------------------------------------------------------- flex_model's save and load
+
+
+@contextlib.contextmanager
+def _flex_model_world() -> Iterator[Any]:
+    """flex_model's ``flex_model.core`` in a one-rank gloo world (it needs one, and asks for NCCL groups)."""
+    core = pytest.importorskip("flex_model.core")
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as folder, pytest.MonkeyPatch.context() as mp:
+        real_new_group = dist.new_group
+        mp.setattr(dist, "new_group", lambda *a, **k: real_new_group(*a, **{**k, "backend": "gloo"}))
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), 1), rank=0, world_size=1)
+        try:
+            yield core
+        finally:
+            dist.destroy_process_group()
+
+
+def _steer(current_module: nn.Module, inputs: torch.Tensor, save_ctx: Any, modules: nn.ModuleDict) -> torch.Tensor:
+    return modules["steer"](inputs)
+
+
+def _fresh_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+
+
+def _train_save_load(flex_class: Any, hook_class: Any, path: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A flex_model program: train a steering module through a hook for 3 steps, save the
+    wrapper's state_dict, load it into a fresh wrapper of a fresh model. Returns the trained
+    state and the reloaded one (model and steering module, by flex_model's keys)."""
+    flex = flex_class(_fresh_model(0), {})
+    flex.register_trainable_module("steer", nn.Linear(4, 4))
+    flex.register_forward_hook(hook_class("0", expected_shape=(5, 4), editing_function=_steer))
+    optimizer = torch.optim.Adam(flex.trainable_modules.parameters(), lr=0.1)
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        optimizer.zero_grad()
+        flex(x).square().mean().backward()
+        optimizer.step()
+    trained = {k: v.detach().clone() for k, v in flex.state_dict().items()}
+    torch.save(flex.state_dict(), path)
+
+    fresh = flex_class(_fresh_model(2), {})
+    torch.manual_seed(3)
+    fresh.register_trainable_module("steer", nn.Linear(4, 4))
+    fresh.load_state_dict(torch.load(path))
+    reloaded = {k: v.detach().clone() for k, v in fresh.state_dict().items()}
+    fresh.restore()
+    flex.restore()
+    return trained, reloaded
+
+
+def test_a_trained_module_saved_and_loaded_comes_back_bit_for_bit_as_under_flex_model(tmp_path: Any) -> None:
+    ours, ours_reloaded = _train_save_load(FlexModel, HookFunction, str(tmp_path / "ours.pt"))
+    with _flex_model_world() as core:
+        peer, peer_reloaded = _train_save_load(core.FlexModel, core.HookFunction, str(tmp_path / "peer.pt"))
+    assert list(ours) == list(peer)  # the same keys, in the same order
+    assert [k for k in ours if k.startswith("trainable_modules.steer.")] == [
+        "trainable_modules.steer.weight", "trainable_modules.steer.bias",
+    ]
+    for k in ours:
+        assert torch.equal(ours[k], peer[k]), k  # the same training
+        assert torch.equal(ours_reloaded[k], ours[k]), k  # the trained module back, bit for bit
+        assert torch.equal(peer_reloaded[k], peer[k]), k
+    assert not torch.equal(ours["trainable_modules.steer.weight"], nn.Linear(4, 4).weight)
+
+    # what flex_model saved loads into ours
+    flex = FlexModel(_fresh_model(2), {})
+    flex.register_trainable_module("steer", nn.Linear(4, 4))
+    flex.load_state_dict(torch.load(str(tmp_path / "peer.pt")))
+    assert all(torch.equal(v, peer[k]) for k, v in flex.state_dict().items())
     flex.restore()
 
 

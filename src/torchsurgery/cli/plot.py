@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
+
+from _torchsurgery_command import removed_on_interrupt
 
 
 def plot_stats(stats: dict[str, dict[str, float]], path: Path, title: str) -> None:
     """Draw mean, standard deviation and mean token norm per hooked module.
 
+    The picture is drawn to a file beside ``path`` and renamed to it when whole.
+
     Example:
         >>> import tempfile
-        >>> from pathlib import Path
+        >>> import os
+import tempfile
+from pathlib import Path
+
+from _torchsurgery_command import removed_on_interrupt
         >>> out = Path(tempfile.mkdtemp()) / "s.png"
         >>> plot_stats({"a": {"mean": 0.1, "std": 1.0, "norm": 3.0}}, out, "demo")
         >>> out.read_bytes()[:4] == b"\\x89PNG"
@@ -35,5 +45,13 @@ def plot_stats(stats: dict[str, dict[str, float]], path: Path, title: str) -> No
     axes[-1].set_xticklabels(names, rotation=45, ha="right", fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fd, drawing = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        with removed_on_interrupt(drawing):
+            fig.savefig(drawing, dpi=110, format="png")
+            os.replace(drawing, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(drawing):
+            os.remove(drawing)

@@ -1,15 +1,19 @@
 """Writing captures to a safetensors file batch by batch, in bounded memory.
 
 A safetensors file starts with a header that gives every tensor's final shape and
-offset, so it cannot be appended to. Each key's batches go to a spill file beside the
-output as they arrive (rows concatenated along the first dimension); ``close`` writes
-the header, then streams the spill files into place and removes them. Memory use is one
-batch, whatever the total size. Nothing is written outside the output's folder.
+offset, so it cannot be appended to. Each key's batches go to a spill file in a folder
+beside the output as they arrive (rows concatenated along the first dimension); ``close``
+writes the header and streams the spill files into a file in that folder, renames it to
+the output and removes the folder. Memory use is one batch, whatever the total size. Nothing
+is written outside the output's folder, and the output appears whole or not at all: an
+interrupt of the command removes the folder (``_torchsurgery_command.removed_on_interrupt``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import struct
 import tempfile
@@ -18,6 +22,7 @@ from typing import BinaryIO
 
 import torch
 
+from _torchsurgery_command import removed_on_interrupt
 from torchsurgery._validate import safetensors_code
 
 
@@ -42,6 +47,8 @@ class StreamingWriter:
         self.path = path
         self.metadata = metadata
         self._spill = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        self._interrupt = contextlib.ExitStack()
+        self._interrupt.enter_context(removed_on_interrupt(self._spill))
         self._files: dict[str, BinaryIO] = {}
         self._shapes: dict[str, list[int]] = {}
         self._dtypes: dict[str, torch.dtype] = {}
@@ -77,18 +84,22 @@ class StreamingWriter:
                 offset += size
             raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
             raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned
-            with open(self.path, "wb") as out:
+            whole = self._spill / "output"
+            with open(whole, "wb") as out:
                 out.write(struct.pack("<Q", len(raw)))
                 out.write(raw)
                 for index, _ in enumerate(self._shapes):
                     with open(self._spill / f"{index}.bin", "rb") as part:
                         shutil.copyfileobj(part, out, length=1 << 22)
+            os.replace(whole, self.path)
             return {k: list(v) for k, v in self._shapes.items()}
         finally:
             shutil.rmtree(self._spill, ignore_errors=True)
+            self._interrupt.close()
 
     def abort(self) -> None:
         """Drop everything written so far (the output file is not created)."""
         for f in self._files.values():
             f.close()
         shutil.rmtree(self._spill, ignore_errors=True)
+        self._interrupt.close()

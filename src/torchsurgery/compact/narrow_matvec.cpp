@@ -344,12 +344,14 @@ inline void dots_fp8(const float* xp, const void* w, const E4M3Tables& t, int64_
 // weight [out, in]: one output after the other, so that the weight is read front to back
 // (measured: reading two rows side by side, to share the loads of x, is up to 2x slower
 // from memory)
+// (generic: dots<K, R> even where the fp8 blocks of 64 would run, so that tests reach it on every CPU)
 template <int K, int R>
-void rows_kernel(const float* x, const void* w, const float* bias, float* y, int64_t in, int64_t out, int threads) {
+void rows_kernel(const float* x, const void* w, const float* bias, float* y, int64_t in, int64_t out, int threads,
+                 bool generic) {
   int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / std::max<int64_t>(in, 1));
 #if defined(__AVX512VBMI__)
   if constexpr ((K == kE4M3 || K == kE5M2) && R <= 4) {
-    if (in >= kBlock8) {
+    if (in >= kBlock8 && !generic) {
       std::unique_ptr<float[]> xp(new float[R * in]);
       fp8_block_order(x, xp.get(), R, in);
       static const E4M3Tables tables = e4m3_tables();  // once per process
@@ -363,6 +365,8 @@ void rows_kernel(const float* x, const void* w, const float* bias, float* y, int
       return;
     }
   }
+#else
+  (void)generic;
 #endif
   parallel_for(out, grain, threads, [&](int64_t begin, int64_t end) {
     float sums[R];
@@ -424,7 +428,7 @@ void cols_kernel(const float* x, const void* w, const float* bias, float* y, int
 
 template <int K>
 int run(bool transposed, int64_t rows, const float* x, const void* w, const void* bias, bool narrow_bias, float* y,
-        int64_t in, int64_t out, int threads) {
+        int64_t in, int64_t out, int threads, bool generic) {
   const float* b = static_cast<const float*>(bias);
   std::unique_ptr<float[]> wide;
   if (bias != nullptr && narrow_bias) {  // stored as narrow as the weight
@@ -437,7 +441,7 @@ int run(bool transposed, int64_t rows, const float* x, const void* w, const void
     if (transposed)                                        \
       cols_kernel<K, R>(x, w, b, y, in, out, threads);     \
     else                                                   \
-      rows_kernel<K, R>(x, w, b, y, in, out, threads);     \
+      rows_kernel<K, R>(x, w, b, y, in, out, threads, generic); \
     return 0;
   switch (rows) {
     TS_ROWS(1) TS_ROWS(2) TS_ROWS(3) TS_ROWS(4) TS_ROWS(5) TS_ROWS(6) TS_ROWS(7) TS_ROWS(8)
@@ -453,9 +457,11 @@ int run(bool transposed, int64_t rows, const float* x, const void* w, const void
 // x and y contiguous fp32, W contiguous in `kind` (0 bf16, 1 fp16, 2 e4m3fn, 3 e5m2), bias
 // none, `out` fp32 values or (narrow_bias) `out` values in W's dtype. Returns 0, or 1 for an
 // unknown kind, 2 for rows outside 1..8, 3 for an empty shape; the caller checks the rest.
+// generic: the portable vector path only (no fp8 blocks of 64 where AVX-512 VBMI has them).
 extern "C" int ts_narrow_matvec(const float* x, const void* w, const void* bias, int narrow_bias, float* y,
-                                int64_t rows, int64_t in, int64_t out, int kind, int transposed, int threads) {
+                                int64_t rows, int64_t in, int64_t out, int kind, int transposed, int threads,
+                                int generic) {
   if (in <= 0 || out <= 0) return 3;
   if (kind != TS_KIND) return 1;
-  return run<TS_KIND>(transposed, rows, x, w, bias, narrow_bias, y, in, out, threads);
+  return run<TS_KIND>(transposed, rows, x, w, bias, narrow_bias, y, in, out, threads, generic != 0);
 }

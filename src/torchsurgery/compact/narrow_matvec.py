@@ -41,6 +41,13 @@ Layouts, both read as contiguous streams:
 * weight ``[in, out]`` (transformers' ``Conv1D``): ``y[r, :] += x[r, i] * W[i, :]`` over
   the weight's rows, the partial sums of a block of columns kept in the first-level cache.
 
+Paths: where the CPU has AVX-512 VBMI, fp8 rows of a weight ``[out, in]`` at least 64 long
+are widened 64 bytes at a time by table lookups (1 to 4 rows of ``x``); everything else takes
+the generic path, 16 elements at a time in portable vector code (an e4m3fn row scanned for its
+NaN pattern first), and tails one element at a time. ``narrow_matvec.generic = True`` (or the
+environment variable ``TORCHSURGERY_NARROW_GENERIC=1`` at import) sends every call down the
+generic path, so that the tests reach it on every CPU, as a machine without VBMI runs.
+
 Threads: the output columns are split over torch's thread count (OpenMP: the runtime torch
 has loaded); concurrent calls from several Python threads share nothing but the read-only
 weight.
@@ -64,7 +71,7 @@ NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float
 _KINDS = {dtype: native_build.KINDS[str(dtype).removeprefix("torch.")] for dtype in NATIVE_DTYPES}  # the source's enum Kind
 _ARGTYPES: list[Any] = [
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
 ]
 _ERRORS = {1: "no kernel for this dtype", 2: "1 to 8 rows only", 3: "an empty shape"}
 
@@ -122,6 +129,8 @@ class _NarrowMatvec:
         self._libraries: dict[torch.dtype, _Library] = {}
         self._warned = False
         self.failed: set[_Key] = set()
+        # every call down the generic path (no fp8 blocks of 64 where AVX-512 VBMI has them)
+        self.generic: bool = os.environ.get("TORCHSURGERY_NARROW_GENERIC", "") not in ("", "0")
 
     @property
     def unavailable(self) -> str | None:
@@ -234,7 +243,7 @@ class _NarrowMatvec:
         if self.failed and self._key(x, weight, transposed) in self.failed:
             return None
         try:
-            return self._run(fn, x, weight, bias, transposed)
+            return self._run(fn, x, weight, bias, transposed, self.generic)
         except ValueError as exc:  # remembered for this shape only
             with self._lock:
                 self.failed.add(self._key(x, weight, transposed))
@@ -248,7 +257,8 @@ class _NarrowMatvec:
 
     @staticmethod
     def _run(
-        fn: Callable[..., int], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool
+        fn: Callable[..., int], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
+        generic: bool,
     ) -> torch.Tensor:
         """The call itself, after the checks the library leaves to its caller (ValueError)."""
         if not (x.is_cpu and weight.is_cpu):
@@ -273,6 +283,7 @@ class _NarrowMatvec:
         code = fn(
             x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), narrow_bias, y.data_ptr(),
             x.numel() // inp if inp else 0, inp, out, _KINDS[weight.dtype], transposed, torch.get_num_threads(),
+            int(generic),
         )
         if code != 0:
             raise ValueError(_ERRORS.get(code, f"error {code}"))

@@ -21,8 +21,9 @@ rank alone, with ``captures_on="first_rank"``), and with pipeline parallelism th
 runs this rank's stage and passes activations on.
 
 The wrapper shares the wrapped model's parameter, buffer and child dictionaries, so
-``state_dict()``, ``parameters()``, ``to()``, ``train()`` and friends act on the wrapped
-model with its own names. :meth:`FlexModel.restore` (or ``torchsurgery.restore(model)``,
+``parameters()``, ``to()``, ``train()`` and friends act on the wrapped model with its own
+names; ``state_dict()`` is flex_model's: the model under ``module.`` and the trainable
+modules under ``trainable_modules.``, so a saved wrapper keeps what its hooks trained. :meth:`FlexModel.restore` (or ``torchsurgery.restore(model)``,
 or dropping the wrapper) removes every hook and leaves the model exactly as it was.
 """
 
@@ -292,13 +293,54 @@ class FlexModel(nn.Module):
 
     # ------------------------------------------------------- nn.Module surface
 
+    def _layout(self) -> nn.Module:
+        """flex_model's module tree: the model as child ``module``, the trainable modules as
+        ``trainable_modules``; what its ``state_dict`` keys are made of. The wrapper itself
+        cannot be it: it shares the model's child dict, so the model's children are its own."""
+        layout = nn.Module()
+        layout.module = self.module
+        layout.trainable_modules = self.trainable_modules
+        return layout
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped model's ``state_dict`` (same keys)."""
-        return self.module.state_dict(*args, **kwargs)
+        """The model and the trainable modules, under flex_model's keys.
+
+        ``module.<name>`` for each entry of the wrapped model's ``state_dict`` and
+        ``trainable_modules.<module>.<name>`` for each trainable module's, as
+        ``flex_model.core.FlexModel.state_dict`` has them, so what a program trained through
+        its hooks is saved with the model. ``named_parameters()`` keeps the model's own names.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> import torchsurgery
+            >>> flex = torchsurgery.FlexModel(nn.Sequential(nn.Linear(2, 2)), {})
+            >>> flex.register_trainable_module("steer", nn.Linear(2, 2, bias=False))
+            >>> list(flex.state_dict())
+            ['module.0.weight', 'module.0.bias', 'trainable_modules.steer.weight']
+            >>> flex.load_state_dict(flex.state_dict())
+            <All keys matched successfully>
+        """
+        return self._layout().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Load into the wrapped model (same keys)."""
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        """Load a :meth:`state_dict` (ours or flex_model's: the same keys) into the model and
+        the trainable modules; register the trainable modules first.
+
+        Raises:
+            RuntimeError: with ``strict``, keys are missing or unexpected (named, with the
+                fix when the keys are the bare model's).
+        """
+        try:
+            return self._layout().load_state_dict(state_dict, strict=strict, assign=assign)
+        except RuntimeError as exc:
+            fix = ""
+            if state_dict and set(state_dict) <= set(self.module.state_dict()):
+                fix = ("; these are the wrapped model's own keys (no 'module.' prefix): load them with "
+                       "flex.module.load_state_dict(state_dict)")
+            elif any(key.startswith("trainable_modules.") for key in state_dict):
+                fix = "; register each trainable module (flex.register_trainable_module) before loading"
+            raise RuntimeError(f"torchsurgery.FlexModel.load_state_dict: {str(exc).strip()}{fix}") from None
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FlexModel:
         self.module._apply(fn, recurse)
