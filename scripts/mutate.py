@@ -237,7 +237,7 @@ MUTATIONS = [
     Mutation(
         "weights stored narrow read as the compute dtype",
         "src/torchsurgery/offloading/engine.py",
-        "for p in filter(reads_as_computed, self.plan.params):\n            tensor = _param(self._modules, p)\n            self._remember",
+        "for p in filter(self._wrapped, self.plan.params):\n            tensor = _param(self._modules, p)\n            self._remember",
         "for p in []:\n            tensor = _param(self._modules, p)\n            self._remember",
         ("tests/test_invisible_surgery.py::test_stable_diffusion_with_an_offloaded_unet_equals_diffusers_layerwise_casting",
          "tests/test_invisible_surgery.py::test_generate_and_what_programs_read_are_those_of_the_plain_model[t5-offload]"),
