@@ -33,8 +33,9 @@ import os
 import shutil
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import NoReturn
 
 INTERRUPTED = 130
 """The exit code of an interrupted command (the shell's code for a process ended by SIGINT)."""
@@ -95,9 +96,30 @@ def install_if_run_as_module() -> None:
         install()
 
 
+def run_to_the_end(command: Callable[[], object]) -> NoReturn:
+    """Run ``command`` and end the process with its exit status, skipping the interpreter's shutdown.
+
+    At shutdown Python puts the default SIGINT handler back, and tearing torch down takes a
+    while: a Ctrl-C landing then would kill the process by the signal after its work was
+    done. Output is flushed first; results were renamed into place by the command.
+    """
+    try:
+        command()
+        code: object = 0
+    except SystemExit as exc:
+        code = exc.code
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code or 0)
+
+
 def main() -> None:
     """The ``torchsurgery`` command: the handler first, then the command (torch and all)."""
     install()
     from torchsurgery.cli import main as command
 
-    command()
+    run_to_the_end(command)

@@ -1,6 +1,7 @@
 """``python -m torchsurgery``: the same as the ``torchsurgery`` command."""
 
+from _torchsurgery_command import run_to_the_end
 from torchsurgery.cli import main
 
 if __name__ == "__main__":
-    main()
+    run_to_the_end(main)
