@@ -178,6 +178,7 @@ class OffloadHandle:
         self._hold: _undo.Hold | None = None
         self._record: OffloadRecord | None = None
         self._modules: dict[str, nn.Module] = {}  # by qualified name, while installing
+        self._pending: weakref.WeakSet[_Pending] = weakref.WeakSet()  # backwards still to run through the weights
         self._remembered: set[int] = set()  # ids of the tensors in _originals, while installing
 
     @property
@@ -193,12 +194,14 @@ class OffloadHandle:
         return self._model
 
     def __getstate__(self) -> dict[str, Any]:
-        # copied with its model (the undo log holds it): a weak reference does not pickle
-        return {k: v for k, v in self.__dict__.items() if k != "_model_ref"}
+        # copied with its model (the undo log holds it): weak references do not pickle, and
+        # the copy's weights are new objects, in no graph
+        return {k: v for k, v in self.__dict__.items() if k not in ("_model_ref", "_pending")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._model_ref = weakref.ref(self._model) if self._model is not None else _gone
+        self._pending = weakref.WeakSet()
 
     def stats(self) -> OffloadStats:
         """A snapshot of the statistics (waits for the timing events of the groups that ran)."""
@@ -424,6 +427,8 @@ class OffloadHandle:
             if plan.measured_budget is not None:
                 self._hooks.append(model.register_forward_hook(_AfterFirst(streaming, self._plan_from_measurements)))
             self._hooks.append(model.register_forward_hook(_EndForward(streaming), always_call=True))
+        # forwards that record gradients: the backward each leaves pending through the weights
+        self._hooks.append(model.register_forward_hook(_WatchBackward(self), always_call=True))
         self._hold = _undo.hold([_param(self._modules, p) for p in plan.params], "an active offload")
         for name, module in self._modules.items():
             # .to(), .half(), .cuda()... would change weights whose values live in this offload
@@ -569,18 +574,36 @@ class OffloadHandle:
         self._model = None  # a removed handle does not keep the model alive
         return model
 
-    def _check_no_pending_backward(self) -> None:
-        """Refuse to give back weights that the graph of a pending backward holds."""
+    def _watch_backward(self) -> None:
+        """After a forward that recorded gradients: mark the backward it left pending through
+        the weights :meth:`remove` gives back, on their gradient accumulators.
+
+        The mark goes when that backward reaches the accumulator, or with the graph.
+        """
         for o in self._originals:
-            if o.tensor._use_count() > 1:  # type: ignore[attr-defined]
-                owner = type(self._live).__name__
-                raise RuntimeError(
-                    f"{_WHAT}.remove: cannot remove the offload of the {owner} while a backward through its offloaded "
-                    f"weight {o.name!r} is pending: the weight is held elsewhere, by the graph of a forward that "
-                    "recorded gradients (or by a view of it), and giving it back would leave that backward no weight "
-                    "to put its gradient in. Run the backward (loss.backward()) or drop the graph (del the outputs "
-                    "and the loss), then remove the offload; nothing was changed"
-                )
+            tensor = o.tensor
+            if not tensor.requires_grad or tensor._use_count() < 2:  # type: ignore[attr-defined]
+                continue  # in no graph (one holder: the object itself)
+            node = torch.autograd.graph.get_gradient_edge(tensor).node
+            mark = node.metadata.get(_PENDING_KEY)
+            if mark is None or mark not in self._pending:
+                mark = _Pending(o.name)
+                node.metadata[_PENDING_KEY] = mark
+                self._pending.add(mark)
+                node.register_prehook(functools.partial(_backward_ran, self._pending, weakref.ref(mark)))
+
+    def _check_no_pending_backward(self) -> None:
+        """Refuse to give back weights that the graph of a pending backward accumulates into."""
+        pending = next(iter(self._pending), None)
+        if pending is not None:
+            owner = type(self._live).__name__
+            raise RuntimeError(
+                f"{_WHAT}.remove: cannot remove the offload of the {owner} while a backward through its offloaded "
+                f"weight {pending.name!r} is pending: the weight is held elsewhere, by the graph of a forward that "
+                "recorded gradients, and giving it back would leave that backward no weight to put its gradient in. "
+                "Run the backward (loss.backward()) or drop the graph (del the outputs and the loss), then remove "
+                "the offload; nothing was changed"
+            )
 
     def _restored_values(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each changed tensor with what is swapped back into it: its values on its device, in its
@@ -597,6 +620,34 @@ class OffloadHandle:
                 data = tensor.detach().to(device=o.device, dtype=dtype, copy=True)
             restored.append((tensor, wrap_like(tensor, data) if o.kept is None else offloaded_like(tensor, data, o.dtype)))
         return restored
+
+
+_PENDING_KEY = "torchsurgery_offload_pending"
+
+
+class _Pending:
+    """The mark of a pending backward, on the gradient accumulator of the weight ``name``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _backward_ran(pending: weakref.WeakSet[_Pending], mark: weakref.ref[_Pending], grad: Any) -> None:
+    found = mark()
+    if found is not None:
+        pending.discard(found)
+
+
+class _WatchBackward:
+    """A forward hook on the offloaded model (also when the forward raised): after a forward that
+    recorded gradients, the handle marks the backward it left pending (picklable)."""
+
+    def __init__(self, handle: OffloadHandle) -> None:
+        self.handle = handle
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self.handle._watch_backward()
 
 
 class _ConversionRefused:
