@@ -12,11 +12,11 @@ import weakref
 from typing import Any
 
 import pytest
-import tardy
 import torch
 from _offload_models import mlp, tiny_gpt2
 from torch import nn
 
+import tardy
 import torchsurgery
 from torchsurgery import BudgetError, offload
 from torchsurgery.offloading.plan import plan_offload
