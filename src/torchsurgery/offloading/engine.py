@@ -585,10 +585,11 @@ class OffloadHandle:
             if not tensor.requires_grad or tensor._use_count() < 2:  # type: ignore[attr-defined]
                 continue  # in no graph (one holder: the object itself)
             node = torch.autograd.graph.get_gradient_edge(tensor).node
-            mark = node.metadata.get(_PENDING_KEY)
+            metadata: dict[str, Any] = node.metadata  # type: ignore[assignment]  # a property, typed as a method
+            mark = metadata.get(_PENDING_KEY)
             if mark is None or mark not in self._pending:
                 mark = _Pending(o.name)
-                node.metadata[_PENDING_KEY] = mark
+                metadata[_PENDING_KEY] = mark
                 self._pending.add(mark)
                 node.register_prehook(functools.partial(_backward_ran, self._pending, weakref.ref(mark)))
 
