@@ -58,13 +58,6 @@ MUTATIONS = [
         ("tests/offloading/test_engine_edges.py::test_out_of_memory_while_making_groups_resident_leaves_every_group_streaming",),
     ),
     Mutation(
-        "groups are made resident all or nothing after the first forward",
-        "src/torchsurgery/offloading/engine.py",
-        "        values = [(name, self._resident_values(name)) for name in chosen]\n        for name, swaps in values:\n            self._make_resident(name, swaps)\n",
-        "        for name in chosen:\n            self._make_resident(name, self._resident_values(name))\n",
-        ("tests/offloading/test_engine_edges.py::test_out_of_memory_while_making_groups_resident_leaves_every_group_streaming",),
-    ),
-    Mutation(
         "an offload's remove gives a weight back kept as it was kept (an installer's)",
         "src/torchsurgery/offloading/engine.py",
         "tensor, dtype = o.tensor, o.kept or o.dtype",
