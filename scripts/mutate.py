@@ -79,6 +79,27 @@ MUTATIONS = [
         ("tests/compact/test_tensor_api.py::test_views_made_in_inference_mode_are_normal_tensors_as_the_plain_weight_s",),
     ),
     Mutation(
+        "a budget counts the ring's prefetch + 1 slots",
+        "src/torchsurgery/offloading/plan.py",
+        "return buffers + held + (prefetch + 1) * slot + max((r for _, r in streamed), default=0) + widened",
+        "return buffers + held + slot + max((r for _, r in streamed), default=0) + widened",
+        ("tests/offloading/test_engine_edges.py::test_the_device_peak_stays_within_a_budget_at_every_prefetch[3]",),
+    ),
+    Mutation(
+        "a forward that raised does not make groups resident",
+        "src/torchsurgery/offloading/engine.py",
+        "self._hooks.append(model.register_forward_hook(_AfterFirst(streaming, self._plan_from_measurements)))",
+        "self._hooks.append(model.register_forward_hook(_AfterFirst(streaming, self._plan_from_measurements), always_call=True))",
+        ("tests/offloading/test_engine_edges.py::test_out_of_memory_in_the_first_forward_leaves_the_offload_working",),
+    ),
+    Mutation(
+        "residency that failed after a forward is chosen again after the next",
+        "src/torchsurgery/offloading/streams.py",
+        "        except BaseException:\n            self.after = after\n            raise\n",
+        "        except BaseException:\n            raise\n",
+        ("tests/offloading/test_engine_edges.py::test_out_of_memory_while_making_groups_resident_leaves_every_group_streaming",),
+    ),
+    Mutation(
         "an offload's remove gives a weight back kept as it was kept (an installer's)",
         "src/torchsurgery/offloading/engine.py",
         "tensor, dtype = o.tensor, o.kept or o.dtype",

@@ -151,14 +151,17 @@ class ArgumentTypeError(ArgumentError, TypeError):
 
 
 class BudgetError(ArgumentValueError):
-    """A memory budget smaller than the largest group of weights that must fit in it.
+    """A memory budget smaller than what must fit in it: the largest group of weights, or
+    what streaming holds on the device at once (the ring's slots at its prefetch).
 
     Attributes:
         budget: the budget in bytes.
-        needed: the bytes of the largest group.
-        group: that group's module name (``""`` for the root).
+        needed: the least budget that is accepted, in bytes.
+        group: the largest group's module name (``""`` for the root).
         finer: whether smaller groups exist (``False`` when the groups are leaves already);
             the fix then suggests them as :attr:`setting` ``groups='leaves'``.
+        holding: what ``needed`` counts, where it is more than the largest group (``None``:
+            the largest group).
 
     Example:
         >>> error = BudgetError("torchsurgery.offload", 1000, 4096, "layers.0")
@@ -168,16 +171,20 @@ class BudgetError(ArgumentValueError):
         3096
     """
 
-    def __init__(self, what: str, budget: int, needed: int, group: str, finer: bool = True) -> None:
+    def __init__(
+        self, what: str, budget: int, needed: int, group: str, finer: bool = True, holding: str | None = None
+    ) -> None:
         self.budget = budget
         self.needed = needed
         self.group = group
         self.finer = finer
+        self.holding = holding
+        largest = f"the largest group {group or '<root>'!r} ({needed} bytes)"
         super().__init__(
             what,
             "budget",
             budget,
-            f"cannot hold the largest group {group or '<root>'!r} ({needed} bytes)",
+            f"cannot hold {holding or largest}",
             "give at least that, or smaller groups ({})" if finer else "give at least that",
             Setting("groups", "leaves") if finer else None,
         )
@@ -187,7 +194,7 @@ class BudgetError(ArgumentValueError):
         return f"{self.what}: {self.arg}={self.budget} bytes {self.problem}; {self.fix_in()}"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.what, self.budget, self.needed, self.group, self.finer), self.__dict__
+        return type(self), (self.what, self.budget, self.needed, self.group, self.finer, self.holding), self.__dict__
 
 
 __all__ = ["ArgumentError", "ArgumentTypeError", "ArgumentValueError", "BudgetError", "NoMatchError", "Setting"]

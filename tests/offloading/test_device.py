@@ -23,8 +23,7 @@ import tardy
 import torchsurgery
 from torchsurgery import Residency, offload
 from torchsurgery.offloading.device import AcceleratorDevice, resolve_device
-from torchsurgery.offloading.plan import in_flight_reserve
-from torchsurgery.offloading.planner import GroupCost, plan_residency, simulate
+from torchsurgery.offloading.planner import plan_residency, simulate
 
 
 class Blocks(nn.Module):
@@ -49,18 +48,16 @@ def exact(got: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-def stream_all(
-    model: nn.Module, prefetch: int, groups: list[nn.Module] | None = None, storage_dtype: torch.dtype = torch.float32
-) -> dict[str, int]:
-    """``offload`` arguments under which every group streams: a budget too small for any residency.
-
-    Sizes as the budget counts them: in the storage dtype the weights are held in.
-    (Without a budget the simulated device reports 1 GiB free, and a model that fits is kept whole.)
+def stream_all(model: nn.Module, prefetch: int, storage_dtype: torch.dtype = torch.float32) -> dict[str, int]:
+    """``offload`` arguments under which every group streams: the least budget accepted, what the
+    ring's slots and a run take with nothing resident, as an accelerator's allocations count it
+    (at least what the simulated device counts). A model smaller than that is kept whole.
     """
-    size = storage_dtype.itemsize
-    sizes = [sum(p.numel() * size for p in g.parameters()) for g in (groups or list(model.blocks))]
-    total = sum(p.numel() * size for p in model.parameters())
-    return {"prefetch": prefetch, "budget": min((prefetch + 1) * max(sizes), total - 1)}
+    accelerator = torch.accelerator.current_accelerator()
+    assert accelerator is not None
+    with pytest.raises(torchsurgery.BudgetError) as refused:
+        torchsurgery.plan_offload(model, accelerator, budget=1, prefetch=prefetch, storage_dtype=storage_dtype)
+    return {"prefetch": prefetch, "budget": refused.value.needed}
 
 
 X = torch.linspace(-1, 1, 3 * 16).reshape(3, 16)
@@ -191,7 +188,7 @@ def test_a_transformers_model_streams_exactly() -> None:
     ids = torch.tensor([[3, 7, 1, 9]])
     with SimulatedDevice(seed=2) as sim, torch.no_grad():
         expected = reference(ids).logits
-        handle = offload(model, sim, **stream_all(model, 2, list(model.transformer.h)))
+        handle = offload(model, sim, **stream_all(model, 2))
         assert len(handle.stats().streamed_groups) >= 3
         for _ in range(3):
             exact(model(ids).logits, expected)
@@ -335,11 +332,11 @@ def test_the_planner_runs_on_the_simulated_links_timings(widths: list[int]) -> N
         costs, bandwidth = s.group_costs, s.link_bytes_per_s  # the timings the planner read, through the seam
         assert [c.name for c in costs] == [f"blocks.{i}" for i in range(len(widths))]
         chosen = s.resident_groups
-        # the planner counts each group as the ring takes it (aligned), and keeps a run's casts aside
-        counted_sizes, per_run = in_flight_reserve(handle.plan.groups, 1)
-        costs = [GroupCost(c.name, counted_sizes[c.name], c.compute_s) for c in costs]
-        budget -= per_run
-        assert chosen == plan_residency(costs, budget, bandwidth, 1) and chosen
+        # the planner counts the device bytes as the plan counts the budget: resident groups
+        # next to the ring (aligned slots for the groups still streaming) and a run's casts
+        plan = handle.plan
+        fits = lambda keep: plan.device_bytes(set(keep)) <= budget  # noqa: E731
+        assert chosen == plan_residency(costs, budget, bandwidth, 1, fits=fits) and chosen
         assert bandwidth <= link  # every copy took at least its bytes over the link's speed
         s = handle.stats()
         streamed = [n for i, n in enumerate(sizes) if f"blocks.{i}" not in chosen]

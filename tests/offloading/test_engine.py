@@ -30,7 +30,7 @@ from torchsurgery import Residency, offload
 from torchsurgery.compact.narrow_matvec import narrow_matvec
 from torchsurgery.offloading import stored_values
 from torchsurgery.offloading.grouping import find_groups
-from torchsurgery.offloading.plan import in_flight_reserve, plan_offload, whole_bytes
+from torchsurgery.offloading.plan import plan_offload
 
 
 def train_side_by_side(
@@ -220,10 +220,11 @@ def test_storage_dtype_computes_and_holds_the_same_whatever_the_budget(
     x = (IDS if make is tiny_clip_text else torch.randn(3, 32)).to(device)
     kwargs: dict[str, Any] = {"storage_dtype": torch.bfloat16, "dtype": torch.float32, "master_dtype": master}
     reference = _rounded_reference(model, torch.bfloat16).to(device)
-    whole = whole_bytes(plan_offload(model, device, budget=1 << 40, **kwargs).groups)
-    streamed = plan_offload(model, device, budget=max(g.nbytes for g in plan_offload(model, **kwargs).groups), **kwargs)
-    sizes, per_run = in_flight_reserve(streamed.groups, 1)
-    ring = 2 * max(sizes.values()) + per_run
+    kept = plan_offload(model, device, budget=1 << 40, **kwargs)
+    whole = kept.device_bytes({g.name for g in kept.groups})
+    with pytest.raises(torchsurgery.BudgetError) as refused:
+        plan_offload(model, device, budget=1, **kwargs)
+    ring = refused.value.needed  # two ring slots, a run's casts
     tight = (ring + whole) // 2  # the ring, and room for some groups resident
     assert ring < tight < whole
     ids = identity_map(model)
@@ -769,9 +770,8 @@ def test_training_with_an_fp32_master_copy_matches_fp32_training() -> None:
 def _budget_for(model: nn.Module, resident: int, **options: Any) -> int:
     """A budget with room for ``resident`` of the largest groups next to what streaming takes
     (two ring slots as the ring packs them, and a run's casts), as the planner counts them."""
-    groups = torchsurgery.plan_offload(model, **options).groups
-    sizes, per_run = in_flight_reserve(groups, 1)
-    return (2 + resident) * max(sizes.values()) + per_run
+    plan = torchsurgery.plan_offload(model, **options)  # every group routed to stream
+    return plan.device_bytes(set()) + resident * max(g.nbytes for g in plan.groups)
 
 
 class _Conv(nn.Module):
@@ -1293,16 +1293,18 @@ class _Gain(torchsurgery.Patch, nn.Linear):
         return super().forward(x) * self.gain  # the graph saves the (offloaded) gain itself
 
 
-def test_remove_goes_through_a_pending_backward_whose_graph_saved_a_weight() -> None:
+def test_remove_waits_for_a_pending_backward_whose_graph_saved_a_weight() -> None:
     model = nn.Sequential(nn.Linear(4, 4))
     reference = copy.deepcopy(model)
     torchsurgery.patch(model[0], _Gain)
     handle = offload(model, storage_dtype=torch.float64, dtype=torch.float32, groups="leaves")
     loss = model(torch.randn(2, 4)).sum()
-    handle.remove()  # does not wait for the output to go
+    with pytest.raises(RuntimeError, match="backward through its offloaded weight .* is pending"):
+        handle.remove()  # the backward would have no weight to put its gradient in
+    assert handle.active
+    loss.backward()
+    handle.remove()
     torchsurgery.unpatch(model[0])
     assert type(model[0]) is nn.Linear and torchsurgery.surgery_log(model) == []
     assert all(type(p) is nn.Parameter for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values(), strict=True))
-    with pytest.raises(RuntimeError, match="recorded before an undo"):
-        loss.backward()

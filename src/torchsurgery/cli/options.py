@@ -201,8 +201,8 @@ class OffloadOptions:
             return exc.render(OPTIONS.get(exc.arg))
         if isinstance(exc, BudgetError):
             given = f"--budget {self.budget_text}" if self.budget_text is not None else f"the free memory of {device}"
-            return (f"{given} ({exc.budget:,} bytes) cannot hold the largest group {exc.group or '<root>'!r} "
-                    f"({exc.needed:,} bytes); {exc.fix_in(as_option)}")
+            holding = exc.holding or f"the largest group {exc.group or '<root>'!r} ({exc.needed:,} bytes)"
+            return f"{given} ({exc.budget:,} bytes) cannot hold {holding}; {exc.fix_in(as_option)}"
         option = OPTIONS.get(exc.arg)
         if option is None:  # an argument the command always sets itself
             return str(exc)

@@ -37,6 +37,8 @@ class OffloadDevice(abc.ABC):
         host_compute: whether device memory *is* host memory (``cpu``): a group stored in
             its compute dtype then needs no copy at all.
         can_pin: whether page-locked host buffers can be allocated.
+        allocation_granule: the bytes each device allocation is rounded up to in the
+            device's memory statistics (an offload's budget counts allocations so).
 
     Example:
         >>> import torch
@@ -56,6 +58,7 @@ from torchsurgery._validate import check_device
     device: torch.device
     host_compute: bool
     can_pin: bool
+    allocation_granule: int = 1
 
     @abc.abstractmethod
     def empty(self, nbytes: int) -> torch.Tensor:
@@ -128,6 +131,9 @@ class AcceleratorDevice(OffloadDevice):
         self.device = device
         self.host_compute = device.type == "cpu"
         self.can_pin = not self.host_compute and _pinning_works()
+        # PyTorch's caching allocators (CUDA, ROCm, XPU) round every block to 512 bytes, and
+        # max_memory_allocated() counts the rounded sizes
+        self.allocation_granule = 1 if self.host_compute else 512
         self._streams = False
         if not self.host_compute:
             try:

@@ -62,18 +62,19 @@ from torchsurgery.offloading.plan import (
     ParamPlan,
     Residency,
     _param,
-    in_flight_reserve,
     plan_converted,
     reads_as_computed,
     reads_elsewhere,
     sizes,
 )
-from torchsurgery.offloading.planner import GroupCost, plan_residency
+from torchsurgery.offloading.planner import plan_residency
 from torchsurgery.offloading.stats import OffloadStats
 from torchsurgery.offloading.streams import (
     PackedGroup,
+    _AfterFirst,
     _EndForward,
     _GroupStreamer,
+    _StartForward,
     _StreamedGroup,
     _Streaming,
 )
@@ -122,18 +123,23 @@ def _made_meta(tensor: torch.Tensor, p: ParamPlan) -> bool:
     return not tensor.is_meta or tensor.dtype != p.compute_dtype
 
 
-def _swap_to(
+def _moved(
     tensor: torch.Tensor,
     device: torch.device,
     dtype: torch.dtype,
     pin: OffloadDevice | None = None,
     data: torch.Tensor | None = None,
-) -> None:
-    """Give ``tensor`` (same object) its values (or ``data``'s) on ``device`` in ``dtype``."""
+) -> torch.Tensor:
+    """What to swap into ``tensor`` to give it its values (or ``data``'s) on ``device`` in ``dtype``."""
     data = (tensor if data is None else data).detach().to(device=device, dtype=dtype, copy=True)
     if pin is not None and data.device.type == "cpu":
         data = pin.pin(data)
-    swap_in(tensor, wrap_like(tensor, data))
+    return wrap_like(tensor, data)
+
+
+def _gone() -> None:
+    """The model of a handle that no longer refers to one."""
+    return None
 
 
 class OffloadHandle:
@@ -143,7 +149,6 @@ class OffloadHandle:
     manager: the offload is removed when the block exits.
 
     Attributes:
-        model: the offloaded model.
         device: where it computes.
         plan: the :class:`~torchsurgery.offloading.plan.OffloadPlan` that was installed
             (groups made resident after the first forward show in :meth:`stats`).
@@ -162,7 +167,8 @@ class OffloadHandle:
     """
 
     def __init__(self, model: nn.Module, plan: OffloadPlan, options: dict[str, Any] | None = None) -> None:
-        self.model = model
+        self._model: nn.Module | None = model  # held while the offload is active
+        self._model_ref: Callable[[], nn.Module | None] = weakref.ref(model)
         self.plan = plan
         # what offload() was given, and the dtypes the user converted parameters to since
         # (by id): a conversion plans the offload again with both
@@ -180,7 +186,30 @@ class OffloadHandle:
         self._hold: _undo.Hold | None = None
         self._record: OffloadRecord | None = None
         self._modules: dict[str, nn.Module] = {}  # by qualified name, while installing
+        self._pending: weakref.WeakSet[_Pending] = weakref.WeakSet()  # backwards still to run through the weights
         self._remembered: set[int] = set()  # ids of the tensors in _originals, while installing
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The offloaded model. A removed handle does not keep it alive: after :meth:`remove`,
+        the model while something else refers to it, else ``None``."""
+        return self._model if self._model is not None else self._model_ref()
+
+    @property
+    def _live(self) -> nn.Module:
+        """The model, while the handle holds it (installing, active, removing)."""
+        assert self._model is not None, "the handle is removed"
+        return self._model
+
+    def __getstate__(self) -> dict[str, Any]:
+        # copied with its model (the undo log holds it): weak references do not pickle, and
+        # the copy's weights are new objects, in no graph
+        return {k: v for k, v in self.__dict__.items() if k not in ("_model_ref", "_pending")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._model_ref = weakref.ref(self._model) if self._model is not None else _gone
+        self._pending = weakref.WeakSet()
 
     def stats(self) -> OffloadStats:
         """A snapshot of the statistics (waits for the timing events of the groups that ran)."""
@@ -216,13 +245,14 @@ class OffloadHandle:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.remove()
+        if self.active:
+            self.remove()
 
     # ------------------------------------------------------------------ install
 
     def _install(self) -> None:
         """Install :attr:`plan` on the model; on any failure, undo what was done and raise."""
-        self._modules = dict(self.model.named_modules())
+        self._modules = dict(self._live.named_modules())
         try:
             if self.plan.storage is not None:
                 source = open_source(self.plan.storage, _WHAT)
@@ -237,7 +267,7 @@ class OffloadHandle:
             self._read_as_computed()
         except BaseException:
             self._record = OffloadRecord(self)
-            _undo.push(self.model, self._record)
+            _undo.push(self._live, self._record)
             self.remove()
             raise
         finally:
@@ -270,7 +300,7 @@ class OffloadHandle:
         target = self.plan.device
         moves = [(p.name, t, to, dtype, pin) for p, t, to, dtype, pin in self._conversions() if not t.is_meta]
         seen: set[int] = set()
-        for module in self.model.modules():
+        for module in self._live.modules():
             for bname, b in module._buffers.items():
                 if b is not None and b.device != target and id(b) not in seen:
                     seen.add(id(b))
@@ -288,11 +318,11 @@ class OffloadHandle:
             if tensor.is_meta and p.file_key is not None:  # resident, its values only in the file
                 assert self._reader is not None
                 self._remember(p.name, tensor)
-                _swap_to(tensor, to, dtype, data=self._reader.read(p.file_key))
+                swap_in(tensor, _moved(tensor, to, dtype, data=self._reader.read(p.file_key)))
         for name, tensor, to, dtype, pin in moves:
             if tensor.device != to or tensor.dtype != dtype or (pin and not self._seam.is_pinned(tensor)):
                 self._remember(name, tensor)
-                _swap_to(tensor, to, dtype, pin=self._seam if pin else None)
+                swap_in(tensor, _moved(tensor, to, dtype, pin=self._seam if pin else None))
 
     def _take_stored_values(self) -> None:
         """Weights that only read as another device (an installer's) hold their stored values, plain, from here on.
@@ -354,17 +384,17 @@ class OffloadHandle:
         for p in filter(self._wrapped, self.plan.params):
             tensor = _param(self._modules, p)
             self._remember(p.name, tensor)
-            self._wrap(tensor, p, tensor.detach())
+            swap_in(tensor, self._wrapper(tensor, p, tensor.detach()))
             owner = self._modules[p.module]
             owners[id(owner)] = owner
         for owner in owners.values():
             self._hooks.append(owner.register_state_dict_post_hook(stored_state))
 
-    def _wrap(self, tensor: torch.Tensor, p: ParamPlan, stored: torch.Tensor) -> None:
-        """Give ``tensor`` (same object) the values ``stored`` (in ``p``'s storage dtype), read as it computes."""
+    def _wrapper(self, tensor: torch.Tensor, p: ParamPlan, stored: torch.Tensor) -> torch.Tensor:
+        """What to swap into ``tensor`` to give it the values ``stored`` (in ``p``'s storage dtype), read as it
+        computes (on the device it computes on, where the values stay on the host)."""
         device = self.device if reads_elsewhere(p, self.device) else None
-        wrapper = offloaded_like(tensor, stored, p.compute_dtype, reads=self._reads, shadow_dtype=p.shadow_dtype, device=device)
-        swap_in(tensor, wrapper)
+        return offloaded_like(tensor, stored, p.compute_dtype, reads=self._reads, shadow_dtype=p.shadow_dtype, device=device)
 
     def _pack(self, group: GroupPlan, packable: list[tuple[_Entry, ParamPlan]]) -> PackedGroup:
         """The group's streamed weights in host buffers (their only host copy), or left in the file."""
@@ -415,15 +445,21 @@ class OffloadHandle:
 
     def _finish(self) -> None:
         """Statistics, the end-of-forward hook, the hold on the parameters, the undo record."""
-        plan, stats, model = self.plan, self._stats, self.model
+        plan, stats, model = self.plan, self._stats, self._live
         stats.resident_groups = [g.name for g in plan.groups if g.resident]
         stats.streamed_groups = [g.name for g in plan.groups if not g.resident]
         stats.resident_bytes = sum(g.nbytes for g in plan.groups if g.resident)
         stats.peak_device_bytes = stats.resident_bytes
         if any(is_patched(m, _StreamedGroup) for m in self._patched):
-            # the order streamed groups ran in, closed at the end of every forward of the model
-            after = self._plan_from_measurements if plan.measured_budget is not None else None
-            self._hooks.append(model.register_forward_hook(_EndForward(self._streaming.order, after), always_call=True))
+            # one thread at a time runs the model; the order streamed groups ran in is closed at
+            # the end of every forward, after the first one's measurements chose residency
+            streaming = self._streaming
+            self._hooks.append(model.register_forward_pre_hook(_StartForward(streaming), prepend=True))
+            if plan.measured_budget is not None:
+                self._hooks.append(model.register_forward_hook(_AfterFirst(streaming, self._plan_from_measurements)))
+            self._hooks.append(model.register_forward_hook(_EndForward(streaming), always_call=True))
+        # forwards that record gradients: the backward each leaves pending through the weights
+        self._hooks.append(model.register_forward_hook(_WatchBackward(self), always_call=True))
         self._hold = _undo.hold([_param(self._modules, p) for p in plan.params], "an active offload")
         for name, module in self._modules.items():
             # .to(), .half(), .cuda()... would change weights whose values live in this offload
@@ -437,30 +473,40 @@ class OffloadHandle:
     # ------------------------------------------------------------------ after the first forward
 
     def _plan_from_measurements(self) -> None:
-        """After the first forward: keep resident the ring groups whose transfers stall most."""
-        streaming, budget = self._streaming, self.plan.measured_budget
-        if budget is None or self._record is None:
+        """After the first forward: keep resident the ring groups whose transfers stall most.
+
+        Counted as :meth:`~torchsurgery.offloading.plan.OffloadPlan.device_bytes` counts the
+        budget: the groups resident, next to a ring sized for the groups that still stream.
+        The ring is freed first, every chosen group's values are put on the device, then
+        swapped in: an allocation that fails (out of memory) leaves every group streaming
+        and the ring is made again by the next forward (after which this runs again).
+        """
+        streaming, plan = self._streaming, self.plan
+        budget = plan.budget
+        if plan.measured_budget is None or budget is None or self._record is None:
             return
         names = [n for n in dict.fromkeys(streaming.order.recorded) if n in streaming.packed]
         costs, bandwidth = streaming.measured(names)  # timings read through the device seam
         if not costs:
             return
-        # sized as the ring and the runs take them, so that resident groups, the ring
-        # (remade for the groups that still stream) and a run's casts fit the budget together
-        sizes, per_run = in_flight_reserve([g for g in self.plan.groups if g.name in names], streaming.prefetch)
-        counted = [GroupCost(c.name, sizes[c.name], c.compute_s) for c in costs]
-        chosen = plan_residency(counted, budget - per_run, bandwidth, streaming.prefetch)
-        for name in chosen:
-            self._make_resident(name)
-        if chosen:
-            streaming.remake_ring()
+        resident = set(self._stats.resident_groups)
+        chosen = plan_residency(
+            costs, budget, bandwidth, streaming.prefetch, fits=lambda keep: plan.device_bytes(resident.union(keep)) <= budget
+        )
+        if not chosen:
+            return
+        streaming.drop_ring()
+        values = [(name, self._resident_values(name)) for name in chosen]
+        for name, swaps in values:
+            self._make_resident(name, swaps)
+        streaming.start()
 
-    def _make_resident(self, name: str) -> None:
-        module = self.model.get_submodule(name)
-        streamer = module.__dict__["_offload_streamer"]
-        unpatch(module, _StreamedGroup, _internal=True)
-        self._patched.remove(module)
-        packed = self._streaming.stop_streaming(name)
+    def _resident_values(self, name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each weight of streamed group ``name`` with what makes it resident (allocated on the
+        device; nothing changes yet): in its storage dtype, read as it computes, as a group
+        resident from the start holds it; else in the compute dtype."""
+        streamer = self._live.get_submodule(name).__dict__["_offload_streamer"]
+        packed = self._streaming.packed.get(name)
         values: dict[int, torch.Tensor] = {}
         if packed is not None and packed.from_file:
             # the group streams from the checkpoint file (its parameters are meta): read it once
@@ -468,15 +514,23 @@ class OffloadHandle:
             packed.fill(buffer)
             views = unpack(buffer, packed.layout)
             values = {id(p): v for (_, _, p, _), v in zip(streamer.packed_entries, views, strict=True)}
-        planned = {id(p.lookup(self.model)): p for p in self.plan.params if p.tied_to is None}
+        planned = {id(p.lookup(self._live)): p for p in self.plan.params if p.tied_to is None}
+        swaps = []
         for _, _, p, dtype in streamer.packed_entries + streamer.other_entries:
-            # same object, now on the device as a group resident from the start holds it: in its
-            # storage dtype, read as it computes; else in the compute dtype
             q = planned[id(p)]
             if reads_as_computed(q):
-                self._wrap(p, q, stored_values(p).detach().to(self.device, q.storage_dtype, copy=True))
+                swaps.append((p, self._wrapper(p, q, stored_values(p).detach().to(self.device, q.storage_dtype, copy=True))))
             else:
-                _swap_to(p, self.device, dtype, data=values.get(id(p)))
+                swaps.append((p, _moved(p, self.device, dtype, data=values.get(id(p)))))
+        return swaps
+
+    def _make_resident(self, name: str, swaps: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Group ``name`` keeps its weights on the device from now on (``swaps``: see :meth:`_resident_values`)."""
+        module = self._live.get_submodule(name)
+        module.__dict__["_offload_streamer"].resident = True
+        self._streaming.stop_streaming(name)
+        for tensor, replacement in swaps:
+            swap_in(tensor, replacement)
         stats = self._stats
         stats.resident_groups.append(name)
         stats.streamed_groups.remove(name)
@@ -531,14 +585,14 @@ class OffloadHandle:
             )
         running = [m for m in self._patched if m.__dict__["_offload_streamer"].depth > 0]
         if running:
-            group = next(n for n, m in self.model.named_modules() if m is running[0])
+            group = next(n for n, m in self._live.named_modules() if m is running[0])
             raise RuntimeError(
                 f"{_WHAT}: cannot convert {label} while the streamed group {group or '<root>'!r} runs (inside its "
                 "forward its weights are in use): convert before or after the group's forward"
             )
         params = {id(p) for p in module.parameters()}
         converted = {**self.converted, **{k: d for k, (_, _, d) in changes.items() if k in params}}
-        options, model, whole = dict(self._options), self.model, all(g.resident for g in self.plan.groups)
+        options, model, whole = dict(self._options), self._live, all(g.resident for g in self.plan.groups)
         if whole and options.get("budget") is not None:
             # kept whole, as the plain module would be: the budget grows by what the conversion adds
             o = options
@@ -573,21 +627,31 @@ class OffloadHandle:
         All or nothing: every value to put back is read (from the checkpoint file, for
         weights streamed from one) and converted first; if that fails (a file cut short,
         out of memory), the model, its hooks and its log are exactly as before and the error
-        says why. Outputs of earlier forwards may stay alive: a backward through their
-        graphs raises once the weights are back (their gradients have no offloaded weight to
-        go to).
+        says why. While the graph of a forward that recorded gradients holds a weight the
+        offload gives back (its backward is pending), the removal is refused, changing
+        nothing: giving the weight back would leave that backward nowhere to put its
+        gradient. Run the backward, or drop its outputs, first.
+
+        The handle then holds neither the model (see :attr:`model`) nor device memory.
 
         Returns:
             The model.
 
         Raises:
-            RuntimeError: another thread is running the model; nothing changed.
+            RuntimeError: another thread is running the model, or a backward through its
+                offloaded weights is pending; nothing changed. Or the handle was removed
+                already and its model freed since.
             torchsurgery.CheckpointError: the checkpoint file can no longer give back a
                 weight it holds; nothing changed.
         """
         if self._record is None:
-            return self.model
-        _undo.check_idle(self.model, f"{_WHAT}.remove")
+            model = self.model
+            if model is None:
+                raise RuntimeError(f"{_WHAT}.remove: this offload was removed and its model freed since; nothing to remove")
+            return model
+        model = self._live
+        _undo.check_idle(model, f"{_WHAT}.remove")
+        self._check_no_pending_backward()
         # copies still in flight write into the ring's buffers and read the host buffers:
         # let them land before either is released
         self._seam.synchronize()
@@ -600,7 +664,8 @@ class OffloadHandle:
                 unpatch(module, _StreamedGroup, _internal=True)
         self._patched.clear()
         for tensor, replacement in restored:
-            # also where the graph of a live output holds it: the undo does not wait for the outputs to go
+            # a graph whose backward ran (or was dropped) may still be referenced by live
+            # outputs without holding the weights: nothing to wait for
             swap_in(tensor, replacement, pending_backward_ok=True)
         self._originals.clear()
         if self._reader is not None:
@@ -611,12 +676,45 @@ class OffloadHandle:
         if self._hold is not None:
             _undo.release(self._hold)
             self._hold = None
-        for module in self.model.modules():
+        for module in self._live.modules():
             if isinstance(module.__dict__.get("_apply"), _Conversion):
                 del module.__dict__["_apply"]
-        _undo.remove(self.model, self._record)
+        _undo.remove(model, self._record)
         self._record = None
-        return self.model
+        self._model = None  # a removed handle does not keep the model alive
+        return model
+
+    def _watch_backward(self) -> None:
+        """After a forward that recorded gradients: mark the backward it left pending through
+        the weights :meth:`remove` gives back, on their gradient accumulators.
+
+        The mark goes when that backward reaches the accumulator, or with the graph.
+        """
+        for o in self._originals:
+            tensor = o.tensor
+            if not tensor.requires_grad or tensor._use_count() < 2:  # type: ignore[attr-defined]
+                continue  # in no graph (one holder: the object itself)
+            node = torch.autograd.graph.get_gradient_edge(tensor).node
+            metadata: dict[str, Any] = node.metadata  # type: ignore[assignment]  # a property, typed as a method
+            mark = metadata.get(_PENDING_KEY)
+            if mark is None or mark not in self._pending:
+                mark = _Pending(o.name)
+                metadata[_PENDING_KEY] = mark
+                self._pending.add(mark)
+                node.register_prehook(functools.partial(_backward_ran, self._pending, weakref.ref(mark)))
+
+    def _check_no_pending_backward(self) -> None:
+        """Refuse to give back weights that the graph of a pending backward accumulates into."""
+        pending = next(iter(self._pending), None)
+        if pending is not None:
+            owner = type(self._live).__name__
+            raise RuntimeError(
+                f"{_WHAT}.remove: cannot remove the offload of the {owner} while a backward through its offloaded "
+                f"weight {pending.name!r} is pending: the weight is held elsewhere, by the graph of a forward that "
+                "recorded gradients, and giving it back would leave that backward no weight to put its gradient in. "
+                "Run the backward (loss.backward()) or drop the graph (del the outputs and the loss), then remove "
+                "the offload; nothing was changed"
+            )
 
     def _restored_values(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each changed tensor with what is swapped back into it: its values on its device, in its
@@ -638,6 +736,34 @@ class OffloadHandle:
             back = wrap_like(tensor, data) if o.kept is None else offloaded_like(tensor, data, o.dtype, device=o.device)
             restored.append((tensor, back))
         return restored
+
+
+_PENDING_KEY = "torchsurgery_offload_pending"
+
+
+class _Pending:
+    """The mark of a pending backward, on the gradient accumulator of the weight ``name``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _backward_ran(pending: weakref.WeakSet[_Pending], mark: weakref.ref[_Pending], grad: Any) -> None:
+    found = mark()
+    if found is not None:
+        pending.discard(found)
+
+
+class _WatchBackward:
+    """A forward hook on the offloaded model (also when the forward raised): after a forward that
+    recorded gradients, the handle marks the backward it left pending (picklable)."""
+
+    def __init__(self, handle: OffloadHandle) -> None:
+        self.handle = handle
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self.handle._watch_backward()
 
 
 class _Conversion:

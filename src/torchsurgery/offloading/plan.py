@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +41,7 @@ from torchsurgery.offloading.grouping import find_groups
 
 __all__ = [
     "plan_offload", "OffloadPlan", "GroupPlan", "ParamPlan", "Residency", "DEFAULT_SKIP", "reads_as_computed", "reads_elsewhere",
+    "device_bytes",
 ]
 
 _WHAT = "torchsurgery.offload"
@@ -186,6 +187,8 @@ class OffloadPlan:
         pin_memory: whether streamed host buffers are page-locked.
         storage: the checkpoint streamed groups are read from, if any.
         offload_device: the device seam the offload runs through.
+        buffer_bytes: device bytes of the model's buffers, which the offload moves to the
+            device (0 on a CPU: they stay where they are).
 
     Example:
         >>> import torch
@@ -209,11 +212,17 @@ class OffloadPlan:
     pin_memory: bool
     storage: str | os.PathLike[str] | None
     offload_device: OffloadDevice = field(repr=False, compare=False)
+    buffer_bytes: int = 0
 
     @property
     def params(self) -> list[ParamPlan]:
         """Every parameter entry of every group."""
         return [p for g in self.groups for p in g.params]
+
+    def device_bytes(self, resident: Collection[str]) -> int:
+        """Device bytes the offload holds at once with the groups named in ``resident`` kept
+        resident and the others streamed (see :func:`device_bytes`)."""
+        return device_bytes(self.groups, resident, self.prefetch, self.offload_device.allocation_granule, self.buffer_bytes)
 
     def __str__(self) -> str:
         resident = sum(g.resident for g in self.groups)
@@ -383,8 +392,10 @@ def _check_master_holds(master: torch.dtype, name: str, dtype: torch.dtype) -> N
         )
 
 
-def held_bytes(p: ParamPlan) -> int:
+def held_bytes(p: ParamPlan, granule: int = 1) -> int:
     """Device bytes ``p`` takes resident: its values in its storage dtype, and a master's narrow copy besides.
+
+    Each is one allocation, rounded up to ``granule`` bytes (the device's allocation granule).
 
     Example:
         >>> import torch
@@ -396,7 +407,13 @@ def held_bytes(p: ParamPlan) -> int:
         96
     """
     numel = p.nbytes // p.compute_dtype.itemsize
-    return numel * (p.storage_dtype.itemsize + (p.shadow_dtype.itemsize if p.shadow_dtype is not None else 0))
+    shadow = _allocated(numel * p.shadow_dtype.itemsize, granule) if p.shadow_dtype is not None else 0
+    return _allocated(numel * p.storage_dtype.itemsize, granule) + shadow
+
+
+def _allocated(nbytes: int, granule: int) -> int:
+    """What an allocation of ``nbytes`` takes on a device that rounds allocations up to ``granule`` bytes."""
+    return -(-nbytes // granule) * granule
 
 
 def _widened_bytes(p: ParamPlan) -> int:
@@ -424,13 +441,13 @@ def sizes(
     return whole_bytes(plan), max((g.nbytes for g in plan), default=0)
 
 
-def whole_bytes(groups: Sequence[GroupPlan]) -> int:
+def whole_bytes(groups: Sequence[GroupPlan], granule: int = 1) -> int:
     """Device bytes the groups take kept whole: their weights as held, and the largest widened for a product.
 
     A weight held in another dtype than it computes in is widened for each product that
     reads it, one at a time: the widest such copy is part of what the model takes.
     """
-    return sum(g.nbytes for g in groups) + max((_widened_bytes(p) for g in groups for p in g.params), default=0)
+    return device_bytes(groups, {g.name for g in groups}, 0, granule)
 
 
 def _reads_narrow(named: dict[str, nn.Module], group: GroupPlan, p: ParamPlan, options: _Options) -> bool:
@@ -521,21 +538,17 @@ def _check_values(named: dict[str, nn.Module], groups: list[GroupPlan]) -> None:
         )
 
 
-def _check_budget_holds_largest(budget: int, groups: list[GroupPlan], finer: bool) -> None:
-    """Refuse a budget that cannot hold even the largest group."""
-    big = max(groups, key=lambda g: g.nbytes)
-    if budget < big.nbytes:
-        raise BudgetError(_WHAT, budget, big.nbytes, big.name, finer=finer)
-
-
-def streaming_bytes(group: GroupPlan) -> tuple[int, int]:
+def streaming_bytes(group: GroupPlan, granule: int = 1) -> tuple[int, int]:
     """Device bytes ``group`` takes while it streams, besides what it takes when resident.
+
+    Every allocation is rounded up to ``granule`` bytes (the device's allocation granule).
 
     Returns:
         (its ring slot: the weights the ring carries, in their storage dtype, each aligned
-        as the ring packs them; what a run adds: casts to the compute dtype, the weights
-        converted at each run, such as a tied weight another group holds, and the widest of
-        the weights read narrow in place, widened for a product).
+        as the ring packs them; what a run adds: casts to the compute dtype (through a
+        master's narrow dtype, whose copy lives next to the cast while it is made), the
+        weights converted at each run, such as a tied weight another group holds, and the
+        widest of the weights read narrow in place, widened for a product).
 
     Example:
         >>> import torch
@@ -546,38 +559,96 @@ def streaming_bytes(group: GroupPlan) -> tuple[int, int]:
         (264, 80)
     """
     ring = [p for p in group.params if p.residency in (Residency.STREAMED, Residency.FILE)]
-    end = per_run = 0
+    end = per_run = through = 0
     for p in sorted(ring, key=lambda p: str(p.storage_dtype)):  # the order the engine packs them in
         end = align(end, ALIGNMENT) + p.nbytes // p.compute_dtype.itemsize * p.storage_dtype.itemsize
         if p.storage_dtype != p.compute_dtype or p.shadow_dtype is not None:  # cast (a master: through its copy's dtype)
-            per_run += p.nbytes
-    per_run += sum(p.nbytes for p in group.params if p.residency is Residency.CONVERTED)
+            per_run += _allocated(p.nbytes, granule)
+    converted = [p for p in group.params if p.residency is Residency.CONVERTED]
+    per_run += sum(_allocated(p.nbytes, granule) for p in converted)
+    for p in ring + converted:
+        if p.shadow_dtype is not None:
+            through = max(through, _allocated(p.nbytes // p.compute_dtype.itemsize * p.shadow_dtype.itemsize, granule))
     in_place = (p for p in group.params if p.residency in (Residency.NARROW, Residency.RESIDENT))
-    return end, per_run + max(map(_widened_bytes, in_place), default=0)
+    widened = max((_allocated(_widened_bytes(p), granule) for p in in_place), default=0)
+    return _allocated(end, granule) if end else 0, per_run + through + widened
 
 
-def in_flight_reserve(groups: Sequence[GroupPlan], prefetch: int) -> tuple[dict[str, int], int]:
-    """What a budget keeps for streaming ``groups``: each group's size as the planner counts
-    it (the larger of its bytes held resident and its ring slot) and the most a run adds.
+def device_bytes(
+    groups: Sequence[GroupPlan], resident: Collection[str], prefetch: int, granule: int = 1, buffers: int = 0
+) -> int:
+    """Device bytes an offload holds at once with the groups named in ``resident`` kept resident.
 
-    The planner's ``prefetch + 1`` largest sizes then cover the ring (whose slots are sized
-    for the largest group streamed), and the run's additions are kept aside. Both sizes are
-    in the storage dtype: a slot is larger by the alignment of its tensors, a resident group
-    with a master by the narrow copies it holds besides.
+    The one account of a budget, used to check it, to keep groups resident from the start
+    and to choose more after the first forward: the buffers (``buffers`` bytes), the
+    resident groups' weights as held, the ring's ``prefetch + 1`` slots, each sized for the
+    largest group that still streams, what the largest run adds to them (casts, converted
+    weights) and the widest read of a resident weight held in another dtype. Every
+    allocation is rounded up to ``granule`` bytes. The groups outside ``resident`` are taken
+    as they are routed to stream (see :func:`streaming_bytes`). Forwards that record
+    gradients do not use the ring: autograd keeps their groups' weights until backward.
+
+    Example:
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        >>> plan = torchsurgery.plan_offload(model, "cpu", groups="leaves")
+        >>> device_bytes(plan.groups, {"0", "1"}, prefetch=1)  # both resident: 2 x (64 + 16)
+        160
     """
-    sizes = {g.name: max(g.nbytes, streaming_bytes(g)[0]) for g in groups}
-    return sizes, max((streaming_bytes(g)[1] for g in groups), default=0)
+    kept = [g for g in groups if g.name in resident]
+    streamed = [streaming_bytes(g, granule) for g in groups if g.name not in resident]
+    slot = max((s for s, _ in streamed), default=0)
+    held = sum(_held_by(g, granule) for g in kept)
+    widened = max((_allocated(_widened_bytes(p), granule) for g in kept for p in g.params), default=0)
+    return buffers + held + (prefetch + 1) * slot + max((r for _, r in streamed), default=0) + widened
 
 
-def _choose_residency(named: dict[str, nn.Module], groups: list[GroupPlan], options: _Options) -> tuple[int | None, int | None]:
+def _check_budget(budget: int, groups: list[GroupPlan], options: _Options, buffers: int) -> None:
+    """Refuse a budget below what the offload needs at the least: the model kept whole, or else
+    its largest group resident and the ring at its prefetch with every group streamed."""
+    granule = options.device.allocation_granule
+    whole = device_bytes(groups, {g.name for g in groups}, options.prefetch, granule, buffers)
+    if budget >= whole:
+        return
+    big = max(groups, key=lambda g: _held_by(g, granule))
+    largest = _held_by(big, granule)
+    streaming = device_bytes(groups, set(), options.prefetch, granule, buffers)
+    needed = min(whole, max(largest, streaming))
+    if budget >= needed:
+        return
+    holding = None
+    ring = (
+        f"what streaming holds on the device at once with prefetch={options.prefetch}: "
+        f"{options.prefetch + 1} ring slots sized for the largest streamed group, a run's casts"
+        + (" and the model's buffers" if buffers else "")
+    )
+    if needed == whole:
+        holding = f"the model whole ({needed} bytes), less than {ring} ({streaming} bytes)"
+    elif needed > largest:
+        holding = f"{ring} ({needed} bytes)"
+    raise BudgetError(_WHAT, budget, needed, big.name, finer=options.finer_groups, holding=holding)
+
+
+def _held_by(group: GroupPlan, granule: int) -> int:
+    """Device bytes ``group`` takes resident (:func:`held_bytes` of its parameters, tied ones once)."""
+    return sum(held_bytes(p, granule) for p in group.params if p.tied_to is None)
+
+
+def _choose_residency(
+    named: dict[str, nn.Module], groups: list[GroupPlan], options: _Options, buffers: int
+) -> tuple[int | None, int | None]:
     """Mark the groups resident from the start; returns (budget, budget left for measured residency)."""
     seam, budget = options.device, options.budget
     if budget is None and not seam.host_compute:
         budget = max(0, int(seam.free_memory() * 0.9) - (256 << 20))
     if budget is None:
         return None, None
-    _check_budget_holds_largest(budget, groups, options.finer_groups)
-    if whole_bytes(groups) <= budget:
+    # every group as it would stream: what the budget is counted against
+    _route(named, groups, options, from_file=False)
+    _check_budget(budget, groups, options, buffers)
+    every = {g.name for g in groups}
+    if device_bytes(groups, every, options.prefetch, seam.allocation_granule, buffers) <= budget:
         for g in groups:
             g.resident = True  # never offload a model that fits
         return budget, None
@@ -585,15 +656,21 @@ def _choose_residency(named: dict[str, nn.Module], groups: list[GroupPlan], opti
     # then kept resident by how much of their transfer cannot be hidden; the others (served
     # by the narrow-weight path, or needing no conversion) are filled in order, also when
     # their weights are then read from a checkpoint file
-    _route(named, groups, options, from_file=False)
-    sizes, per_run = in_flight_reserve(groups, options.prefetch)
-    room = budget - (options.prefetch + 1) * max(sizes.values()) - per_run
+    resident: set[str] = set()
     for g in groups:
         rides_ring = any(p.residency not in (Residency.NARROW, Residency.IN_PLACE) for p in g.params)
-        if not rides_ring and g.nbytes <= room:
+        if not rides_ring and device_bytes(groups, resident | {g.name}, options.prefetch, seam.allocation_granule, buffers) <= budget:
             g.resident = True
-            room -= g.nbytes
+            resident.add(g.name)
     return budget, budget - sum(g.nbytes for g in groups if g.resident)
+
+
+def _buffer_bytes(model: nn.Module, seam: OffloadDevice) -> int:
+    """Device bytes of the model's buffers, which the offload moves to the device (none on a CPU)."""
+    if seam.host_compute:
+        return 0
+    unique = {id(b): b for b in model.buffers()}
+    return sum(_allocated(b.nbytes, seam.allocation_granule) for b in unique.values())
 
 
 def _file_keys(model: nn.Module, named: dict[str, nn.Module], groups: list[GroupPlan], storage: str | os.PathLike[str]) -> None:
@@ -720,10 +797,11 @@ def plan_converted(
     if storage is None:
         _check_values(named, plan)
     from_file = storage is not None
-    budget, measured = _choose_residency(named, plan, options)
+    buffers = _buffer_bytes(model, options.device)
+    budget, measured = _choose_residency(named, plan, options, buffers)
     _route(named, plan, options, from_file)
     _check_plain_readers(named, plan)
     if storage is not None:
         _file_keys(model, named, plan, storage)
     seam = options.device
-    return OffloadPlan(seam.device, plan, budget, measured, prefetch, options.pin, storage, seam)
+    return OffloadPlan(seam.device, plan, budget, measured, prefetch, options.pin, storage, seam, buffers)

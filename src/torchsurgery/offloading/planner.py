@@ -12,8 +12,9 @@ outcome. :func:`simulate` gives the step time of any choice under a simple model
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from torchsurgery._format import human_bytes
@@ -72,7 +73,9 @@ def _fits(groups: Sequence[GroupCost], keep: Iterable[str], budget: int, prefetc
     return sum(g.nbytes for g in groups if g.name in kept) + (prefetch + 1) * max(rest, default=0) <= budget
 
 
-def _greedy(groups: Sequence[GroupCost], budget: int, bandwidth: float, prefetch: int, per_byte: bool) -> list[str]:
+def _greedy(
+    groups: Sequence[GroupCost], fits: Callable[[Sequence[str]], bool], bandwidth: float, prefetch: int, per_byte: bool
+) -> list[str]:
     """Add the group removing the most stall (per byte, or in all) while one fits and helps."""
     resident: list[str] = []
     while True:
@@ -80,7 +83,7 @@ def _greedy(groups: Sequence[GroupCost], budget: int, bandwidth: float, prefetch
         best, best_gain = None, 0.0
         for candidate in (g for g in groups if g.name not in resident):
             keep = resident + [candidate.name]
-            if not _fits(groups, keep, budget, prefetch):
+            if not fits(keep):
                 continue
             gain = stall - simulate(groups, keep, bandwidth, prefetch)[1]
             if per_byte:
@@ -92,32 +95,42 @@ def _greedy(groups: Sequence[GroupCost], budget: int, bandwidth: float, prefetch
         resident.append(best.name)
 
 
-def plan_residency(groups: Sequence[GroupCost], budget: int, bandwidth: float, prefetch: int = 1) -> list[str]:
+def plan_residency(
+    groups: Sequence[GroupCost],
+    budget: int,
+    bandwidth: float,
+    prefetch: int = 1,
+    *,
+    fits: Callable[[Sequence[str]], bool] | None = None,
+) -> list[str]:
     """Groups to keep resident within ``budget`` bytes, chosen to remove the most stall.
 
     The budget must also leave room for the groups in flight: ``prefetch + 1`` times the
-    largest streamed group. A model that fits is kept entirely.
+    largest streamed group. A model that fits is kept entirely. ``fits`` (the names kept
+    resident -> whether that fits) replaces this account with the caller's (an offload
+    counts ring slots, casts and allocations as the device holds them).
 
     Example:
         >>> g = [GroupCost("a", 100, 1.0), GroupCost("b", 300, 0.1), GroupCost("c", 100, 5.0), GroupCost("d", 100, 5.0)]
         >>> plan_residency(g, budget=550, bandwidth=100.0)  # b's 3 s transfer hides behind 1 s only
         ['b']
     """
-    if sum(g.nbytes for g in groups) <= budget:
-        return [g.name for g in groups]
+    fits = fits or functools.partial(_fits, groups, budget=budget, prefetch=prefetch)
     names = [g.name for g in groups]
+    if fits(names):
+        return names
     if len(groups) <= _EXHAUSTIVE:
         choices: Iterable[Sequence[str]] = (
             list(keep) for r in range(len(names) + 1) for keep in itertools.combinations(names, r)
         )
     else:
-        choices = [_greedy(groups, budget, bandwidth, prefetch, per_byte) for per_byte in (True, False)]
+        choices = [_greedy(groups, fits, bandwidth, prefetch, per_byte) for per_byte in (True, False)]
     best: list[str] = []
     best_stall = simulate(groups, [], bandwidth, prefetch)[1]
     for keep in choices:
         if best_stall <= 0:
             break
-        if not _fits(groups, keep, budget, prefetch):
+        if not fits(keep):
             continue
         stall = simulate(groups, keep, bandwidth, prefetch)[1]
         if stall < best_stall - 1e-12:  # strictly better: among equals, the fewest groups (tried first)

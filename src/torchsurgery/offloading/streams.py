@@ -19,9 +19,11 @@ buffer directly.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -250,19 +252,23 @@ class Ring:
             self.prefetched += 1
         device.wait(device.current_stream(), self.ready[slot])
         self.in_use.add(slot)
-        views = unpack(self.buffers[slot], group.layout)
-        timing = (self.copy_start[slot], self.ready[slot])
-        keep = {slot}
-        for following in upcoming:
-            held = next((s for s, g in enumerate(self.holding) if g is following and self.copied[s] == following.version()), None)
-            if held is not None:
-                keep.add(held)  # copied ahead already: not to be evicted by the next ones
-                continue
-            target = self._free_slot(keep)
-            if target is None:
-                break
-            self._load(following, target)
-            keep.add(target)
+        try:
+            views = unpack(self.buffers[slot], group.layout)
+            timing = (self.copy_start[slot], self.ready[slot])
+            keep = {slot}
+            for following in upcoming:
+                held = next((s for s, g in enumerate(self.holding) if g is following and self.copied[s] == following.version()), None)
+                if held is not None:
+                    keep.add(held)  # copied ahead already: not to be evicted by the next ones
+                    continue
+                target = self._free_slot(keep)
+                if target is None:
+                    break
+                self._load(following, target)
+                keep.add(target)
+        except BaseException:
+            self.exit(slot)  # the caller never got the slot: it would stay in use for good
+            raise
         return slot, views, timing
 
     def forget(self, group: PackedGroup) -> None:
@@ -314,7 +320,7 @@ class _Streaming:
         self.restart = False  # a copy: make the ring at the first forward
         self.pending: list[_Measure] = []
         self.timings: dict[str, _Timing] = {}
-        self.lock = threading.RLock()  # one thread at a time runs streamed groups (they swap weights in)
+        self.lock = _ForwardLock()  # one thread at a time runs the model (streamed groups swap weights in)
 
     def __getstate__(self) -> dict[str, Any]:
         # a copy (pickle, torch.save, deepcopy) makes its own ring at its first forward: the
@@ -324,7 +330,7 @@ class _Streaming:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.lock = threading.RLock()
+        self.lock = _ForwardLock()
 
     def add(self, packed: PackedGroup) -> None:
         """Stream ``packed`` through the ring (before :meth:`start`)."""
@@ -335,15 +341,15 @@ class _Streaming:
         self.ring = Ring(list(self.packed.values()), self.device, slots=self.prefetch + 1)
         self.restart = False
 
-    def remake_ring(self) -> None:
-        """A ring sized for the groups that still stream (some became resident), once the copies
-        into the old one have landed; the old ring's counts stay in the statistics."""
-        if self.ring is None:
-            return
-        self.device.synchronize()
-        self.stats.prefetch_hits += self.ring.prefetched
-        self.stats.prefetch_misses += self.ring.misses
-        self.start()
+    def drop_ring(self) -> None:
+        """Free the ring once the copies into it have landed (its counts stay in the statistics);
+        the next forward makes a new one, unless :meth:`start` does first."""
+        if self.ring is not None:
+            self.device.synchronize()
+            self.stats.prefetch_hits += self.ring.prefetched
+            self.stats.prefetch_misses += self.ring.misses
+            self.ring = None
+        self.restart = True
 
     def stop_streaming(self, name: str) -> PackedGroup | None:
         """Take group ``name`` out of the ring (it became resident); its packed weights."""
@@ -354,11 +360,10 @@ class _Streaming:
 
     def close(self) -> None:
         """Drop the ring and the packed groups, keeping the ring's counts in the statistics."""
-        if self.ring is not None:
-            self.stats.prefetch_hits += self.ring.prefetched
-            self.stats.prefetch_misses += self.ring.misses
-        self.ring = None
+        self.drop_ring()
+        self.restart = False
         self.packed.clear()
+        self.pending = []
 
     def settle(self) -> None:
         """Read the timings of the groups that finished (waits for their events on the device)."""
@@ -395,27 +400,117 @@ class _Streaming:
         return stall_hint(named, [], bandwidth=bandwidth)
 
 
-class _EndForward:
-    """A forward hook on the model closing the recorded execution order (picklable).
+class _ForwardLock:
+    """One thread at a time inside the model's forward: a reentrant lock, held for a whole forward.
 
-    ``after_first`` runs once, at the end of the first forward without gradients.
+    A streamed model swaps its weights in group by group; a second thread inside the same
+    forward would see the first one's weights half swapped (and a group made resident under
+    it), so whole forwards are serialized, not single groups. The model's forward pre-hook
+    takes it and its forward hook gives it back; the groups take it too (reentrantly), so a
+    group called on its own waits for a forward of the model to end. A forward that a
+    ``KeyboardInterrupt`` ended skips the forward hook: the next forward of that thread takes
+    the lock over again instead of holding it for good.
     """
 
-    def __init__(self, order: OrderRecorder, after_first: Callable[[], None] | None = None) -> None:
-        self.order = order
-        self.after_first = after_first
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._depth = 0
+
+    def acquire(self) -> None:
+        me = threading.get_ident()
+        if self._owner == me:
+            self._depth += 1
+            return
+        self._lock.acquire()
+        self._owner, self._depth = me, 1
+
+    def release(self) -> None:
+        if self._owner != threading.get_ident():
+            return  # not taken by this thread (a pre-hook before ours raised)
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+            self._lock.release()
+
+    def begin_forward(self, model: nn.Module) -> None:
+        """Taken for a forward of ``model``, which a ``KeyboardInterrupt`` may have left held."""
+        if self._owner == threading.get_ident() and not _inside_twice(model):
+            self._depth = 0  # an interrupted forward's hold: this thread runs no other forward of the model
+            self._owner = None
+            self._lock.release()
+        self.acquire()
+
+
+def _inside_twice(model: nn.Module) -> bool:
+    """Whether the calling thread is inside a forward of ``model`` besides the one starting now."""
+    call = nn.Module._call_impl.__code__
+    frame: FrameType | None = sys._getframe(1)
+    found = 0
+    while frame is not None:
+        if frame.f_code is call and frame.f_locals.get("self") is model:
+            found += 1
+        frame = frame.f_back
+    del frame
+    return found > 1
+
+
+class _StartForward:
+    """A forward pre-hook on the model: the forward runs alone (see :class:`_ForwardLock`; picklable)."""
+
+    def __init__(self, streaming: _Streaming) -> None:
+        self.streaming = streaming
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self.streaming.lock.begin_forward(module)
+
+
+class _EndForward:
+    """A forward hook on the model (also called when the forward raised): closes the recorded
+    execution order and lets the next forward in (picklable)."""
+
+    def __init__(self, streaming: _Streaming) -> None:
+        self.streaming = streaming
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return  # compiled forwards read the stored weights in the graph: nothing streams
-        self.order.end_forward()
-        if self.after_first is not None and not torch.is_grad_enabled():
-            # e.g. plan residency from the first forward's measurements; not after a forward
-            # that recorded gradients: making a group resident swaps its weights, which would
-            # poison the graph whose backward is still to run (and such a forward copies
-            # without the ring, so its timings are not the ring's)
-            after, self.after_first = self.after_first, None
+        try:
+            self.streaming.order.end_forward()
+        finally:
+            self.streaming.lock.release()
+
+
+class _AfterFirst:
+    """A forward hook on the model running ``after`` once, at the end of the first forward
+    without gradients that completed (picklable); a forward that raised does not call it.
+
+    It closes the recorded order first (``after`` reads it). If ``after`` raises, it runs
+    again after the next such forward: it must leave the model as it found it when it fails
+    (an out-of-memory error while making groups resident). Registered before
+    :class:`_EndForward`, so it runs while the forward still holds the lock.
+    """
+
+    def __init__(self, streaming: _Streaming, after: Callable[[], None]) -> None:
+        self.streaming = streaming
+        self.after: Callable[[], None] | None = after
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        self.streaming.order.end_forward()
+        if self.after is None or torch.is_grad_enabled():
+            # not after a forward that recorded gradients: making a group resident swaps its
+            # weights, which would poison the graph whose backward is still to run (and such
+            # a forward copies without the ring, so its timings are not the ring's)
+            return
+        after, self.after = self.after, None
+        try:
             after()
+        except BaseException:
+            self.after = after
+            raise
 
 
 def _through(narrow: torch.dtype | None) -> torch.dtype | None:
@@ -456,6 +551,9 @@ class _GroupStreamer:
         self.slot: int | None = None
         self.measure: _Measure | None = None
         self.fresh = 0  # device bytes held for the group's current run besides the ring
+        # made resident after a forward: the weights stay on the device and nothing comes in (the
+        # patch stays until the offload is removed, so no class changes while threads wait)
+        self.resident = False
         # weights read from a checkpoint file cannot come in inside a compiled graph
         self.traceable = packed is None or not packed.from_file
 
@@ -463,8 +561,8 @@ class _GroupStreamer:
     def bring_in(self) -> None:
         self.streaming.lock.acquire()  # held until the matching release(), by this thread
         self.depth += 1
-        if self.depth > 1:
-            return  # re-entered (a shared module): already in
+        if self.depth > 1 or self.resident:
+            return  # re-entered (a shared module): already in; or resident
         streaming = self.streaming
         device = streaming.device
         start = device.record(device.current_stream())
@@ -527,7 +625,7 @@ class _GroupStreamer:
 
     def _put_back(self) -> None:
         self.depth -= 1
-        if self.depth > 0:
+        if self.depth > 0 or self.resident:
             return
         for owner, pname, p, _ in self.packed_entries + self.other_entries:
             owner._parameters[pname] = p
@@ -552,6 +650,8 @@ class _StreamedGroup(Patch, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         streamer: _GroupStreamer = self.__dict__["_offload_streamer"]
+        if streamer.resident:
+            return super().forward(*args, **kwargs)
         if torch.compiler.is_compiling() and streamer.traceable:
             # compiled: bringing the weights in is part of the graph (a copy and a cast per
             # weight, no ring, no prefetch, no per-call Python state), so fullgraph holds; on a
