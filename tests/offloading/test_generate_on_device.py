@@ -11,6 +11,7 @@ the same device, only the weights' way there differs).
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +33,7 @@ PAD = 0
 def _decoder(config_cls: Any, model_cls: Any) -> Callable[[], nn.Module]:
     def make() -> nn.Module:
         config = config_cls(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=64, vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=1, eos_token_id=2,
         )
         return model_cls(config)
@@ -42,7 +43,7 @@ def _decoder(config_cls: Any, model_cls: Any) -> Callable[[], nn.Module]:
 
 def _gpt2() -> nn.Module:
     config = transformers.GPT2Config(
-        n_layer=3, n_embd=32, n_head=4, n_positions=64, vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=1, eos_token_id=2,
+        n_layer=4, n_embd=32, n_head=4, n_positions=64, vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=1, eos_token_id=2,
     )
     return transformers.GPT2LMHeadModel(config)
 
@@ -58,13 +59,21 @@ def _size(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def _streaming_budget(model: nn.Module, device: torch.device) -> int:
+    """The least budget an offload accepts: the ring's slots and a run's casts, nothing resident."""
+    with pytest.raises(torchsurgery.BudgetError) as refused:
+        torchsurgery.plan_offload(model, device, budget=1)
+    assert refused.value.needed < _size(model), "the model must be larger than what streaming holds"
+    return refused.value.needed
+
+
 def _pair(arch: str, device: torch.device) -> tuple[nn.Module, nn.Module, OffloadHandle]:
-    """The plain model on ``device`` and a copy offloaded there under half its size."""
+    """The plain model on ``device`` and a copy offloaded there under less than its size."""
     torch.manual_seed(0)
     plain = ARCHITECTURES[arch]().eval()
     model = copy.deepcopy(plain)
     plain.to(device)
-    handle = torchsurgery.offload(model, device, budget=_size(model) // 2)
+    handle = torchsurgery.offload(model, device, budget=_streaming_budget(model, device))
     assert handle.stats().streamed_groups, "the budget should leave groups streaming"
     return plain, model, handle
 
@@ -195,7 +204,7 @@ def test_a_diffusers_pipeline_with_an_offloaded_unet_equals_the_plain_pipeline(a
     ).eval()
     offloaded = copy.deepcopy(unet)
     plain = diffusers.DDPMPipeline(unet=unet, scheduler=diffusers.DDPMScheduler(num_train_timesteps=50)).to(accelerator)
-    handle = torchsurgery.offload(offloaded, accelerator, budget=_size(offloaded) // 2)
+    handle = torchsurgery.offload(offloaded, accelerator, budget=_streaming_budget(offloaded, accelerator))
     assert handle.stats().streamed_groups
     ours = diffusers.DDPMPipeline(unet=offloaded, scheduler=diffusers.DDPMScheduler(num_train_timesteps=50))
     assert ours.device == plain.device  # the pipeline reads its execution device from the UNet
@@ -235,7 +244,7 @@ def test_an_offload_over_the_installer_s_model_streams_its_host_values_and_gives
     plain = copy.deepcopy(model).to(accelerator)
     torchsurgery.DynamicSwapInstaller.install_model(model, device=accelerator)
     installed = {name: (type(p), p.stored) for name, p in model.named_parameters()}
-    handle = torchsurgery.offload(model, accelerator, budget=_size(model) // 2)
+    handle = torchsurgery.offload(model, accelerator, budget=_streaming_budget(model, accelerator))
     streamed = [p for p in handle.plan.params if p.residency.value == "streamed"]
     assert streamed, "the installer's weights are packed and streamed as their host values"
     assert model.device == accelerator
@@ -249,3 +258,33 @@ def test_an_offload_over_the_installer_s_model_streams_its_host_values_and_gives
         assert type(p) is kind and p.device == accelerator and p.stored.device.type == "cpu"
         assert torch.equal(p.stored, stored)
     torchsurgery.DynamicSwapInstaller.uninstall_model(model)
+
+
+def test_two_threads_serving_two_requests_on_one_streamed_model(accelerator: torch.device) -> None:
+    plain, model, handle = _pair("llama", accelerator)
+    ids, mask = _prompts(accelerator)
+    requests = [(ids[:1], mask[:1]), (ids[1:], mask[1:])]
+    kwargs: dict[str, Any] = {"max_new_tokens": 6, "do_sample": False}
+    with torch.inference_mode():
+        want = [plain.generate(i, attention_mask=m, **kwargs) for i, m in requests]
+    got: list[Any] = [None, None]
+    errors: list[BaseException] = []
+
+    def serve(k: int) -> None:
+        try:
+            with torch.inference_mode():
+                for _ in range(2):
+                    got[k] = model.generate(requests[k][0], attention_mask=requests[k][1], **kwargs)
+        except BaseException as exc:  # reported below, on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=serve, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a thread is stuck"
+    assert not errors, errors
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    handle.remove()
