@@ -1057,15 +1057,18 @@ def test_copies_of_an_offloaded_model_compute_and_restore_as_the_original(
     torch.manual_seed(0)
     sim = SimulatedDevice(seed=1) if where != "cpu" else None
     try:
-        original = _NormConv()
+        # enough blocks that streaming them (two ring slots and a run's casts) takes less than the model whole
+        original = _NormConv(blocks=16)
         pristine = copy.deepcopy(original)
         x = torch.randn(2, 4, 8)
         kwargs: dict[str, Any] = {"storage_dtype": storage, "dtype": torch.float32, "master_dtype": master}
-        if sim is not None:  # every group streams, one flat buffer per group holding two dtypes
-            kwargs["budget"] = 2 * sum(p.numel() * 4 for p in original.blocks[0].parameters()) + 1
+        if sim is not None:  # every block streams, one flat buffer per group holding two dtypes
+            kwargs["budget"] = least_budget(original, sim, **kwargs)
         handle = offload(original, sim or "cpu", **kwargs)
         with torch.no_grad():
             expected = original(x)
+        if sim is not None:
+            assert {f"blocks.{i}" for i in range(16)} <= set(handle.stats().streamed_groups)
         copies = _copies(original)
         handle.remove()
         restored = {k: v.clone() for k, v in original.state_dict().items()}
@@ -1096,10 +1099,11 @@ def test_torch_save_of_an_offloaded_state_dict_holds_the_stored_values() -> None
 
     from simulated_device import SimulatedDevice
 
-    model = _NormConv()
+    model = _NormConv(blocks=16)  # streaming its blocks takes less than the model whole
     with SimulatedDevice(seed=0) as sim:
-        budget = 2 * sum(p.numel() * 4 for p in model.blocks[0].parameters()) + 1
+        budget = least_budget(model, sim, storage_dtype=torch.bfloat16, dtype=torch.float32)
         handle = offload(model, sim, storage_dtype=torch.bfloat16, dtype=torch.float32, budget=budget)
+        assert "blocks.0" in handle.stats().streamed_groups
         buffer = io.BytesIO()
         torch.save(model.state_dict(), buffer)  # narrow weights and fp32 norms from one group: kept apart
         loaded = torch.load(io.BytesIO(buffer.getvalue()))  # weights only
