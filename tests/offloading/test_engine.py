@@ -1184,11 +1184,15 @@ def test_conversions_without_meaning_for_an_offloaded_model_are_refused_changing
     torchsurgery.restore(model)
 
 
-@pytest.mark.parametrize("budget", [None, 1200], ids=["whole", "streamed"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("storage", [None, torch.bfloat16], ids=["as-given", "bf16-storage"])
-def test_an_offloaded_model_takes_dtype_conversions_as_the_plain_model(budget: int | None, storage: Any) -> None:
-    model = mlp(3, d=8).to(torch.bfloat16)
+def test_an_offloaded_model_takes_dtype_conversions_as_the_plain_model(streamed: bool, storage: Any) -> None:
+    model = mlp(8, d=8).to(torch.bfloat16)
     plain = copy.deepcopy(model)
+    # streamed: half the model's bytes in bf16, its narrowest dtype: less than the model whole in
+    # any dtype it takes, more than streaming its layers takes (two ring slots of one layer and a
+    # run's casts) in any, fp64 the widest
+    budget = _weight_bytes(model) // 2 if streamed else None
     handle = offload(model, budget=budget, groups="leaves", storage_dtype=storage, dtype=torch.float32 if storage else None)
     if storage:
         plain.float()  # the offload computes in fp32, from bf16 values: exact
@@ -1199,6 +1203,7 @@ def test_an_offloaded_model_takes_dtype_conversions_as_the_plain_model(budget: i
         convert(model)
         convert(plain)
         assert {n: id(p) for n, p in model.named_parameters()} == ids and handle.active
+        assert handle.stats().streamed_groups != [] and (handle.stats().resident_groups != []) == streamed
         assert [p.dtype for p in model.parameters()] == [p.dtype for p in plain.parameters()]
         dtype = next(plain.parameters()).dtype
         got, want = model(x.to(dtype)), plain(x.to(dtype))
