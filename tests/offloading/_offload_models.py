@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
+
+import torchsurgery
+from torchsurgery.offloading.device import OffloadDevice
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,6 +37,15 @@ def tiny_clip_text() -> nn.Module:
         transformers.CLIPTextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                                     vocab_size=64, max_position_embeddings=32, attn_implementation="eager")
     ).eval()
+
+
+def least_budget(model: nn.Module, device: str | torch.device | OffloadDevice = "cpu", **options: Any) -> int:
+    """The least budget ``offload(model, device, **options)`` accepts (``BudgetError.needed``): with
+    nothing resident, what streaming holds at once (the ring's slots, a run's casts, the
+    buffers), or the model whole where that is less."""
+    with pytest.raises(torchsurgery.BudgetError) as refused:
+        torchsurgery.plan_offload(model, device, budget=1, **options)
+    return refused.value.needed
 
 
 def identity_map(model: nn.Module) -> dict[str, tuple[int, torch.device, torch.dtype]]:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from _offload_models import (
     IDS,
     identity_map,
+    least_budget,
     mlp,
     tiny_clip_text,
     tiny_gpt2,
@@ -481,7 +482,8 @@ def test_weights_changed_between_streamed_forwards_are_the_ones_computed_with(ac
     model = tiny_llama()
     resident = copy.deepcopy(model).to(accelerator)
     ids = IDS.to(accelerator)
-    handle = offload(model, accelerator, budget=_group_budget(model, 2))
+    handle = offload(model, accelerator, budget=least_budget(model, accelerator))  # every layer streams
+    assert {f"model.layers.{i}" for i in range(3)} <= set(handle.stats().streamed_groups)
     with torch.no_grad():
         for step in range(3):
             torch.testing.assert_close(model(ids).logits, resident(ids).logits, rtol=0, atol=0)
@@ -534,7 +536,8 @@ def test_gradient_checkpointing_recomputes_streamed_layers_on_the_accelerator(ac
     for m in (model, resident):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = IDS.to(accelerator)
-    handle = offload(model, accelerator, budget=_group_budget(model, 2))
+    handle = offload(model, accelerator, budget=least_budget(model, accelerator))  # every layer streams
+    assert {f"model.layers.{i}" for i in range(3)} <= set(handle.stats().streamed_groups)
     losses = [m(ids, labels=ids).loss for m in (model, resident)]
     for loss in losses:
         loss.backward()
@@ -768,10 +771,12 @@ def test_training_with_an_fp32_master_copy_matches_fp32_training() -> None:
 
 
 def _budget_for(model: nn.Module, resident: int, **options: Any) -> int:
-    """A budget with room for ``resident`` of the largest groups next to what streaming takes
-    (two ring slots as the ring packs them, and a run's casts), as the planner counts them."""
+    """A budget with room for ``resident`` of the largest groups kept resident next to what
+    streaming the others takes (two ring slots as the ring packs them, a run's casts, the
+    widened read of a resident weight), as the planner counts them."""
     plan = torchsurgery.plan_offload(model, **options)  # every group routed to stream
-    return plan.device_bytes(set()) + resident * max(g.nbytes for g in plan.groups)
+    largest = sorted(plan.groups, key=lambda g: g.nbytes)[-resident:]
+    return plan.device_bytes({g.name for g in largest})
 
 
 class _Conv(nn.Module):
@@ -1052,15 +1057,18 @@ def test_copies_of_an_offloaded_model_compute_and_restore_as_the_original(
     torch.manual_seed(0)
     sim = SimulatedDevice(seed=1) if where != "cpu" else None
     try:
-        original = _NormConv()
+        # enough blocks that streaming them (two ring slots and a run's casts) takes less than the model whole
+        original = _NormConv(blocks=16)
         pristine = copy.deepcopy(original)
         x = torch.randn(2, 4, 8)
         kwargs: dict[str, Any] = {"storage_dtype": storage, "dtype": torch.float32, "master_dtype": master}
-        if sim is not None:  # every group streams, one flat buffer per group holding two dtypes
-            kwargs["budget"] = 2 * sum(p.numel() * 4 for p in original.blocks[0].parameters()) + 1
+        if sim is not None:  # every block streams, one flat buffer per group holding two dtypes
+            kwargs["budget"] = least_budget(original, sim, **kwargs)
         handle = offload(original, sim or "cpu", **kwargs)
         with torch.no_grad():
             expected = original(x)
+        if sim is not None:
+            assert {f"blocks.{i}" for i in range(16)} <= set(handle.stats().streamed_groups)
         copies = _copies(original)
         handle.remove()
         restored = {k: v.clone() for k, v in original.state_dict().items()}
@@ -1091,10 +1099,11 @@ def test_torch_save_of_an_offloaded_state_dict_holds_the_stored_values() -> None
 
     from simulated_device import SimulatedDevice
 
-    model = _NormConv()
+    model = _NormConv(blocks=16)  # streaming its blocks takes less than the model whole
     with SimulatedDevice(seed=0) as sim:
-        budget = 2 * sum(p.numel() * 4 for p in model.blocks[0].parameters()) + 1
+        budget = least_budget(model, sim, storage_dtype=torch.bfloat16, dtype=torch.float32)
         handle = offload(model, sim, storage_dtype=torch.bfloat16, dtype=torch.float32, budget=budget)
+        assert "blocks.0" in handle.stats().streamed_groups
         buffer = io.BytesIO()
         torch.save(model.state_dict(), buffer)  # narrow weights and fp32 norms from one group: kept apart
         loaded = torch.load(io.BytesIO(buffer.getvalue()))  # weights only
@@ -1175,11 +1184,15 @@ def test_conversions_without_meaning_for_an_offloaded_model_are_refused_changing
     torchsurgery.restore(model)
 
 
-@pytest.mark.parametrize("budget", [None, 1200], ids=["whole", "streamed"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("storage", [None, torch.bfloat16], ids=["as-given", "bf16-storage"])
-def test_an_offloaded_model_takes_dtype_conversions_as_the_plain_model(budget: int | None, storage: Any) -> None:
-    model = mlp(3, d=8).to(torch.bfloat16)
+def test_an_offloaded_model_takes_dtype_conversions_as_the_plain_model(streamed: bool, storage: Any) -> None:
+    model = mlp(8, d=8).to(torch.bfloat16)
     plain = copy.deepcopy(model)
+    # streamed: half the model's bytes in bf16, its narrowest dtype: less than the model whole in
+    # any dtype it takes, more than streaming its layers takes (two ring slots of one layer and a
+    # run's casts) in any, fp64 the widest
+    budget = _weight_bytes(model) // 2 if streamed else None
     handle = offload(model, budget=budget, groups="leaves", storage_dtype=storage, dtype=torch.float32 if storage else None)
     if storage:
         plain.float()  # the offload computes in fp32, from bf16 values: exact
@@ -1190,6 +1203,7 @@ def test_an_offloaded_model_takes_dtype_conversions_as_the_plain_model(budget: i
         convert(model)
         convert(plain)
         assert {n: id(p) for n, p in model.named_parameters()} == ids and handle.active
+        assert handle.stats().streamed_groups != [] and (handle.stats().resident_groups != []) == streamed
         assert [p.dtype for p in model.parameters()] == [p.dtype for p in plain.parameters()]
         dtype = next(plain.parameters()).dtype
         got, want = model(x.to(dtype)), plain(x.to(dtype))
@@ -1201,6 +1215,17 @@ def test_an_offloaded_model_takes_dtype_conversions_as_the_plain_model(budget: i
     handle.remove()  # the conversions are the user's: the model stays as converted
     assert [p.dtype for p in model.parameters()] == [p.dtype for p in plain.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: _convert_subtree removes the offload and converts the values before "
+                   "plan_converted checks the budget, so a refused conversion leaves the model converted and un-offloaded")
+def test_a_conversion_the_budget_cannot_hold_is_refused_changing_nothing() -> None:
+    model = mlp(3, d=8).to(torch.bfloat16)
+    handle = offload(model, budget=1200, groups="leaves", storage_dtype=torch.bfloat16, dtype=torch.float32)
+    ids = identity_map(model)
+    with pytest.raises(torchsurgery.BudgetError):
+        model.to(torch.float64)  # computing in fp64 from bf16 storage: the run's casts outgrow the budget
+    assert handle.active and identity_map(model) == ids
 
 
 def test_surgery_is_refused_while_another_thread_runs_the_model() -> None:
