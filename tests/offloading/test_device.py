@@ -48,15 +48,19 @@ def exact(got: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-def stream_all(model: nn.Module, prefetch: int, storage_dtype: torch.dtype = torch.float32) -> dict[str, int]:
+def stream_all(
+    model: nn.Module, prefetch: int, storage_dtype: torch.dtype = torch.float32, device: Any = None
+) -> dict[str, int]:
     """``offload`` arguments under which every group streams: the least budget accepted, what the
-    ring's slots and a run take with nothing resident, as an accelerator's allocations count it
-    (at least what the simulated device counts). A model smaller than that is kept whole.
+    ring's slots and a run take with nothing resident, as ``device`` counts it (default: the
+    accelerator, whose allocations count at least what the simulated device counts). A model
+    smaller than that is kept whole: it needs groups of similar size, more than ``prefetch + 1``
+    of them (more still where a run casts its weights).
     """
-    accelerator = torch.accelerator.current_accelerator()
-    assert accelerator is not None
+    device = device if device is not None else torch.accelerator.current_accelerator()
+    assert device is not None
     with pytest.raises(torchsurgery.BudgetError) as refused:
-        torchsurgery.plan_offload(model, accelerator, budget=1, prefetch=prefetch, storage_dtype=storage_dtype)
+        torchsurgery.plan_offload(model, device, budget=1, prefetch=prefetch, storage_dtype=storage_dtype)
     return {"prefetch": prefetch, "budget": refused.value.needed}
 
 
@@ -155,7 +159,8 @@ def test_the_cpu_device_copies_synchronously_and_times_on_the_host() -> None:
 @pytest.mark.parametrize("storage_dtype", [None, torch.bfloat16], ids=["fp32", "bf16-storage"])
 @pytest.mark.parametrize("prefetch", [0, 1, 2, 3, 7])
 def test_streamed_forwards_match_the_resident_model(prefetch: int, storage_dtype: torch.dtype | None, lazy: bool) -> None:
-    model = Blocks([8, 32, 8, 32, 16, 8])  # two largest groups: neither can be resident
+    # two largest groups: neither can be resident; enough others that prefetch + 1 slots hold less than the model
+    model = Blocks([8, 32, 8, 32, 16, 8] + [16, 24] * prefetch)
     reference = copy.deepcopy(model)
     if storage_dtype is not None:
         with torch.no_grad():
@@ -166,13 +171,14 @@ def test_streamed_forwards_match_the_resident_model(prefetch: int, storage_dtype
         expected = reference(X)
         handle = offload(
             model, sim, dtype=torch.float32, storage_dtype=storage_dtype, skip=None,
-            **stream_all(model, prefetch, storage_dtype=storage_dtype or torch.float32),
+            **stream_all(model, prefetch, storage_dtype=storage_dtype or torch.float32, device=sim),
         )
         assert {p.residency for p in handle.plan.params} == {Residency.STREAMED}  # every group rides the ring
         for _ in range(4):
             exact(model(X), expected)
         s = handle.stats()
-        assert s.prefetch_hits + s.prefetch_misses == 4 * 6
+        assert s.streamed_groups == [f"blocks.{i}" for i in range(len(model.blocks))]
+        assert s.prefetch_hits + s.prefetch_misses == 4 * len(model.blocks)
         assert (s.prefetch_hits > 0) == (prefetch > 0)  # later forwards found their groups copied ahead
         assert sim.unpinned_copies == 0 and sim.copies >= 6  # every copy came from pinned memory
         handle.remove()
