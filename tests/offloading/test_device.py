@@ -238,14 +238,14 @@ def test_training_through_streamed_groups_matches_the_resident_model() -> None:
 def test_a_model_streamed_to_a_device_compiles_once_with_fullgraph(storage_dtype: torch.dtype | None) -> None:
     from torch._dynamo.utils import counters
 
-    model = Blocks([8, 16, 8, 16])
+    model = Blocks([8, 16] * 4)  # groups enough that the ring's 3 slots hold less than the model
     # not entered as a context: its read-tracking dispatch mode would keep Dynamo out
     sim = SimulatedDevice(seed=3)
     try:
         with torch.no_grad():
             handle = offload(
                 model, sim, dtype=torch.float32, storage_dtype=storage_dtype, skip=None,
-                **stream_all(model, 2, storage_dtype=storage_dtype or torch.float32),
+                **stream_all(model, 2, storage_dtype=storage_dtype or torch.float32, device=sim),
             )
             eager = model(X)
             assert handle.stats().resident_groups == []  # every group streams
@@ -277,18 +277,22 @@ def _rounded_to(model: nn.Module, dtype: torch.dtype | None) -> None:
 def test_groups_kept_in_the_ring_are_copied_again_when_their_host_weights_change(
     prefetch: int, storage_dtype: torch.dtype | None
 ) -> None:
-    # with 4 groups, a ring of prefetch + 1 slots keeps some (prefetch 3) or all (prefetch 7) of
-    # them from one forward to the next: optimizer steps, in-place edits and loads between
-    # forwards must reach those slots, and a forward after no change must copy nothing more
-    model = Blocks([8, 16, 8, 16])
+    # forwards run 4 groups: a ring of prefetch + 1 slots keeps none (prefetch 1) or all (prefetch
+    # 3, 7) of them from one forward to the next: optimizer steps, in-place edits and loads
+    # between forwards must reach those slots, and a forward after no change must copy nothing
+    # more. The model has more groups, which never run: streaming, its slots and casts take
+    # less than the whole model, so the budget streams every group rather than keeping it whole
+    model = Blocks([8, 16, 8, 16] + [16] * (prefetch + 3))
+    model.order = [0, 1, 2, 3]
     _rounded_to(model, storage_dtype)
     reference = copy.deepcopy(model)
     y = torch.randn(3, 16)
     with SimulatedDevice(seed=prefetch, lazy=True) as sim:
         handle = offload(
             model, sim, dtype=torch.float32, storage_dtype=storage_dtype, skip=None,
-            **stream_all(model, prefetch, storage_dtype=storage_dtype or torch.float32),
+            **stream_all(model, prefetch, storage_dtype=storage_dtype or torch.float32, device=sim),
         )
+        assert handle.stats().resident_groups == []  # every group streams
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
 
         def forward_matches() -> None:
@@ -296,6 +300,7 @@ def test_groups_kept_in_the_ring_are_copied_again_when_their_host_weights_change
                 exact(model(X), reference(X))
 
         forward_matches()
+        assert handle.stats().resident_groups == []  # still, after the first forward's measurements
         for step in range(2):
             for m, o in zip((model, reference), optimizers, strict=True):  # with gradients: beside the ring
                 o.zero_grad()
@@ -359,14 +364,15 @@ def test_the_planner_runs_on_the_simulated_links_timings(widths: list[int]) -> N
 def test_streaming_from_a_safetensors_file_through_the_staging_buffer(tmp_path: Any) -> None:
     from safetensors.torch import save_file
 
-    reference = Blocks([8, 16, 32, 8, 16])
+    widths = [8, 16, 32, 8, 16, 32, 8, 16]  # groups enough that the ring's 3 slots hold less than the model
+    reference = Blocks(widths)
     path = tmp_path / "blocks.safetensors"
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, path)
     with torchsurgery.skeleton():
-        model = Blocks([8, 16, 32, 8, 16])
+        model = Blocks(widths)
     for lazy in (False, True):
         with SimulatedDevice(seed=7, lazy=lazy) as sim, torch.no_grad():
-            handle = offload(model, sim, storage=path, **stream_all(reference, 2))
+            handle = offload(model, sim, storage=path, **stream_all(reference, 2, device=sim))
             assert all(p.is_meta for p in model.parameters())  # the weights stay in the file
             for _ in range(3):
                 exact(model(X), reference(X))
