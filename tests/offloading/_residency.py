@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 from torchsurgery.offloading.planner import GroupCost, simulate
 
@@ -18,13 +19,19 @@ def in_order(groups: list[GroupCost], budget: int, prefetch: int) -> list[str]:
     return chosen
 
 
-def best_stall(groups: list[GroupCost], budget: int, bandwidth: float, prefetch: int) -> float:
-    """The smallest stall of any residency choice that fits ``budget`` (exhaustive)."""
+def best_stall(
+    groups: list[GroupCost], budget: int, bandwidth: float, prefetch: int, fits: Callable[[set[str]], bool] | None = None
+) -> float:
+    """The smallest stall of any residency choice that fits ``budget`` (exhaustive).
+
+    ``fits`` (the names kept resident -> whether that fits) replaces the plain count (the
+    groups kept, and ``prefetch + 1`` of the largest streamed one) with an offload's own.
+    """
     best = simulate(groups, [], bandwidth, prefetch)[1]
     for r in range(1, len(groups) + 1):
         for keep in itertools.combinations([g.name for g in groups], r):
             rest = [g.nbytes for g in groups if g.name not in keep]
             used = sum(g.nbytes for g in groups if g.name in keep) + (prefetch + 1) * max(rest, default=0)
-            if used <= budget:
+            if (fits(set(keep)) if fits is not None else used <= budget):
                 best = min(best, simulate(groups, keep, bandwidth, prefetch)[1])
     return best

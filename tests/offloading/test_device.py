@@ -355,7 +355,9 @@ def test_the_planner_runs_on_the_simulated_links_timings(widths: list[int]) -> N
         assert s.bytes_moved >= sum(streamed) and s.achieved_gbps == pytest.approx(s.bytes_moved / s.seconds_transferring / 1e9)
         ours = simulate(costs, chosen, bandwidth)[1]
         filled = simulate(costs, in_order(costs, budget, 1), bandwidth)[1]
-        assert ours < filled and ours <= 1.10 * best_stall(costs, budget, bandwidth, 1)
+        # the best choice the offload can afford: its slots are aligned, so the plain count (in
+        # which all three large groups fit resident beside two small slots) may not fit
+        assert ours < filled and ours <= 1.10 * best_stall(costs, budget, bandwidth, 1, fits=fits)
         for _ in range(2):
             exact(model(X), reference(X))
         handle.remove()
