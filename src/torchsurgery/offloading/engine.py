@@ -653,8 +653,9 @@ class OffloadHandle:
         _undo.check_idle(model, f"{_WHAT}.remove")
         self._check_no_pending_backward()
         # copies still in flight write into the ring's buffers and read the host buffers:
-        # let them land before either is released
-        self._seam.synchronize()
+        # the ring goes once they have landed, before either is released (a removal that
+        # then fails leaves the next forward to make a new ring)
+        self._streaming.drop_ring()
         restored = self._restored_values()
         for hook in self._hooks:
             hook.remove()
