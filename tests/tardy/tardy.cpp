@@ -629,6 +629,9 @@ at::Tensor copy_from(const at::Tensor& src, const at::Tensor& dst, bool non_bloc
     run_until(st, sid, index + 1, lock);
     host_saw(st, sid, index + 1);
   }
+  // the result (a copy of `dst`) is made after the lock is let go: copying a tensor that has a
+  // Python object may take the GIL, which a thread waiting for this lock may hold
+  lock.unlock();
   return dst;
 }
 
