@@ -407,8 +407,8 @@ MUTATIONS = [
     ),
     Mutation(
         "sync: remove() lets the copies in flight land before the ring's buffers go",
-        "src/torchsurgery/offloading/engine.py",
-        "        self._seam.synchronize()\n", "",
+        "src/torchsurgery/offloading/streams.py",
+        "        if self.ring is not None:\n            self.device.synchronize()\n", "        if self.ring is not None:\n",
         ("tests/offloading/test_device.py::test_remove_on_the_accelerator_lets_the_copies_in_flight_land_first",),
     ),
     Mutation(

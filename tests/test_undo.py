@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import io
 import os
 import pickle
@@ -495,6 +496,7 @@ class SurgeryMachine(RuleBasedStateMachine):
             if "is pending" not in str(exc) or not self.alive:
                 raise
             self.alive.clear()
+            gc.collect()  # graphs in reference cycles (a saved tensor's hooks) go with a collection
             torchsurgery.restore(self.model)
 
     @rule()

@@ -596,8 +596,8 @@ class OffloadHandle:
         if whole and options.get("budget") is not None:
             # kept whole, as the plain module would be: the budget grows by what the conversion adds
             o = options
-            grown, _ = sizes(model, _WHAT, dtype=o["dtype"], storage_dtype=o["storage_dtype"], groups=o["groups"],
-                             skip=o["skip"], converted=converted)
+            grown, _, _ = sizes(model, _WHAT, dtype=o["dtype"], storage_dtype=o["storage_dtype"], groups=o["groups"],
+                                skip=o["skip"], converted=converted, device=self._seam, prefetch=self.plan.prefetch)
             options["budget"] = max(int(options["budget"]), grown)
         self.remove()
         with torch.no_grad():
@@ -706,12 +706,12 @@ class OffloadHandle:
 
     def _check_no_pending_backward(self) -> None:
         """Refuse to give back weights that the graph of a pending backward accumulates into."""
-        pending = next(iter(self._pending), None)
-        if pending is not None:
+        found = [mark.name for mark in self._pending][:1]  # names only: the error's traceback keeps its frame's locals
+        if found:
             owner = type(self._live).__name__
             raise RuntimeError(
                 f"{_WHAT}.remove: cannot remove the offload of the {owner} while a backward through its offloaded "
-                f"weight {pending.name!r} is pending: the weight is held elsewhere, by the graph of a forward that "
+                f"weight {found[0]!r} is pending: the weight is held elsewhere, by the graph of a forward that "
                 "recorded gradients, and giving it back would leave that backward no weight to put its gradient in. "
                 "Run the backward (loss.backward()) or drop the graph (del the outputs and the loss), then remove "
                 "the offload; nothing was changed"

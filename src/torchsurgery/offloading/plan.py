@@ -430,15 +430,25 @@ def sizes(
     groups: str | Sequence[str],
     skip: Callable[[nn.Module, str], bool] | None,
     converted: Mapping[int, torch.dtype] | None = None,
-) -> tuple[int, int]:
-    """Device bytes ``model`` takes kept whole (:func:`whole_bytes`) and its largest group's, as held.
-
-    What an offload with these arguments counts against its budget; the dtypes are checked
+    device: OffloadDevice | None = None,
+    prefetch: int = 1,
+) -> tuple[int, int, int]:
+    """Device bytes ``model`` takes kept whole, its largest group's as held, and what it holds at
+    the least streamed (every group in the ring at ``prefetch``), as an offload to ``device``
+    counts them against its budget (:func:`device_bytes`: allocations rounded as the device
+    rounds them, buffers moved there; default: plain bytes, no buffers). The dtypes are checked
     by the caller.
     """
     named = dict(model.named_modules())
     plan = _collect(named, find_groups(model, groups, what), dtype, storage_dtype, None, skip, converted)
-    return whole_bytes(plan), max((g.nbytes for g in plan), default=0)
+    granule = device.allocation_granule if device is not None else 1
+    buffers = _buffer_bytes(model, device) if device is not None else 0
+    whole = device_bytes(plan, {g.name for g in plan}, prefetch, granule, buffers)
+    if not plan:
+        return whole, 0, whole
+    largest = max(_held_by(g, granule) for g in plan)
+    streaming = min(whole, max(largest, device_bytes(plan, set(), prefetch, granule, buffers)))
+    return whole, max(g.nbytes for g in plan), streaming
 
 
 def whole_bytes(groups: Sequence[GroupPlan], granule: int = 1) -> int:

@@ -39,6 +39,7 @@ from torch import nn
 
 from torchsurgery import _undo
 from torchsurgery._validate import check_bytes, check_device, check_dtype, check_storage_dtype
+from torchsurgery.offloading.device import resolve_device
 from torchsurgery.offloading.engine import (
     DEFAULT_SKIP,
     OffloadHandle,
@@ -136,12 +137,15 @@ class _Entry:
     """A model's place in a pool. It holds the model weakly (a model its owner drops is freed
     and leaves the pool) and finds the model's offload in the model's undo log."""
 
-    def __init__(self, model: nn.Module, name: str, options: dict[str, Any], total: int, largest: int) -> None:
+    def __init__(
+        self, model: nn.Module, name: str, options: dict[str, Any], total: int, largest: int, streamed: int
+    ) -> None:
         self.ref = weakref.ref(model)
         self.name = name
         self.options = options
         self.total = total
         self.largest = largest
+        self.streamed = streamed
         self.granted = 0  # device bytes counted against the limit while loaded
         self.keep_free: int | None = None  # what the current load was planned for
         self.last_used = 0
@@ -173,8 +177,9 @@ class _Entry:
 
     @property
     def minimum(self) -> int:
-        """Device bytes to run streamed: the largest group, ``prefetch + 1`` times."""
-        return (int(self.options["prefetch"]) + 1) * self.largest
+        """Device bytes to run streamed, as the offload counts them: the ring's ``prefetch + 1``
+        slots for the largest group and a run's casts (or the whole model, where that is less)."""
+        return self.streamed
 
 
 class _Touch:
@@ -280,6 +285,7 @@ class DevicePool:
         if self.budget is not None and self.keep_free is not None:
             raise ValueError(f"{_WHAT}: give budget= or keep_free=, not both")
         self.device = target
+        self._seam = resolve_device(target, _WHAT)  # how the device counts what it holds (allocation rounding)
         self._entries: dict[int, _Entry] = {}
         self._clock = itertools.count(1)
 
@@ -345,16 +351,16 @@ class DevicePool:
             raise ValueError(f"{_WHAT}.add: name {name!r} is taken or not a string; the pool holds {sorted(taken)}")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"{_WHAT}.add: prefetch must be an int >= 0, got {prefetch!r}")
-        total, largest = sizes(model, what, dtype=dtype, storage_dtype=storage_dtype, groups=groups, skip=skip)
         options = {"dtype": dtype, "storage_dtype": storage_dtype, "groups": groups, "skip": skip,
                    "prefetch": prefetch, "pin_memory": pin_memory, "master_dtype": None, "storage": None}
-        entry = _Entry(model, name, options, total, largest)
+        total, largest, streamed = self._footprint(model, options, None)
+        entry = _Entry(model, name, options, total, largest, streamed)
         if self.budget is not None and self.budget < min(entry.total, entry.minimum):
             raise ValueError(
                 f"{_WHAT}.add: budget={self.budget} bytes is below what {name!r} needs on the device: "
                 f"{entry.total} bytes whole, or {entry.minimum} bytes streamed (prefetch + 1 = {prefetch + 1} "
-                f"times its largest group, {largest} bytes); raise the budget, or add it with "
-                "groups='leaves' or prefetch=0"
+                f"ring slots for its largest group, {largest} bytes, and a run's casts); raise the budget, or "
+                "add it with groups='leaves' or prefetch=0"
             )
         entry.hook = model.register_forward_pre_hook(_Touch(self, entry))
         entry.record = PoolRecord(self, name)
@@ -615,13 +621,20 @@ class DevicePool:
         if handle is not None and handle.converted != entry.converted:
             entry.converted = dict(handle.converted)
             o = entry.options
-            entry.total, entry.largest = sizes(
-                entry.model, f"{_WHAT}.load", dtype=o["dtype"], storage_dtype=o["storage_dtype"], groups=o["groups"],
-                skip=o["skip"], converted=entry.converted,
-            )
+            entry.total, entry.largest, entry.streamed = self._footprint(entry.model, o, entry.converted)
             if all(g.resident for g in handle.plan.groups):
                 entry.granted = max(entry.granted, entry.total)  # kept whole, as converted
         return entry
+
+    def _footprint(
+        self, model: nn.Module, options: dict[str, Any], converted: dict[int, torch.dtype] | None
+    ) -> tuple[int, int, int]:
+        """Device bytes ``model`` takes whole, its largest group's, and the least it runs in
+        streamed, counted as its offload to this pool's device counts them (the plan's own
+        account: allocations rounded as the device rounds them, every group through the ring)."""
+        o = options
+        return sizes(model, f"{_WHAT}.add", dtype=o["dtype"], storage_dtype=o["storage_dtype"], groups=o["groups"],
+                     skip=o["skip"], converted=converted, device=self._seam, prefetch=int(o["prefetch"]))
 
     def _room(self, entry: _Entry, keep_free: int | None) -> tuple[int, int]:
         """Device bytes free for ``entry`` now, and what pushing back the others would add."""
