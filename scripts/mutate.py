@@ -37,6 +37,13 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "a conversion is checked against the budget before the offload comes off",
+        "src/torchsurgery/offloading/engine.py",
+        "        plan_converted(model, self._seam, converted, offloaded_ok=True, **options)\n",
+        "",
+        ("tests/offloading/test_engine.py::test_a_conversion_the_budget_cannot_hold_is_refused_changing_nothing",),
+    ),
+    Mutation(
         "an offloaded module's .to(dtype) converts its weights (the offload is planned again)",
         "src/torchsurgery/offloading/engine.py",
         "swap_in(t, wrap_like(t, t.detach().to(read_as).to(dtype)), pending_backward_ok=True)",

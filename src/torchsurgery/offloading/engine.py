@@ -599,6 +599,9 @@ class OffloadHandle:
             grown, _, _ = sizes(model, _WHAT, dtype=o["dtype"], storage_dtype=o["storage_dtype"], groups=o["groups"],
                                 skip=o["skip"], converted=converted, device=self._seam, prefetch=self.plan.prefetch)
             options["budget"] = max(int(options["budget"]), grown)
+        # the converted model must be offloadable again within the budget: checked before
+        # anything changes (a refusal leaves the model as it was, offloaded)
+        plan_converted(model, self._seam, converted, offloaded_ok=True, **options)
         self.remove()
         with torch.no_grad():
             for t, read_as, dtype in changes.values():

@@ -284,6 +284,7 @@ def _check_options(
     skip: Callable[[nn.Module, str], bool] | None,
     groups: object,
     storage: object,
+    offloaded_ok: bool = False,
 ) -> _Options:
     """Every argument checked, in the order a user would fix them."""
     _undo.check_not_compiling("offload")
@@ -309,7 +310,7 @@ def _check_options(
         raise ArgumentTypeError(
             _WHAT, "pin_memory", pin_memory, f"must be True, False or None (automatic), got {pin_memory!r}"
         )
-    problem = already_offloaded(model)
+    problem = None if offloaded_ok else already_offloaded(model)
     if problem:
         raise RuntimeError(f"{_WHAT}: cannot offload the model: {problem}")
     if pin_memory and not seam.can_pin:
@@ -792,10 +793,16 @@ def plan_converted(
     skip: Callable[[nn.Module, str], bool] | None,
     master_dtype: torch.dtype | None,
     storage: str | os.PathLike[str] | None,
+    offloaded_ok: bool = False,
 ) -> OffloadPlan:
-    """:func:`plan_offload`, with the parameters the user converted while offloaded (see :func:`_collect`)."""
+    """:func:`plan_offload`, with the parameters the user converted while offloaded (see :func:`_collect`).
+
+    ``offloaded_ok``: plan a model that is offloaded now (to check, before its offload is
+    removed, that the converted model can be offloaded again).
+    """
     options = _check_options(
-        model, device, dtype, storage_dtype, master_dtype, budget, prefetch, pin_memory, skip, groups, storage
+        model, device, dtype, storage_dtype, master_dtype, budget, prefetch, pin_memory, skip, groups, storage,
+        offloaded_ok,
     )
     named = dict(model.named_modules())
     plan = _collect(
