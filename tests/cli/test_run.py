@@ -101,10 +101,11 @@ def test_groups_and_prefetch(call: Callable[..., Any]) -> None:
 
 @pytest.mark.accelerator
 def test_on_an_accelerator(call: Callable[..., Any], accelerator: torch.device) -> None:
-    document = _run(call, "--device", accelerator.type, "--storage-dtype", "bf16", "--budget", "200KB")
+    # above the least budget streaming takes (the ring's two slots, a run's casts, the buffers)
+    document = _run(call, "--device", accelerator.type, "--storage-dtype", "bf16", "--budget", "320KB")
     assert document["device"] == accelerator.type
     offloaded = document["offload"]
-    assert offloaded["moved_bytes"] > 0 and offloaded["peak_bytes"] <= 200_000 + 3 * 150_000
+    assert offloaded["moved_bytes"] > 0 and offloaded["peak_bytes"] <= 320_000 + 3 * 150_000
     assert offloaded["max_abs_diff"] < 0.05
 
 

@@ -97,9 +97,15 @@ def offloaded(kind: Kind, module: nn.Module, tmp_path: Path) -> Callable[[], Non
         options["storage"] = path
         del options["storage_dtype"]  # the file's own dtype is what is streamed
     if options.get("groups") == "leaves":
-        # a budget below the model's fp32 size (at least its largest leaf): its leaves stream through the engine's ring
+        # a budget below the model's fp32 size (at least its largest leaf): its leaves stream through the
+        # engine's ring; where the ring's slots and a run's casts take more than the whole model (the
+        # smallest samples), the least budget the offload accepts, which keeps the model whole
         leaves = [sum(p.numel() * 4 for p in m.parameters()) for m in module.modules() if not list(m.children())]
         options["budget"] = max(sum(p.numel() * 4 for p in module.parameters()) - 1, *leaves)
+        try:
+            torchsurgery.plan_offload(module, **options)
+        except torchsurgery.BudgetError as refused:
+            options["budget"] = refused.needed
     handle = torchsurgery.offload(module, **options)
     return lambda: handle.remove() if handle.active else None
 

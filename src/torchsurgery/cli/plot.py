@@ -16,11 +16,7 @@ def plot_stats(stats: dict[str, dict[str, float]], path: Path, title: str) -> No
 
     Example:
         >>> import tempfile
-        >>> import os
-import tempfile
-from pathlib import Path
-
-from _torchsurgery_command import removed_on_interrupt
+        >>> from pathlib import Path
         >>> out = Path(tempfile.mkdtemp()) / "s.png"
         >>> plot_stats({"a": {"mean": 0.1, "std": 1.0, "norm": 3.0}}, out, "demo")
         >>> out.read_bytes()[:4] == b"\\x89PNG"

@@ -217,6 +217,8 @@ class _DynamicSwap(Patch, nn.Module):
             for tensors in (self._parameters, self._buffers):
                 for t in tensors.values():
                     done = _converted(t, fn) if t is not None else None
+                    if t is not None and done is None:
+                        fn(t)  # what it returns changes nothing; what it does in place stays (share_memory_)
                     if t is not None and done is not None:
                         new, given_back = done
                         if isinstance(t, OffloadedTensor):

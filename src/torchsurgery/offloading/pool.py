@@ -256,14 +256,15 @@ class DevicePool:
         >>> import torch
         >>> from torch import nn
         >>> import torchsurgery
-        >>> pool = torchsurgery.DevicePool("cpu", budget=600)  # a model takes 832 bytes whole in bf16
+        >>> pool = torchsurgery.DevicePool("cpu", budget=1000)  # a model takes 832 bytes whole in bf16
         >>> a = pool.add(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), name="a", storage_dtype=torch.bfloat16, dtype=torch.float32)
         >>> b = pool.add(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), name="b", storage_dtype=torch.bfloat16, dtype=torch.float32)
         >>> _ = pool.load(a), pool.load(b)  # b does not fit next to a: a goes back to the host
         >>> from torchsurgery.offloading import stored_values
         >>> pool.state(a), pool.state(b), stored_values(a[3].weight).dtype, stored_values(b[3].weight).dtype
-        ('host', 'partial', torch.float32, torch.bfloat16)
-        >>> _ = a(torch.ones(1, 8)), b(torch.ones(1, 8))
+        ('host', 'whole', torch.float32, torch.bfloat16)
+        >>> with torch.no_grad():
+        ...     _ = a(torch.ones(1, 8)), b(torch.ones(1, 8))
         >>> pool.close()
     """
 

@@ -50,7 +50,8 @@ class OffloadStats:
         >>> import torchsurgery
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
         >>> handle = torchsurgery.offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups="leaves")
-        >>> _ = model(torch.ones(1, 4))
+        >>> with torch.no_grad():
+        ...     _ = model(torch.ones(1, 4))
         >>> handle.stats().streamed_groups
         ['0', '1']
         >>> _ = handle.remove()
