@@ -44,27 +44,26 @@ def get_cuda_free_memory_gb(device: torch.device) -> float:
 
 def move_model_to_device_with_memory_preservation(model: nn.Module, target_device: Any, preserved_memory_gb: float = 0) -> None:
     print(f"Moving {type(model).__name__} to {target_device} with preserved memory: {preserved_memory_gb} GB")
-    for module in model.modules():
-        if get_cuda_free_memory_gb(target_device) <= preserved_memory_gb:
-            torch.accelerator.empty_cache()
-            return
-        if hasattr(module, "weight"):
-            module.to(device=target_device)
-    model.to(device=target_device)
-    torch.accelerator.empty_cache()
+    _walk(model, target_device, lambda free: free <= preserved_memory_gb, target_device)
 
 
 def offload_model_from_device_for_memory_preservation(
     model: nn.Module, target_device: Any, preserved_memory_gb: float = 0
 ) -> None:
     print(f"Offloading {type(model).__name__} from {target_device} to preserve memory: {preserved_memory_gb} GB")
+    _walk(model, target_device, lambda free: free >= preserved_memory_gb, cpu)
+
+
+def _walk(model: nn.Module, watched: Any, done: Any, to: Any) -> None:
+    """Move ``model``'s modules that have a weight to ``to``, one at a time, until ``done(free GiB of
+    watched)``; the whole model where that never comes."""
     for module in model.modules():
-        if get_cuda_free_memory_gb(target_device) >= preserved_memory_gb:
+        if done(get_cuda_free_memory_gb(watched)):
             torch.accelerator.empty_cache()
             return
         if hasattr(module, "weight"):
-            module.to(device=cpu)
-    model.to(device=cpu)
+            module.to(device=to)
+    model.to(device=to)
     torch.accelerator.empty_cache()
 
 

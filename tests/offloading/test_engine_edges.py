@@ -102,12 +102,16 @@ def _plain_and_inputs(model: nn.Module, device: torch.device) -> tuple[torch.Ten
         return x, plain(x)
 
 
+def _all_but_one_group(model: nn.Module) -> int:
+    """A budget with room for every group but one resident (the first forward's measurements choose)."""
+    return sum(g.nbytes for g in plan_offload(model).groups) - 1
+
+
 @pytest.mark.accelerator
 def test_out_of_memory_in_the_first_forward_leaves_the_offload_working(on_tardy: torch.device) -> None:
     model = _model()
     x, expected = _plain_and_inputs(model, on_tardy)
-    # room for every group but one: the first forward's measurements keep groups resident
-    budget = sum(g.nbytes for g in plan_offload(model).groups) - 1  # all but a group resident
+    budget = _all_but_one_group(model)  # the first forward's measurements keep groups resident
     with _slow_link(on_tardy):
         handle = offload(model, on_tardy, budget=budget)
         with tardy.settings(capacity=torch.accelerator.memory_reserved()):  # no room for an activation
@@ -127,7 +131,7 @@ def test_out_of_memory_in_the_first_forward_leaves_the_offload_working(on_tardy:
 def test_out_of_memory_while_making_groups_resident_leaves_every_group_streaming(on_tardy: torch.device) -> None:
     model = _model()
     x, expected = _plain_and_inputs(model, on_tardy)
-    budget = sum(g.nbytes for g in plan_offload(model).groups) - 1  # all but a group resident
+    budget = _all_but_one_group(model)
     with _slow_link(on_tardy):
         handle = offload(model, on_tardy, budget=budget)
         ring = handle._streaming.ring
