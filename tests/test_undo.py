@@ -5,7 +5,9 @@ tied weights, buffers, a Parameter subclass, modules returning tuples and dicts;
 are bf16 values, so that offloads storing them in bf16 are exact), applies random surgery to
 it (patches, one adding a parameter that graphs save, offload with wide or narrow storage
 and with an fp32 master, offload streamed from a checkpoint file, FlexModel, dynamic swap
-with and without a dtype, conversions there and back, loads), runs forwards with gradients
+with and without a dtype, conversions there and back, loads; on the suite's accelerator: an
+offload with a budget, the budget changed, an out-of-memory error inside a forward, a
+``DevicePool`` loading and unloading the model, an installation failing half-way), runs forwards with gradients
 whose outputs and graphs stay alive across the later steps, undos included (surgery that
 would poison such a graph is refused, changing nothing), checks after every step that the model
 computes what the applied surgery should give (against an independent reference forward),
@@ -34,11 +36,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from torch import nn
 
+import tardy
 import torchsurgery
 from torchsurgery import Patch
 from torchsurgery.offloading.dynamic_swap import _DynamicSwap
@@ -189,7 +192,8 @@ def reference_forward(module: nn.Module, x: torch.Tensor, in_file: dict[int, tor
         # the tensors themselves, not what an installer's attribute reads convert them to; they
         # may sit in another storage dtype while offloaded: compute in x's dtype
         tensors = (*(module._parameters[k] for k in ("weight", "bias", "gain")), module._buffers["offset"])
-        weight, bias, gain, offset = ((in_file or {}).get(id(t), t).to(x.dtype) for t in tensors)  # type: ignore[union-attr]
+        # (a Parameter subclass streamed to an accelerator reads as the host outside forwards: to x's device)
+        weight, bias, gain, offset = ((in_file or {}).get(id(t), t).to(x.device, x.dtype) for t in tensors)  # type: ignore[union-attr]
         y = (F.linear(x, weight, bias) + offset) * gain
         for p in torchsurgery.patches(module):
             y = EFFECTS.get(p, lambda t: t)(y)  # patches of other pillars change no values
@@ -272,10 +276,16 @@ class SurgeryMachine(RuleBasedStateMachine):
         self.captured: dict[str, list[torch.Tensor]] = {}
         self.alive: list[torch.Tensor] = []  # outputs of forwards with grad, their graphs alive to the end
         self.wide = False  # installed with dtype=torch.float64: the forwards take fp64 inputs
+        self.on_device = False  # offloaded to the accelerator: the forwards take inputs there
+        self.installed_on: torch.device | None = None  # DynamicSwapInstaller with device= only: reads go there
+        self.pool: Any = None  # the DevicePool the model was added to
         self.start = fingerprint(self.model)
         self.values = state_values(self.model)
         self.expected_output = self.model(self.x).detach()
 
+    # not on a model offloaded to the device: the patches make their tensors on the host, as they
+    # would next to a plain model moved there (the other steps run on models patched before)
+    @precondition(lambda self: not self.on_device)
     @rule(which=st.integers(0, 100), kind=st.sampled_from([Scale, Shift, Freeze]))
     def apply_patch(self, which: int, kind: type[Patch]) -> None:
         leaf = self.leaves[which % len(self.leaves)]
@@ -304,7 +314,8 @@ class SurgeryMachine(RuleBasedStateMachine):
         patched = [m for m in self.leaves if torchsurgery.is_patched(m)]
         leaf = patched[which % len(patched)]
         # not the fp64 installation of one leaf alone: the model could not compute in one dtype
-        stack = [p for p in torchsurgery.patches(leaf) if not (self.wide and p is _DynamicSwap)]
+        # nor of a leaf of a model installed to read its weights on a device (the inputs are there)
+        stack = [p for p in torchsurgery.patches(leaf) if not ((self.wide or self.installed_on) and p is _DynamicSwap)]
         if not stack:
             return
         chosen = stack[pick % len(stack)]
@@ -317,7 +328,7 @@ class SurgeryMachine(RuleBasedStateMachine):
             assert "part of a larger surgery" in str(exc) or "depends on" in str(exc)
             assert fingerprint(self.model) == before
 
-    @precondition(lambda self: self.handle is None)
+    @precondition(lambda self: self.handle is None and self.pool is None)
     @rule(
         groups=st.sampled_from(["leaves", "blocks"]),
         budget=st.sampled_from([None, 0]),
@@ -337,7 +348,7 @@ class SurgeryMachine(RuleBasedStateMachine):
             except ValueError:
                 assert fingerprint(self.model) == before  # refused (e.g. budget 0): nothing changed
 
-    @precondition(lambda self: self.handle is not None)
+    @precondition(lambda self: self.handle is not None and self.pool is None and not self.reads_on_device)
     @rule()
     def remove_offload(self) -> None:
         assert self.handle is not None
@@ -346,6 +357,130 @@ class SurgeryMachine(RuleBasedStateMachine):
             self.handle = None
             self.from_file = False
             self.in_file = {}
+            self.on_device = False
+
+    # --- on the suite's accelerator (tardy in CI) ---------------------------------------
+
+    @precondition(lambda self: self.handle is None and self.pool is None and not self.reads_on_host)
+    @rule(budget=st.sampled_from(["least", "below", "roomy"]), storage=st.sampled_from([None, torch.bfloat16]))
+    def offload_to_the_device(self, budget: str, storage: torch.dtype | None) -> None:
+        options: dict[str, Any] = {"storage_dtype": storage, "dtype": torch.float32, "groups": "leaves"}
+        before, values = fingerprint(self.model), state_values(self.model)
+        with self.refused_cleanly():
+            least = _least_budget(self.model, ACCELERATOR, **options)
+            if budget == "below":  # refused with the least budget accepted, changing nothing
+                with pytest.raises(torchsurgery.BudgetError) as refused:
+                    torchsurgery.offload(self.model, ACCELERATOR, budget=least - 1, **options)
+                assert refused.value.needed == least
+                assert fingerprint(self.model) == before
+                assert all(same_values(v, values[k]) for k, v in state_values(self.model).items())
+                return
+            self.handle = torchsurgery.offload(
+                self.model, ACCELERATOR, budget=least if budget == "least" else 4 * least, **options
+            )
+            self.on_device = True
+
+    @precondition(lambda self: self.on_device and self.pool is None and not self.alive)
+    @rule(grow=st.booleans())
+    def change_the_budget(self, grow: bool) -> None:
+        # an offload's budget is set when it is made: changed by removing it and offloading again,
+        # the model computing the same before and after (the invariant checks each step)
+        assert self.handle is not None
+        options: dict[str, Any] = {"dtype": torch.float32, "groups": "leaves"}
+        given = self.handle.plan.budget
+        with self.refused_cleanly():
+            self.handle.remove()
+            self.handle, self.on_device = None, False
+            budget = 2 * given if grow else _least_budget(self.model, ACCELERATOR, **options)
+            self.handle = torchsurgery.offload(self.model, ACCELERATOR, budget=budget, **options)
+            self.on_device = True
+
+    @precondition(lambda self: self.on_device and ON_TARDY)
+    @rule()
+    def out_of_memory_in_a_forward(self) -> None:
+        # the device full: the forward raises, and the model goes on computing what it did
+        x = self.inputs()
+        with tardy.settings(capacity=torch.accelerator.memory_reserved()):
+            with pytest.raises(torch.OutOfMemoryError), torch.no_grad():
+                (self.flex or self.model)(x)
+
+    @precondition(lambda self: self.handle is None and self.pool is None and not self.wide and not self.reads_on_host)
+    @rule(room=st.sampled_from(["whole", "partial"]), storage=st.sampled_from([None, torch.bfloat16]))
+    def add_to_a_pool_and_load(self, room: str, storage: torch.dtype | None) -> None:
+        options: dict[str, Any] = {"storage_dtype": storage, "dtype": torch.float32, "groups": "leaves"}
+        least = _least_budget(self.model, ACCELERATOR, **options)
+        plan = torchsurgery.plan_offload(self.model, ACCELERATOR, **options)
+        whole = plan.device_bytes([g.name for g in plan.groups])
+        pool = torchsurgery.DevicePool(ACCELERATOR, budget=4 * whole if room == "whole" else max(least, whole - 1))
+        pool.add(self.model, **options)  # on the host: a hook that marks uses, an undo record
+        self.pool = pool
+        with self.refused_cleanly():
+            self.handle = pool.load(self.model)
+            self.on_device = True
+
+    @precondition(lambda self: self.pool is not None and self.handle is not None and not self.reads_on_device)
+    @rule()
+    def shrink_in_the_pool(self) -> None:
+        # take back half of what the model holds: fewer groups resident, or back on the host
+        free = torch.accelerator.get_memory_info(ACCELERATOR)[0] if ON_TARDY else 0
+        held = self.handle.plan.budget
+        with self.refused_cleanly():
+            self.handle = self.pool.shrink(self.model, keep_free=free + held // 2)
+            self.on_device = self.handle is not None
+
+    @precondition(lambda self: self.pool is not None and not self.reads_on_device)
+    @rule(close=st.booleans())
+    def unload_from_the_pool(self, close: bool) -> None:
+        with self.refused_cleanly():
+            if close:
+                self.pool.close()  # every model back on the host, the pool empty
+            else:
+                self.pool.discard(self.model)
+            self.pool = self.handle = None
+            self.on_device = False
+
+    @precondition(lambda self: self.pool is not None and self.handle is None and not self.reads_on_host)
+    @rule()
+    def load_again(self) -> None:
+        before = fingerprint(self.model)
+        with self.refused_cleanly():
+            try:
+                self.handle = self.pool.load(self.model)
+                self.on_device = True
+            except RuntimeError as exc:  # surgery since it was added made it larger than the pool's budget
+                if "can be made free" not in str(exc):
+                    raise
+                assert fingerprint(self.model) == before
+
+    @rule(at=st.integers(0, 100))
+    def installation_failing_half_way_changes_nothing(self, at: int) -> None:
+        # the k-th module's installation fails: the modules installed before it come off again
+        modules = list(self.model.modules())
+        k = at % len(modules)
+        real = torchsurgery.DynamicSwapInstaller._install_module
+        calls = 0
+
+        def failing(module: nn.Module, **kwargs: Any) -> None:
+            nonlocal calls
+            if calls == k:
+                raise RuntimeError("injected failure in an installation")
+            calls += 1
+            real(module, **kwargs)
+
+        before, values = fingerprint(self.model), state_values(self.model)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_replaced(torchsurgery.DynamicSwapInstaller, "_install_module", staticmethod(failing)))
+            try:
+                torchsurgery.DynamicSwapInstaller.install_model(self.model, dtype=torch.float64)
+            except (RuntimeError, ValueError) as exc:
+                if "injected failure" not in str(exc):
+                    assert fingerprint(self.model) == before  # refused up front (an offload holds the weights)
+                    return
+            else:
+                raise AssertionError("the installation did not reach the failing module")
+        assert fingerprint(self.model) == before
+        now = state_values(self.model)
+        assert now.keys() == values.keys() and all(same_values(now[k], values[k]) for k in now)
 
     @precondition(lambda self: self.flex is None)
     @rule(pattern=st.sampled_from(["**", "body.*", "body"]), fail=st.booleans())
@@ -379,11 +514,14 @@ class SurgeryMachine(RuleBasedStateMachine):
     @rule(dtype=st.sampled_from([None, torch.float32, torch.float64, torch.float64]))
     def install_dynamic_swap(self, dtype: torch.dtype | None) -> None:
         # fp64 (drawn twice as often): the weights become OffloadedTensors reading as fp64, the
-        # forwards then take fp64 inputs; fp32 changes no weight of this fp32 model, None no dtype
-        kwargs: dict[str, Any] = {"device": "cpu"} if dtype is None else {"dtype": dtype}
+        # forwards then take fp64 inputs; fp32 changes no weight of this fp32 model; None: reads
+        # on the device the model computes on (FramePack's device=gpu over an offload or a pool)
+        where = ACCELERATOR if self.on_device else torch.device("cpu")
+        kwargs: dict[str, Any] = {"device": where} if dtype is None else {"dtype": dtype}
         with self.refused_cleanly():
             torchsurgery.DynamicSwapInstaller.install_model(self.model, **kwargs)
             self.wide = dtype is torch.float64
+            self.installed_on = where if dtype is None else None
 
     @precondition(lambda self: any(torchsurgery.is_patched(m, _DynamicSwap) for m in self.model.modules()))
     @rule()
@@ -391,6 +529,7 @@ class SurgeryMachine(RuleBasedStateMachine):
         with self.refused_cleanly():
             torchsurgery.DynamicSwapInstaller.uninstall_model(self.model)
             self.wide = False
+            self.installed_on = None
 
     @rule()
     def forward_kept_alive(self) -> None:
@@ -407,7 +546,7 @@ class SurgeryMachine(RuleBasedStateMachine):
     def drop_kept_outputs(self) -> None:
         self.alive.clear()  # conversions and loads, refused while the graphs held the weights, can go on
 
-    @precondition(lambda self: self.handle is None)
+    @precondition(lambda self: self.handle is None and self.pool is None)
     @rule(there=st.sampled_from([torch.float8_e4m3fn, torch.bfloat16, torch.float64]))
     def convert_there_and_back(self, there: torch.dtype) -> None:
         if self.wide and there is torch.float64:
@@ -435,7 +574,7 @@ class SurgeryMachine(RuleBasedStateMachine):
                 torchsurgery.load_(self.model, state)
         assert {n: id(t) for n, t in self.model.state_dict(keep_vars=True).items()} == ids
 
-    @precondition(lambda self: self.handle is None)
+    @precondition(lambda self: self.handle is None and self.pool is None)
     @rule(stale=st.booleans())
     def offload_from_a_checkpoint_file(self, stale: bool) -> None:
         # the model's own weights saved to a file, then streamed from it (they become meta)
@@ -498,6 +637,9 @@ class SurgeryMachine(RuleBasedStateMachine):
             self.alive.clear()
             gc.collect()  # graphs in reference cycles (a saved tensor's hooks) go with a collection
             torchsurgery.restore(self.model)
+        self.pool = None
+        self.on_device = False
+        self.installed_on = None
 
     @rule()
     def restore_everything(self) -> None:
@@ -520,6 +662,7 @@ class SurgeryMachine(RuleBasedStateMachine):
         kinds = [e.kind for e in log]
         assert kinds.count("offload") == (self.handle is not None)
         assert kinds.count("flex") == (self.flex is not None)
+        assert kinds.count("pool") == (self.pool is not None)
 
     @contextlib.contextmanager
     def refused_cleanly(self) -> Iterator[None]:
@@ -550,9 +693,23 @@ class SurgeryMachine(RuleBasedStateMachine):
             now = state_values(self.model)
             assert now.keys() == values.keys() and all(same_values(now[k], values[k]) for k in now)
 
+    @property
+    def reads_on_host(self) -> bool:
+        """Installed to read its weights on the host: an offload to the device would contradict it."""
+        return self.installed_on is not None and self.installed_on.type == "cpu"
+
+    @property
+    def reads_on_device(self) -> bool:
+        """Installed to read its weights on the device: the model stays offloaded there (back on
+        the host, the leaves' direct reads of ``_parameters`` would give host tensors, as for
+        the plain model moved back under such an installation)."""
+        return self.installed_on == ACCELERATOR
+
     def inputs(self) -> torch.Tensor:
-        """The inputs in the dtype the model computes in (fp64 where an installer reads its weights so)."""
-        return self.x.to(self.leaves[0].weight.dtype)
+        """The inputs in the dtype the model computes in (fp64 where an installer reads its weights so),
+        on the device it computes on."""
+        there = self.on_device or self.reads_on_device
+        return self.x.to(self.leaves[0].weight.dtype).to(ACCELERATOR if there else "cpu")
 
     def check_pristine(self) -> None:
         assert torchsurgery.surgery_log(self.model) == []
@@ -573,8 +730,33 @@ class SurgeryMachine(RuleBasedStateMachine):
             self.check_pristine()
 
 
+ACCELERATOR = torch.device(torch.accelerator.current_accelerator().type, 0)  # type: ignore[union-attr]
+ON_TARDY = ACCELERATOR.type == tardy.NAME  # only the test device can be made to run out of memory
+
+
+def _least_budget(model: nn.Module, device: torch.device, **options: Any) -> int:
+    """The least budget ``offload(model, device, **options)`` accepts."""
+    try:
+        torchsurgery.plan_offload(model, device, budget=1, **options)
+    except torchsurgery.BudgetError as refused:
+        return refused.needed
+    raise AssertionError("a budget of one byte was accepted")
+
+
+@contextlib.contextmanager
+def _replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
+    saved = owner.__dict__[name]
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
 SurgeryMachine.TestCase.settings = settings(
     max_examples=EXAMPLES,
+    # TORCHSURGERY_HYPOTHESIS_SHRINK=0: report a failing case as found (a long soak's shrinking can take hours)
+    phases=[p for p in Phase if p is not Phase.shrink or os.environ.get("TORCHSURGERY_HYPOTHESIS_SHRINK", "1") != "0"],
     stateful_step_count=20,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

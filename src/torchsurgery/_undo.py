@@ -484,12 +484,49 @@ def push(module: nn.Module, record: Record) -> None:
     module.__dict__.setdefault(_LOG_KEY, []).append(record)
 
 
+def position(module: nn.Module, record: Record) -> int:
+    """Where ``record`` is in ``module``'s log (0: the oldest)."""
+    return next(i for i, r in enumerate(module.__dict__.get(_LOG_KEY, ())) if r is record)
+
+
+def move(module: nn.Module, record: Record, index: int) -> None:
+    """Put ``record`` (in ``module``'s log) at ``index`` of the log."""
+    log = module.__dict__[_LOG_KEY]
+    log.remove(record)
+    log.insert(index, record)
+
+
 def remove(module: nn.Module, record: Record) -> None:
     """Drop ``record`` from ``module``'s log; the log key goes when it is empty."""
     log = module.__dict__.get(_LOG_KEY, [])
     log[:] = [r for r in log if r is not record]
     if not log:
         module.__dict__.pop(_LOG_KEY, None)
+
+
+def rebase_saved(model: nn.Module, after: Record, given_back: list[torch.Tensor]) -> None:
+    """Surgery applied on top of ``after`` that saved what a tensor of ``given_back`` held
+    gives back what it holds now: ``after`` was undone first, out of order.
+
+    A later record saved the tensor as ``after`` had left it (a buffer on the device, say);
+    undone now, it must give the tensor back as it is without ``after`` (the buffer back on
+    the host), not bring ``after``'s state back. Only saved states of the class the tensor
+    has now are rebased.
+    """
+    now = {id(t): t for t in given_back}
+    for _, _, record in walk(model):
+        changes = getattr(record, "changes", None)
+        if record.seq > after.seq and isinstance(changes, ChangeSet):
+            _rebase(changes, now)
+
+
+def _rebase(changes: ChangeSet, now: dict[int, torch.Tensor]) -> None:
+    changes.storage = [
+        (t, t.detach(), kind) if id(t) in now and type(t) is kind else (t, alias, kind)
+        for t, alias, kind in changes.storage
+    ]
+    for _, below in changes.below:
+        _rebase(below, now)
 
 
 def walk(model: nn.Module) -> Iterator[tuple[str, nn.Module, Record]]:

@@ -51,7 +51,16 @@ from torchsurgery.compact import (
     stored_state,
     stored_values,
 )
-from torchsurgery.patching import Patch, PatchRecord, check_unpatch, is_patched, patch, unpatch
+from torchsurgery.patching import (
+    Patch,
+    PatchRecord,
+    check_unpatch,
+    is_patched,
+    patch,
+    place_of,
+    restack,
+    unpatch,
+)
 
 __all__ = ["DynamicSwapInstaller"]
 
@@ -320,14 +329,20 @@ class DynamicSwapInstaller:
         _undo.check_module(model, "torchsurgery.DynamicSwapInstaller.install_model")
         for module in model.modules():
             _check_install(module, kwargs)  # a refusal comes before the first module changes
-        done: list[nn.Module] = []
+        done: list[tuple[nn.Module, tuple[dict[str, Any], tuple[int, int]] | None]] = []
         try:
             for module in model.modules():
+                replaced = None
+                if is_patched(module, _DynamicSwap):  # a re-installation: kept to put back on a failure
+                    replaced = dict(module.__dict__[_KWARGS]), place_of(module, _DynamicSwap)
                 DynamicSwapInstaller._install_module(module, **kwargs)
-                done.append(module)
+                done.append((module, replaced))
         except BaseException:
-            for module in done:
+            for module, replaced in reversed(done):
                 DynamicSwapInstaller._uninstall_module(module)
+                if replaced is not None:  # the installation it replaced, back where it was in the stack
+                    patch(module, _DynamicSwap, **replaced[0])
+                    restack(module, replaced[1])
             raise
 
     @staticmethod

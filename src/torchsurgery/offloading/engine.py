@@ -485,11 +485,11 @@ class OffloadHandle:
         budget = plan.budget
         if plan.measured_budget is None or budget is None or self._record is None:
             return
-        names = [n for n in dict.fromkeys(streaming.order.recorded) if n in streaming.packed]
+        resident = set(self._stats.resident_groups)
+        names = [n for n in dict.fromkeys(streaming.order.recorded) if n in streaming.packed and self._may_stay(n, resident)]
         costs, bandwidth = streaming.measured(names)  # timings read through the device seam
         if not costs:
             return
-        resident = set(self._stats.resident_groups)
         chosen = plan_residency(
             costs, budget, bandwidth, streaming.prefetch, fits=lambda keep: plan.device_bytes(resident.union(keep)) <= budget
         )
@@ -500,6 +500,14 @@ class OffloadHandle:
         for name, swaps in values:
             self._make_resident(name, swaps)
         streaming.start()
+
+    def _may_stay(self, name: str, resident: set[str]) -> bool:
+        """Whether group ``name`` can be made resident: each weight it shares with another group
+        is resident there already (moving a shared weight to the device would take it out of
+        the host buffer the group that streams it packs it in)."""
+        first = {p.name: g.name for g in self.plan.groups for p in g.params if p.tied_to is None}
+        group = next(g for g in self.plan.groups if g.name == name)
+        return all(first[p.tied_to] in resident for p in group.params if p.tied_to is not None and first[p.tied_to] != name)
 
     def _resident_values(self, name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each weight of streamed group ``name`` with what makes it resident (allocated on the
@@ -671,6 +679,9 @@ class OffloadHandle:
             # a graph whose backward ran (or was dropped) may still be referenced by live
             # outputs without holding the weights: nothing to wait for
             swap_in(tensor, replacement, pending_backward_ok=True)
+        # surgery applied after the offload (an installation over a loaded model) gives back
+        # these values when it is undone, not the device copies it saw
+        _undo.rebase_saved(model, self._record, [tensor for tensor, _ in restored])
         self._originals.clear()
         if self._reader is not None:
             self._reader.close()

@@ -444,6 +444,8 @@ def sizes(
     plan = _collect(named, find_groups(model, groups, what), dtype, storage_dtype, None, skip, converted)
     granule = device.allocation_granule if device is not None else 1
     buffers = _buffer_bytes(model, device) if device is not None else 0
+    if device is not None:  # each weight as it would stream, as the offload's budget check takes them
+        _route(named, plan, _Options(device, dtype, storage_dtype, None, None, prefetch, False, skip, False), from_file=False)
     whole = device_bytes(plan, {g.name for g in plan}, prefetch, granule, buffers)
     if not plan:
         return whole, 0, whole

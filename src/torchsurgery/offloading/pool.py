@@ -617,9 +617,13 @@ class DevicePool:
         return [self._refresh(e) for e in self._entries.values() if e is not but and e.loaded]
 
     def _refresh(self, entry: _Entry) -> _Entry:
-        """Sizes and grant again after the user converted the loaded model's weights (``.to(dtype)``)."""
+        """Sizes again for a model on the host (surgery since may have added or converted
+        weights), and sizes and grant again after the user converted the loaded model's
+        weights (``.to(dtype)``)."""
         handle = entry.handle
-        if handle is not None and handle.converted != entry.converted:
+        if handle is None:
+            entry.total, entry.largest, entry.streamed = self._footprint(entry.model, entry.options, entry.converted)
+        elif handle is not None and handle.converted != entry.converted:
             entry.converted = dict(handle.converted)
             o = entry.options
             entry.total, entry.largest, entry.streamed = self._footprint(entry.model, o, entry.converted)
