@@ -486,7 +486,7 @@ def restack(module: nn.Module, place: tuple[int, int]) -> None:
     index, top.seq = place
     _undo.move(module, top, index)
     records = _patch_records(module)
-    module.__class__ = _chain(records[0].original, [r.patch for r in records])  # type: ignore[assignment]
+    module.__class__ = _chain(records[0].original, [r.patch for r in records])
 
 
 def place_of(module: nn.Module, patch_cls: type[Patch]) -> tuple[int, int]:
