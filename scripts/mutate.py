@@ -225,6 +225,35 @@ MUTATIONS = [
         ("tests/offloading/test_device.py::test_groups_kept_in_the_ring_are_copied_again_when_their_host_weights_change",),
     ),
     Mutation(
+        "streams: a group's version counts writes through .data and views (its stored values' counters)",
+        "src/torchsurgery/offloading/streams.py",
+        "sum(v._version for v in map(stored_values, self.tensors) if", "sum(v._version for v in self.tensors if",
+        ("tests/offloading/test_device.py::test_writes_through_data_or_a_view_reach_the_groups_kept_in_the_ring",),
+    ),
+    # speed only (results stay exact): the test device's copy log shows where copies run and
+    # whether the host waited for them, without timing anything
+    Mutation(
+        "streams: a forward with gradients issues its groups' copies without the host waiting for them",
+        "src/torchsurgery/offloading/streams.py",
+        "value = torch.ops.aten._to_copy.default(p, device=device.device, dtype=through or dtype, non_blocking=True)",
+        "value = torch.ops.aten._to_copy.default(p, device=device.device, dtype=through or dtype, non_blocking=False)",
+        ("tests/offloading/test_device.py::test_a_forward_with_gradients_issues_each_groups_copies_without_waiting_for_them",),
+    ),
+    Mutation(
+        "streams: the ring's copies are issued on the side stream",
+        "src/torchsurgery/offloading/streams.py",
+        "device.copy_(buffer[offset : offset + source.numel()], source, self.side)",
+        "device.copy_(buffer[offset : offset + source.numel()], source, device.current_stream())",
+        ("tests/offloading/test_device.py::test_groups_come_in_on_the_side_stream_while_the_group_before_computes",),
+    ),
+    Mutation(
+        "streams: AcceleratorDevice.copy_ runs a copy on the stream it is given",
+        "src/torchsurgery/offloading/device.py",
+        "        with stream:\n            dst.copy_(src, non_blocking=True)",
+        "        if stream is not None:\n            dst.copy_(src, non_blocking=True)",
+        ("tests/offloading/test_device.py::test_groups_come_in_on_the_side_stream_while_the_group_before_computes",),
+    ),
+    Mutation(
         "load_ counts the bytes it writes straight into memory as an in-place write",
         "src/torchsurgery/tensors.py",
         "                torch.autograd.graph.increment_version(t)\n", "",
@@ -417,6 +446,12 @@ MUTATIONS = [
         "src/torchsurgery/offloading/streams.py",
         "        if self.ring is not None:\n            self.device.synchronize()\n", "        if self.ring is not None:\n",
         ("tests/offloading/test_device.py::test_remove_on_the_accelerator_lets_the_copies_in_flight_land_first",),
+    ),
+    Mutation(
+        "sync: the planner remaking the ring lets the copies in flight land before the old ring's buffers go",
+        "src/torchsurgery/offloading/streams.py",
+        "        if self.ring is not None:\n            self.device.synchronize()\n", "        if self.ring is not None:\n",
+        ("tests/offloading/test_device.py::test_the_planner_remaking_the_ring_lets_the_copies_in_flight_land_first",),
     ),
     Mutation(
         "sync: AcceleratorDevice.wait makes the stream wait for the event",

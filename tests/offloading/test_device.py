@@ -503,6 +503,111 @@ def test_remove_on_the_accelerator_lets_the_copies_in_flight_land_first(accelera
         exact(a, b)
 
 
+def test_the_planner_remaking_the_ring_lets_the_copies_in_flight_land_first(on_tardy: torch.device) -> None:
+    # a forward that stops early leaves the groups copied ahead for it unrun, their copies still
+    # writing into the ring's slots when the planner (after that forward) frees the ring, makes
+    # groups resident and makes a new ring: the old buffers may go only once those copies have
+    # landed. The test device reports memory freed while a copy into it is unordered with the
+    # host as a hazard, whatever the timing
+    model = Blocks([8, 16, 8, 16, 8, 16, 8, 16])
+    resident = copy.deepcopy(model).to(on_tardy)
+    x = X.to(on_tardy)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    with tardy.settings(delay=(0.01, 0.012)):  # slow copies: the planner keeps what fits resident
+        handle = offload(model, on_tardy, budget=total - 1, prefetch=2)
+        model(x).sum().backward()  # a training step records the order (beside the ring: no planning)
+        with torch.no_grad():
+            model.order = resident.order = [0, 1, 2, 3]  # block 3 asks for blocks 4 and 5 ahead: not run
+            exact(model(x), resident(x))
+            assert handle.stats().resident_groups  # the planner remade the ring after that forward
+            model.order = resident.order = None
+            for _ in range(2):
+                exact(model(x), resident(x))
+        handle.remove()
+
+
+@pytest.mark.accelerator
+def test_writes_through_data_or_a_view_reach_the_groups_kept_in_the_ring(accelerator: torch.device) -> None:
+    # the ring's 4 slots keep the 4 groups a forward runs from one forward to the next. A
+    # streamed weight reads as a tensor on the device and keeps its values in host memory: a
+    # write that goes around the weight (through .data, or a view of it) counts in the stored
+    # values' version only, and must still have the next forward copy the group in again
+    model = Blocks([8, 16, 8, 16] + [16] * 6)
+    model.order = [0, 1, 2, 3]
+    resident = copy.deepcopy(model).to(accelerator)
+    x = X.to(accelerator)
+    edits: list[Any] = [
+        lambda m: m.blocks[0][0].weight.data.mul_(2),
+        lambda m: m.blocks[1][2].weight.detach()[0].zero_(),
+        lambda m: m.blocks[2][0].weight[:1].fill_(0.25),
+        lambda m: m.blocks[3][2].bias.data[1:3].neg_(),
+    ]
+    with late(accelerator), torch.no_grad():
+        handle = offload(model, accelerator, skip=None, **stream_all(model, 3))
+        exact(model(x), resident(x))
+        copies = tardy.copies() if tardy.registered() else 0
+        exact(model(x), resident(x))
+        assert not tardy.registered() or tardy.copies() == copies  # every group kept in the ring
+        for edit in edits:
+            for m in (model, resident):
+                edit(m)
+            exact(model(x), resident(x))
+        handle.remove()
+
+
+def test_a_forward_with_gradients_issues_each_groups_copies_without_waiting_for_them(on_tardy: torch.device) -> None:
+    # speed, seen without timing: a forward that records gradients copies each group's weights
+    # from pinned memory on the compute stream as the group starts; the host must not wait for
+    # them (it goes on to enqueue the group's compute, the device runs the copies first). On
+    # the lazy test device a copy the host did not wait for is still in flight then
+    model = Blocks([8, 16, 8, 16, 8, 16])
+    resident = copy.deepcopy(model).to(on_tardy)
+    x = X.to(on_tardy)
+    seen: list[list[tardy.Copy]] = []
+    with tardy.settings(lazy=True):
+        handle = offload(model, on_tardy, skip=None, **stream_all(model, 1))
+        hooks = [b[0].register_forward_pre_hook(lambda *_: seen.append(logged())) for b in model.blocks]
+        with tardy.copy_log() as logged:
+            out = model(x)
+        exact(out, resident(x))
+        out.sum().backward()
+        for hook in hooks:
+            hook.remove()
+        handle.remove()
+    assert len(seen) == len(model.blocks)
+    for before, now in zip([[]] + seen, seen, strict=False):
+        issued = now[len(before):]  # the copies that brought this group in
+        assert issued and all(c.to_device and c.asynchronous and not c.landed for c in issued), issued
+
+
+def test_groups_come_in_on_the_side_stream_while_the_group_before_computes(on_tardy: torch.device) -> None:
+    # speed, seen without timing: in a forward without gradients every copy into the ring runs
+    # on the side stream, and the next group's copy is issued before this group's compute and
+    # not ordered before it, so the two may overlap. On the lazy test device a copy nothing
+    # waited for is still in flight when the group before it has computed
+    model = Blocks([8, 16, 8, 16, 8, 16])
+    resident = copy.deepcopy(model).to(on_tardy)
+    x = X.to(on_tardy)
+    after: list[list[tardy.Copy]] = []
+    with tardy.settings(lazy=True), torch.no_grad():
+        expected = resident(x)
+        handle = offload(model, on_tardy, skip=None, **stream_all(model, 1))
+        exact(model(x), expected)  # records the order
+        hooks = [b.register_forward_hook(lambda *_: after.append(logged())) for b in model.blocks]
+        with tardy.copy_log() as logged:
+            exact(model(x), expected)
+            copies = logged()
+        for hook in hooks:
+            hook.remove()
+        handle.remove()
+    compute = torch.accelerator.current_stream().stream_id
+    assert copies and all(c.to_device and c.asynchronous and c.stream != compute for c in copies), copies
+    assert len({c.stream for c in copies}) == 1  # the ring's side stream
+    # every group but the last had the next one's copy in flight as it finished (the first
+    # may find the second still in the ring from the forward before)
+    assert sum(any(not c.landed for c in seen) for seen in after) >= len(model.blocks) - 2, after
+
+
 @pytest.mark.accelerator
 def test_streaming_from_a_safetensors_file_on_the_accelerator_through_the_staging_buffer(
     accelerator: torch.device, tmp_path: Any

@@ -12,6 +12,8 @@ It exists to break code that forgets a wait: copies land after random delays (or
 when waited for), their destinations hold NaN until then, and touching memory that another
 stream used without an event in between raises at once. It lives with the tests, not in the
 package: its worker threads and poison are for checking code, not for running models.
+Its copy log (:func:`copy_log`) says on which stream each copy ran, whether the host waited
+for it and whether it has landed: what may overlap, seen without timing anything.
 
 The suite registers it at start-up where torch reports no accelerator of its own (on a GPU
 machine the same tests run on the GPU), and fails if it cannot be built.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -136,6 +138,52 @@ def pageable_copies() -> int:
 def in_flight() -> int:
     """Queued work (copies, event records and waits) that has not run yet."""
     return int(_ops().counters()[2])
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One copy issued to the device, as :func:`copy_log` reads it.
+
+    Attributes:
+        stream: the stream it was issued on (its ``torch.Stream.stream_id``; 0 is the default stream).
+        asynchronous: the call returned before the copy ran.
+        to_device: its destination is device memory.
+        nbytes: the bytes it writes.
+        landed: whether it had run when the log was read.
+    """
+
+    stream: int
+    asynchronous: bool
+    to_device: bool
+    nbytes: int
+    landed: bool
+
+
+def _logged() -> list[Copy]:
+    flat = list(_ops().logged_copies())
+    return [
+        Copy(stream, bool(asynchronous), bool(to_device), nbytes, bool(landed))
+        for stream, asynchronous, to_device, nbytes, landed in zip(*[iter(flat)] * 5, strict=True)
+    ]
+
+
+@contextlib.contextmanager
+def copy_log() -> Iterator[Callable[[], list[Copy]]]:
+    """Log the copies issued inside the block; the block gets a function reading the log so far.
+
+    Where copies run and what they may overlap, seen without timing anything.
+
+    Example:
+        >>> with copy_log() as copies:  # doctest: +SKIP
+        ...     x = torch.ones(2, pin_memory=True).to("tardy", non_blocking=True)
+        ...     [(c.to_device, c.asynchronous) for c in copies()]
+        [(True, True)]
+    """
+    _ops().log_copies(True)
+    try:
+        yield _logged
+    finally:
+        _ops().log_copies(False)
 
 
 # ---------------------------------------------------------------------- torch.tardy, as torch expects a device module

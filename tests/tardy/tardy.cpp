@@ -23,6 +23,9 @@
 //   wrote (or a write to memory another stream used) without an event in between raises at
 //   once; memory freed while another stream's use of it is unordered with its allocation
 //   stream is reported at the next call into the device (torch.ops.tardy.hazards()).
+// * A copy log, while the tests ask for it: each copy's stream, whether the call returned
+//   before the copy ran, and (when read) whether it has landed, so that tests can see where
+//   copies run and what they may overlap without timing anything.
 //
 // Only documented extension points are used: c10::DeviceAllocator, the DeviceGuardImpl
 // registry, at::PrivateUse1HooksInterface, TORCH_LIBRARY_IMPL kernels and a boxed fallback.
@@ -119,6 +122,14 @@ struct Item {
   std::shared_ptr<Mark> mark;
 };
 
+struct CopyNote {  // one logged copy
+  int stream = 0;
+  int64_t index = 0;  // its position in the stream's queue
+  bool asynchronous = false;  // the call returned before the copy ran
+  bool to_device = false;
+  int64_t nbytes = 0;
+};
+
 struct Stream {
   std::deque<Item> items;  // items[0] has position `completed`
   int64_t enqueued = 0;
@@ -150,6 +161,8 @@ struct State {
   std::vector<std::string> hazards;
   int64_t copies = 0;
   int64_t pageable_copies = 0;
+  bool logging = false;
+  std::vector<CopyNote> copy_log;  // while logging: every copy issued, in issue order
 };
 
 State& state() {
@@ -624,7 +637,9 @@ at::Tensor copy_from(const at::Tensor& src, const at::Tensor& dst, bool non_bloc
   if (to) note_use(to, sid, position, true);
   st.copies += 1;
   if (async && pageable_source) st.pageable_copies += 1;
+  int64_t nbytes = int64_t(dst.nbytes());
   int64_t index = enqueue(st, sid, std::move(item));
+  if (st.logging) st.copy_log.push_back({sid, index, async, on_device(dst), nbytes});
   if (!async) {
     run_until(st, sid, index + 1, lock);
     host_saw(st, sid, index + 1);
@@ -1080,6 +1095,25 @@ std::vector<std::string> hazards() {
   return std::exchange(st.hazards, {});
 }
 
+void log_copies(bool on) {
+  State& st = state();
+  Lock lock(st.mutex);
+  st.logging = on;
+  st.copy_log.clear();
+}
+
+// The logged copies, five numbers each: stream, asynchronous, to_device, nbytes, landed (now).
+std::vector<int64_t> logged_copies() {
+  State& st = state();
+  Lock lock(st.mutex);
+  std::vector<int64_t> out;
+  for (const CopyNote& c : st.copy_log) {
+    bool landed = st.streams[c.stream].completed > c.index;
+    out.insert(out.end(), {c.stream, c.asynchronous, c.to_device, c.nbytes, landed});
+  }
+  return out;
+}
+
 std::vector<int64_t> counters() {
   State& st = state();
   Lock lock(st.mutex);
@@ -1094,6 +1128,8 @@ TORCH_LIBRARY(tardy, m) {
   m.def("configure(int capacity, float delay_low, float delay_high, bool lazy, int seed) -> ()", &configure);
   m.def("hazards() -> str[]", &hazards);
   m.def("counters() -> int[]", &counters);
+  m.def("log_copies(bool on) -> ()", &log_copies);
+  m.def("logged_copies() -> int[]", &logged_copies);
 }
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {

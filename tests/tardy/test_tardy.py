@@ -95,6 +95,30 @@ def test_a_copy_into_pinned_host_memory_lands_when_waited_for_and_into_pageable_
         assert plain.tolist() == [4.0, 5.0]
 
 
+def test_the_copy_log_says_on_which_stream_each_copy_ran_whether_the_host_waited_and_whether_it_landed() -> None:
+    side = torch.Stream(device="tardy")
+    compute = torch.accelerator.current_stream().stream_id
+    with tardy.settings(lazy=True), tardy.copy_log() as logged:
+        dst = torch.empty(3, device="tardy")
+        with side:
+            dst.copy_(pinned([1.0, 2.0, 3.0]), non_blocking=True)
+        blocking = torch.ones(4).to("tardy")  # the host waits for it
+        back = torch.zeros(3, pin_memory=True)
+        with side:
+            back.copy_(dst, non_blocking=True)
+        assert [(c.stream, c.asynchronous, c.to_device, c.nbytes, c.landed) for c in logged()] == [
+            (side.stream_id, True, True, 12, False),  # lazy: nothing waited for it yet
+            (compute, False, True, 16, True),
+            (side.stream_id, True, False, 12, False),
+        ]
+        side.synchronize()
+        assert all(c.landed for c in logged())
+    with tardy.copy_log() as logged:  # a fresh log, and none outside the block
+        assert logged() == []
+    blocking.cpu()
+    assert logged() == []
+
+
 def test_reading_what_another_stream_writes_without_an_event_is_a_hazard() -> None:
     side = torch.Stream(device="tardy")
     dst = torch.empty(2, device="tardy")
