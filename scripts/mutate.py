@@ -37,6 +37,41 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "audit/weight: a re-installation failing half-way puts the one it replaced back at its place in the stack",
+        "src/torchsurgery/offloading/dynamic_swap.py",
+        "        restack(module, before[1])\n",
+        "",
+        ("tests/offloading/test_dynamic_swap.py::test_a_reinstallation_failing_half_way_over_an_offload_keeps_the_stack_and_log",),
+    ),
+    Mutation(
+        "pool: a model's least is counted as its offload counts it (each weight routed as it streams)",
+        "src/torchsurgery/offloading/plan.py",
+        "    if device is not None:  # each weight as it would stream, as the offload's budget check takes them\n",
+        "    if False:\n",
+        ("tests/offloading/test_pool.py::test_a_pool_counts_the_least_a_model_needs_as_its_offload_does",),
+    ),
+    Mutation(
+        "pool: a model on the host is sized again at each load (surgery since may have grown it)",
+        "src/torchsurgery/offloading/pool.py",
+        "        if handle is None:\n            entry.total, entry.largest, entry.streamed",
+        "        if False:\n            entry.total, entry.largest, entry.streamed",
+        ("tests/offloading/test_pool.py::test_a_model_patched_on_the_host_is_sized_again_when_loaded",),
+    ),
+    Mutation(
+        "residency: a group sharing a weight with a streamed group is not made resident",
+        "src/torchsurgery/offloading/engine.py",
+        "if n in streaming.packed and self._may_stay(n, resident)]",
+        "if n in streaming.packed]",
+        ("tests/offloading/test_engine_edges.py::test_groups_sharing_a_weight_stay_exact_whatever_the_first_forward_makes_resident",),
+    ),
+    Mutation(
+        "undo: an offload removed before the surgery applied on top of it updates what that surgery gives back",
+        "src/torchsurgery/offloading/engine.py",
+        "        _undo.rebase_saved(model, self._record, [tensor for tensor, _ in restored])\n",
+        "",
+        ("tests/offloading/test_dynamic_swap.py::test_an_installation_over_a_loaded_model_undone_after_its_unload_gives_back_host_buffers",),
+    ),
+    Mutation(
         "a conversion is checked against the budget before the offload comes off",
         "src/torchsurgery/offloading/engine.py",
         "        plan_converted(model, self._seam, converted, offloaded_ok=True, **options)\n",
@@ -369,6 +404,56 @@ MUTATIONS = [
         '                kwargs = {**kwargs, "copy": True}\n', "                pass\n",
         ("tests/offloading/test_dynamic_swap_generate.py::"
          "test_generate_scores_and_hidden_states_are_bitwise_those_of_the_converted_model[llama-bf16_to_fp32]",),
+    ),
+    Mutation(
+        "audit/weight: after a copy's groups are packed again, writes count in the new values' version counter",
+        "src/torchsurgery/compact/tensor.py",
+        "        d[_STORED] = d[_COUNTER] = stored.detach()\n", "        d[_STORED] = stored.detach()\n",
+        ("tests/offloading/test_engine.py::test_writes_into_a_pickled_copy_after_its_groups_are_packed_again_reach_its_forwards",),
+    ),
+    Mutation(
+        "audit/weight: after a master is packed again, its narrow copy follows the new values",
+        "src/torchsurgery/compact/tensor.py",
+        "            shadow.follow(d[_STORED])\n", "            pass\n",
+        ("tests/offloading/test_engine.py::"
+         "test_writes_into_a_pickled_copy_after_its_groups_are_packed_again_reach_its_forwards[simulated-device-fp32-master]",),
+    ),
+    Mutation(
+        "audit/weight: copy_ and load_state_dict into an offloaded weight count as a write",
+        "src/torchsurgery/compact/tensor.py",
+        "        dst.stored.copy_(src_values, **kwargs)  # rounded to the storage dtype, no widened copy\n"
+        "        _written_in_place(dst)\n",
+        "        dst.stored.copy_(src_values, **kwargs)  # rounded to the storage dtype, no widened copy\n",
+        ("tests/offloading/test_engine.py::test_load_state_dict_and_copy_into_offloaded_weights_reach_the_forwards_as_writes",),
+    ),
+    Mutation(
+        "audit/weight: a conversion or factory with no dtype gives the dtype the weight reads as, not the stored one",
+        "src/torchsurgery/compact/tensor.py",
+        '    if kwargs.get("dtype") is None:\n        kwargs = {**kwargs, "dtype": t.dtype}\n', "",
+        ("tests/compact/test_tensor_api.py::"
+         "test_conversions_and_factories_without_a_dtype_give_the_dtype_the_weight_reads_as",),
+    ),
+    Mutation(
+        "audit/weight: DynamicSwapInstaller converts a weight read under no_grad with a graph (used with grad, it gets one)",
+        "src/torchsurgery/offloading/dynamic_swap.py",
+        "            with torch.enable_grad():\n                value = tensor.to(**kwargs)\n",
+        "            value = tensor.to(**kwargs)\n",
+        ("tests/offloading/test_dynamic_swap.py::test_a_weight_read_under_no_grad_and_used_with_grad_gets_its_gradient",),
+    ),
+    Mutation(
+        "audit/weight: DynamicSwapInstaller.install_model failing half-way puts back the modules it installed",
+        "src/torchsurgery/offloading/dynamic_swap.py",
+        "            for module, before in reversed(done):\n                _reinstate(module, before)\n",
+        "            for module, before in reversed(done):\n                pass\n",
+        ("tests/offloading/test_dynamic_swap.py::test_install_model_failing_half_way_leaves_the_model_as_it_was",),
+    ),
+    Mutation(
+        "audit/weight: DynamicSwapInstaller: a re-install failing on a module keeps the installation it replaced",
+        "src/torchsurgery/offloading/dynamic_swap.py",
+        "            _reinstate(module, before)  # a failed re-install keeps the installation it replaced\n",
+        "            pass\n",
+        ("tests/offloading/test_dynamic_swap.py::"
+         "test_install_model_failing_half_way_leaves_the_model_as_it_was[injected-third-module-installed]",),
     ),
     Mutation(
         "resident weights are stored in the storage dtype, as streamed ones",

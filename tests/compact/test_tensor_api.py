@@ -186,3 +186,33 @@ def test_to_gives_what_it_gives_for_the_plain_weight_in_and_out_of_inference_mod
             assert type(got) is torch.Tensor or got is not w.detach()  # a new plain tensor, or the weight itself
             assert (got.dtype, got.device) == (want.dtype, want.device) and torch.equal(got, want)
         assert type(w.detach().to(torch.float16, copy=True)) is torch.Tensor
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+def test_conversions_and_factories_without_a_dtype_give_the_dtype_the_weight_reads_as(inference: bool) -> None:
+    # no dtype given: the result has the dtype the tensor has, which for the weight is the one
+    # it reads as (fp32), not the one its values are stored in (bf16). Tensor.to passes that
+    # dtype on itself; the *_like factories reach the weight without one
+    model, plain, _ = _pair()
+    w, p = model[0].weight, plain[0].weight
+    here = torch.ones(1).device
+    made = {
+        "to(device)": lambda t: t.to("cpu"),
+        "cpu()": lambda t: t.cpu(),
+        "to(device, copy=True)": lambda t: t.to("cpu", copy=True),
+        "to(other.device)": lambda t: t.to(here),
+        "to(device=, non_blocking=, copy=True)": lambda t: t.to(device=here, non_blocking=True, copy=True),
+        "zeros_like": torch.zeros_like,
+        "ones_like": torch.ones_like,
+        "full_like": lambda t: torch.full_like(t, 2.5),
+        "rand_like": lambda t: torch.rand_like(t, generator=torch.Generator().manual_seed(1)),
+        "randn_like": lambda t: torch.randn_like(t, generator=torch.Generator().manual_seed(1)),
+        "empty_like": lambda t: torch.empty_like(t).zero_(),
+    }
+    with torch.inference_mode(inference):
+        for name, make in made.items():
+            got, want = make(w), make(p)
+            assert (got.dtype, got.device, got.shape, got.requires_grad) == (
+                want.dtype, want.device, want.shape, want.requires_grad
+            ), name
+            assert got.dtype == w.dtype == torch.float32 and torch.equal(got.detach(), want.detach()), name

@@ -147,6 +147,25 @@ def test_a_read_under_no_grad_first_does_not_cost_the_weight_its_gradient() -> N
         torch.testing.assert_close(mine.grad.float(), ref.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_a_weight_read_under_no_grad_and_used_with_grad_gets_its_gradient() -> None:
+    class ReadWithoutGraph(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                weight = self.weight  # read once, without gradients (the plain weight: the parameter itself)
+            return F.linear(x, weight, self.bias) * weight.sum()  # used with them
+
+    layer = ReadWithoutGraph(3, 2).double()
+    reference = copy.deepcopy(layer).float()
+    DynamicSwapInstaller.install_model(layer, dtype=torch.float32)
+    x = torch.randn(4, 3)
+    layer(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    stored = dict(layer.named_parameters())
+    for name, ref in reference.named_parameters():
+        assert stored[name].grad is not None, name
+        torch.testing.assert_close(stored[name].grad.float(), ref.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_a_dtype_converts_floating_tensors_only() -> None:
     layer = nn.Linear(2, 2).double()
     layer.register_buffer("positions", torch.arange(4))
@@ -255,3 +274,138 @@ def test_an_offload_over_an_installation_gives_back_the_weights_as_installed() -
     DynamicSwapInstaller.uninstall_model(model)
     for ours, theirs in zip(model.state_dict().values(), reference.state_dict().values(), strict=True):
         assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+
+
+class _Sealed(nn.Linear):
+    """A layer whose class refuses subclasses: no patch can apply to it."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        raise TypeError("_Sealed cannot be subclassed")
+
+
+def _as_it_is(model: nn.Module) -> tuple[Any, ...]:
+    """What an all-or-nothing change must leave as it was: classes, installations, tensor objects, state_dict."""
+    state = {k: (v.dtype, v.clone()) for k, v in model.state_dict().items()}
+    tensors = [(n, id(t), type(t), t.dtype) for n, t in [*model.named_parameters(), *model.named_buffers()]]
+    return [type(m) for m in model.modules()], sorted(_installs(model)), tensors, state
+
+
+def _same(before: tuple[Any, ...], after: tuple[Any, ...]) -> bool:
+    *rest, state = before
+    *rest_after, state_after = after
+    return rest == rest_after and state.keys() == state_after.keys() and all(
+        state[k][0] == state_after[k][0] and torch.equal(state[k][1], state_after[k][1]) for k in state
+    )
+
+
+@pytest.mark.parametrize("installed", [False, True], ids=["plain", "installed"])
+@pytest.mark.parametrize("failure", ["sealed-class", "injected-third-module"])
+def test_install_model_failing_half_way_leaves_the_model_as_it_was(
+    failure: str, installed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a failure the checks before the first change cannot foresee: the modules installed
+    # before it go back to what they were (not installed, or installed as they were)
+    torch.manual_seed(0)
+    last: nn.Module = _Sealed(4, 2) if failure == "sealed-class" else nn.Linear(4, 2)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 4), last).eval()
+    if installed:  # kept in fp64, read as fp32 (the last layer, which may refuse patches, plain fp32)
+        model[:-1].double()
+        for module in list(model.modules())[:-1]:
+            DynamicSwapInstaller._install_module(module, dtype=torch.float32)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        expected = model(x)
+    before = _as_it_is(model)
+    if failure == "injected-third-module":
+        from torchsurgery.offloading.dynamic_swap import _DynamicSwap
+
+        real, calls = _DynamicSwap.__patch_init__, []
+
+        def failing(self: nn.Module, **kwargs: Any) -> None:
+            calls.append(self)
+            if len(calls) == 3:
+                raise RuntimeError("injected failure")
+            real(self, **kwargs)
+
+        monkeypatch.setattr(_DynamicSwap, "__patch_init__", failing)
+    with pytest.raises((TypeError, RuntimeError), match="cannot be subclassed|injected failure"):
+        DynamicSwapInstaller.install_model(model, dtype=torch.bfloat16)
+    monkeypatch.undo()
+    assert _same(before, _as_it_is(model))
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
+def _log(model: nn.Module) -> list[tuple[str, str, int]]:
+    return [(e.module_name, e.description, e.seq) for e in torchsurgery.surgery_log(model)]
+
+
+@pytest.mark.accelerator
+def test_a_reinstallation_failing_half_way_over_an_offload_keeps_the_stack_and_log(
+    accelerator: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # installed, then offloaded (the offload's patch on top of the installation's), then
+    # installed again with a failure on the third module: each module keeps its class (the
+    # patches in their order) and its log (the same records, in place, same order numbers)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.Linear(8, 8))
+    DynamicSwapInstaller.install_model(model, dtype=torch.float32)
+    handle = torchsurgery.offload(model, accelerator, budget=1 << 20, groups="leaves", storage_dtype=torch.bfloat16)
+    x = torch.randn(2, 8, device=accelerator)
+    with torch.no_grad():
+        expected = model(x)
+    classes, log = [type(m) for m in model.modules()], _log(model)
+    real = DynamicSwapInstaller._install_module
+    calls = []
+
+    def failing(module: nn.Module, **kwargs: Any) -> None:
+        if len(calls) == 3:
+            raise RuntimeError("injected failure")
+        calls.append(module)
+        real(module, **kwargs)
+
+    monkeypatch.setattr(DynamicSwapInstaller, "_install_module", staticmethod(failing))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        DynamicSwapInstaller.install_model(model, dtype=torch.float32)
+    monkeypatch.undo()
+    assert [type(m) for m in model.modules()] == classes
+    assert _log(model) == log
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    handle.remove()
+    DynamicSwapInstaller.uninstall_model(model)
+
+
+class _Offset(nn.Linear):
+    """A linear layer with a buffer added to its output."""
+
+    def __init__(self) -> None:
+        super().__init__(8, 8)
+        self.register_buffer("offset", torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.offset
+
+
+@pytest.mark.accelerator
+def test_an_installation_over_a_loaded_model_undone_after_its_unload_gives_back_host_buffers(
+    accelerator: torch.device,
+) -> None:
+    # out of order: the pool's load (below) is undone before the installation (above); the
+    # installation then gives back the model as it is without the load (on the host), not the
+    # device copies of the buffers it saw when it was installed
+    model = nn.Sequential(_Offset(), nn.Linear(8, 8), _Offset())
+    reference = copy.deepcopy(model)
+    pool = torchsurgery.DevicePool(accelerator, budget=1 << 20)
+    pool.add(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
+    pool.load(model)
+    DynamicSwapInstaller.install_model(model, dtype=torch.float64)
+    pool.close()
+    torchsurgery.restore(model)
+    assert torchsurgery.surgery_log(model) == []
+    for (name, t), r in zip(model.state_dict(keep_vars=True).items(), reference.state_dict().values(), strict=True):
+        assert t.device.type == "cpu" and type(t) in (torch.Tensor, nn.Parameter), name
+        expected = r.bfloat16().float() if t.is_floating_point() and name.endswith(("weight", "bias")) else r
+        torch.testing.assert_close(t.detach(), expected, rtol=0, atol=0, msg=name)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), copy.deepcopy(model)(x), rtol=0, atol=0)

@@ -1094,6 +1094,88 @@ def test_copies_of_an_offloaded_model_compute_and_restore_as_the_original(
             sim.close()
 
 
+@pytest.mark.parametrize(
+    ("where", "master"), [("cpu", None), ("simulated-device", torch.float32)], ids=["cpu-narrow", "simulated-device-fp32-master"]
+)
+def test_writes_into_a_pickled_copy_after_its_groups_are_packed_again_reach_its_forwards(
+    where: str, master: torch.dtype | None
+) -> None:
+    # a pickled copy's streamed groups are packed again at its first forward, each weight
+    # having come back on a storage of its own (its bf16 weights on the CPU; its masters,
+    # into pinned memory, on an accelerator): from then on its values are in the new buffer,
+    # and writes there must reach what is kept by version (ring slots, a master's narrow copy)
+    from simulated_device import SimulatedDevice
+
+    torch.manual_seed(0)
+    sim = SimulatedDevice(lazy=True) if where != "cpu" else None
+    try:
+        original = _NormConv(blocks=4)
+        with torch.no_grad():
+            for p in original.parameters():
+                p.copy_(p.bfloat16().float())  # the plain model holds the values as stored
+        plain = copy.deepcopy(original)
+        kwargs: dict[str, Any] = {"storage_dtype": torch.bfloat16, "dtype": torch.float32, "master_dtype": master}
+        device = sim or "cpu"
+        handle = offload(original, device, budget=least_budget(original, device, **kwargs), **kwargs)
+        assert "blocks.3" in handle.stats().streamed_groups
+        twin = pickle.loads(pickle.dumps(original))
+        narrow = [b[1].weight for b in twin.blocks] + [twin.head.weight]
+        memory = [stored_values(w).data_ptr() for w in narrow]
+        x, y = torch.randn(2, 4, 8), torch.randn(3, 8)
+        with torch.no_grad():
+            twin(x)  # packs the groups again
+            twin(x)  # the ring's slots now hold the last ones as packed
+        assert [stored_values(w).data_ptr() for w in narrow] != memory
+        with torch.no_grad():  # the narrow weights only, so that nothing else counts the write
+            for w, p in zip(narrow, [b[1].weight for b in plain.blocks] + [plain.head.weight], strict=True):
+                w.mul_(2)
+                p.mul_(2)
+            torch.testing.assert_close(twin.blocks[3](x), plain.blocks[3](x))  # from the slot it kept
+            torch.testing.assert_close(twin(x), plain(x))
+            torch.testing.assert_close(F.linear(y, twin.head.weight), F.linear(y, plain.head.weight))
+    finally:
+        if sim is not None:
+            sim.close()
+
+
+@pytest.mark.parametrize("master", [None, torch.float32], ids=["narrow", "fp32-master"])
+def test_load_state_dict_and_copy_into_offloaded_weights_reach_the_forwards_as_writes(master: torch.dtype | None) -> None:
+    # loads and copy_ write the stored values (rounded) or the master: what is kept by version (a
+    # ring slot holding the group, a master's narrow copy) must see them as any other write
+    torch.manual_seed(0)
+    model = _NormConv(blocks=4)
+    plain = copy.deepcopy(model)
+    kwargs: dict[str, Any] = {"storage_dtype": torch.bfloat16, "dtype": torch.float32, "master_dtype": master}
+    handle = offload(model, "cpu", budget=least_budget(model, "cpu", **kwargs), **kwargs)
+    assert "blocks.3" in handle.stats().streamed_groups
+    narrow = {n for n, p in model.named_parameters() if isinstance(p, torchsurgery.OffloadedTensor)}
+    # the norm keeps fp32; with masters, kept for matmul layers only, the convolution too
+    assert "head.weight" in narrow and "blocks.3.0.weight" not in narrow
+    assert ("blocks.3.1.weight" in narrow) == (master is None)
+
+    def as_read(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # what forwards without gradients read: the narrow weights' values rounded to bf16
+        return {k: v.bfloat16().float() if k in narrow else v for k, v in values.items()}
+
+    x, y = torch.randn(2, 4, 8), torch.randn(3, 8)
+    with torch.no_grad():
+        model(x)  # the ring's slots hold the last groups
+        F.linear(y, model.head.weight)  # a master's narrow copy serves it
+        new = {k: torch.randn_like(v) for k, v in plain.state_dict().items()}
+        model.load_state_dict(new)
+        plain.load_state_dict(as_read(new))
+        torch.testing.assert_close(model.blocks[3](x), plain.blocks[3](x))  # its slot kept from the forward
+        torch.testing.assert_close(model(x), plain(x))
+        torch.testing.assert_close(F.linear(y, model.head.weight), F.linear(y, plain.head.weight))
+        for name in ("blocks.3.1.weight", "head.weight"):
+            values = torch.randn_like(plain.get_parameter(name))
+            model.get_parameter(name).copy_(values)
+            plain.get_parameter(name).copy_(as_read({name: values})[name])
+        torch.testing.assert_close(model.blocks[3](x), plain.blocks[3](x))
+        torch.testing.assert_close(model(x), plain(x))
+        torch.testing.assert_close(F.linear(y, model.head.weight), F.linear(y, plain.head.weight))
+
+
 def test_torch_save_of_an_offloaded_state_dict_holds_the_stored_values() -> None:
     import io
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from _offload_models import least_budget
 from torch import nn
 
@@ -158,11 +159,37 @@ def test_a_model_in_two_pools_is_refused() -> None:
 
 
 def test_a_budget_below_what_a_model_needs_is_refused_naming_the_sizes() -> None:
-    pool = DevicePool("cpu", budget=BLOCK)
+    # on a CPU, fp32 weights stream in place (no ring slots): the least is one block resident
+    pool = DevicePool("cpu", budget=BLOCK - 1)
     model = blocks()
-    with pytest.raises(ValueError, match=rf"{WHOLE} bytes whole, or {2 * BLOCK} bytes streamed"):
+    with pytest.raises(ValueError, match=rf"{WHOLE} bytes whole, or {BLOCK} bytes streamed"):
         pool.add(model)
     assert pool.models == [] and torchsurgery.surgery_log(model) == [] and not model._forward_pre_hooks
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("accelerator", marks=pytest.mark.accelerator)])
+@pytest.mark.parametrize("storage_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_pool_counts_the_least_a_model_needs_as_its_offload_does(
+    where: str, storage_dtype: torch.dtype | None, request: pytest.FixtureRequest
+) -> None:
+    # a parameter subclass and tied weights: not packed into the ring, converted at each run instead
+    device = torch.device("cpu") if where == "cpu" else request.getfixturevalue("accelerator")
+    model = blocks()
+    model[0][0].bias = _Tagged(model[0][0].bias.detach().clone())
+    model[3][0].weight = model[1][0].weight
+    options: dict[str, Any] = {"storage_dtype": storage_dtype, "dtype": torch.float32, "groups": "leaves"}
+    least = least_budget(model, device, **options)
+    pool = DevicePool(device, budget=least)
+    pool.add(model, **options)  # accepted at the least budget the offload accepts
+    handle = pool.load(model)
+    assert handle.plan.budget == least
+    pool.close()
+    with pytest.raises(ValueError, match=rf"or {least} bytes streamed"):
+        DevicePool(device, budget=least - 1).add(model, **options)
+
+
+class _Tagged(nn.Parameter):
+    """A parameter subclass of the model's own."""
 
 
 @pytest.mark.parametrize("value", [torch.float8_e8m0fnu, torch.float8_e4m3fnuz, torch.int8, "bf16"], ids=str)
@@ -282,3 +309,30 @@ def test_on_the_accelerator_models_move_within_the_budget_and_go_back_exactly(
     assert torch.accelerator.max_memory_allocated() - before <= budget + 4 * allocation_bytes(x.nbytes)
     pool.close()
     assert [identity_map(m) for m in (a, b)] == ids
+
+
+class _Widened(torchsurgery.Patch, nn.Linear):
+    """Adds a parameter as large as the layer's weight (surgery on the host that grows the model)."""
+
+    def __patch_init__(self) -> None:
+        self.extra = nn.Parameter(torch.zeros_like(self.weight))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight + self.extra, self.bias)
+
+
+@pytest.mark.accelerator
+def test_a_model_patched_on_the_host_is_sized_again_when_loaded(accelerator: torch.device) -> None:
+    model = blocks()
+    options: dict[str, Any] = {"dtype": torch.float32, "groups": "leaves"}
+    plan = torchsurgery.plan_offload(model, accelerator, **options)
+    pool = DevicePool(accelerator, budget=plan.device_bytes([g.name for g in plan.groups]))  # whole, as added
+    pool.add(model, **options)
+    torchsurgery.patch(model[0][0], _Widened)  # larger now: no longer fits whole
+    reference = copy.deepcopy(model).to(accelerator)
+    x = torch.randn(2, 16, device=accelerator)
+    pool.load(model)
+    assert pool.state(model) == "partial"  # planned for what it is now, not for what was added
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    pool.close()

@@ -113,6 +113,12 @@ class Shadow:
                     self.version = master._version
         return self.copy
 
+    def follow(self, master: torch.Tensor) -> None:
+        """Copy ``master`` from now on (the master values moved to new memory)."""
+        with self._lock:
+            self.master = master
+            self.version = -1  # no version counter reads -1: copied again at the next read
+
     def __getstate__(self) -> dict[str, Any]:
         return {"master": self.master, "copy": self.copy, "version": self.version}
 
@@ -244,9 +250,16 @@ class OffloadedTensor(torch.Tensor):
             )
 
     def _rehome(self, stored: torch.Tensor) -> None:
-        """Keep the values in ``stored`` from now on (the same values, in new memory)."""
+        """Keep the values in ``stored`` from now on (the same values, in new memory).
+
+        Writes count in the new values' version counter and a master's narrow copy follows
+        them: what is kept by version (a ring slot, the narrow copy) sees every later write.
+        """
         d = self.__dict__
         d[_STORED] = d[_COUNTER] = stored.detach()
+        shadow = d[_SHADOW]
+        if isinstance(shadow, Shadow):
+            shadow.follow(d[_STORED])
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         wide = self.stored.to(self.dtype)

@@ -8,9 +8,11 @@ converted with ``Tensor.to(**kwargs)``. Unlike the original:
 
 * the converted tensor is a differentiable view of the stored parameter (not a new leaf
   ``Parameter``), so training through an installed model updates the stored weights;
-* within one forward each weight is converted once, however often the code reads it
-  (a read with gradients enabled after one without converts again, so that the weight
-  still gets its gradient);
+* within one forward each weight is converted once, however often the code reads it; the
+  copy is differentiable also where it is read under ``torch.no_grad()``, so a weight read
+  without gradients and then used with them gets its gradient, as the plain weight does
+  (a copy made under ``torch.inference_mode()`` has no graph: a later read that records
+  gradients converts again);
 * the class is the patch's one cached class per original class, so installed modules
   pickle, compile once per layer type, and uninstall to exactly their original class,
   also after installing twice or on top of other patches; ``forward`` keeps its
@@ -195,7 +197,7 @@ class _DynamicSwap(Patch, nn.Module):
             cache = d.get(_CACHE)
             if cache is not None and name in cache:
                 cached = cache[name]
-                # a copy made under no_grad has no graph: reuse it only where none is needed
+                # a copy made in inference mode has no graph: reuse it only where none is needed
                 if cached.requires_grad or not tensor.requires_grad or not torch.is_grad_enabled():
                     return cached
             # as Module.to, a dtype applies to floating tensors only (not to position ids); a meta
@@ -208,7 +210,11 @@ class _DynamicSwap(Patch, nn.Module):
                 # order; a plain copy made from the stored values instead, as the plain weight's.
                 # Outside forwards the weight itself, so writes through it reach what is stored
                 kwargs = {**kwargs, "copy": True}
-            value = tensor.to(**kwargs)  # differentiable: gradients reach the stored tensor
+            # differentiable also when read under no_grad (the plain weight is the same object
+            # in every mode): code that reads it so and uses it with gradients gets them to the
+            # stored tensor
+            with torch.enable_grad():
+                value = tensor.to(**kwargs)
             if cache is not None:
                 cache[name] = value
             return value
@@ -262,6 +268,28 @@ class _DynamicSwap(Patch, nn.Module):
                 d.pop(_CACHE, None)
 
 
+_Installation = tuple[dict[str, Any], tuple[int, int]]
+
+
+def _installation(module: nn.Module) -> _Installation | None:
+    """The conversion ``module`` itself is installed with and where the installation is in its
+    stack of patches (``None``: not installed)."""
+    if not is_patched(module, _DynamicSwap):
+        return None
+    kwargs: dict[str, Any] = module.__dict__[_KWARGS]
+    return dict(kwargs), place_of(module, _DynamicSwap)
+
+
+def _reinstate(module: nn.Module, before: _Installation | None) -> None:
+    """Put ``module`` back as it was: installed as ``before`` says, at the same place in its
+    stack of patches and undo log, or not installed (``None``)."""
+    if is_patched(module, _DynamicSwap):
+        unpatch(module, _DynamicSwap)
+    if before is not None:
+        patch(module, _DynamicSwap, **before[0])
+        restack(module, before[1])
+
+
 class DynamicSwapInstaller:
     """Keep weights where they are stored; convert them whenever a forward reads them.
 
@@ -284,9 +312,14 @@ class DynamicSwapInstaller:
     def _install_module(module: nn.Module, **kwargs: Any) -> None:
         """Install on one module (re-installing replaces the previous conversion); all or nothing."""
         _check_install(module, kwargs)
-        if is_patched(module, _DynamicSwap):
-            unpatch(module, _DynamicSwap)
-        patch(module, _DynamicSwap, **kwargs)
+        before = _installation(module)
+        try:
+            if before is not None:
+                unpatch(module, _DynamicSwap)
+            patch(module, _DynamicSwap, **kwargs)
+        except BaseException:
+            _reinstate(module, before)  # a failed re-install keeps the installation it replaced
+            raise
 
     @staticmethod
     def _uninstall_module(module: nn.Module) -> None:
@@ -329,20 +362,17 @@ class DynamicSwapInstaller:
         _undo.check_module(model, "torchsurgery.DynamicSwapInstaller.install_model")
         for module in model.modules():
             _check_install(module, kwargs)  # a refusal comes before the first module changes
-        done: list[tuple[nn.Module, tuple[dict[str, Any], tuple[int, int]] | None]] = []
+        done: list[tuple[nn.Module, _Installation | None]] = []
         try:
             for module in model.modules():
-                replaced = None
-                if is_patched(module, _DynamicSwap):  # a re-installation: kept to put back on a failure
-                    replaced = dict(module.__dict__[_KWARGS]), place_of(module, _DynamicSwap)
-                DynamicSwapInstaller._install_module(module, **kwargs)
-                done.append((module, replaced))
+                before = _installation(module)
+                DynamicSwapInstaller._install_module(module, **kwargs)  # all or nothing itself
+                done.append((module, before))
         except BaseException:
-            for module, replaced in reversed(done):
-                DynamicSwapInstaller._uninstall_module(module)
-                if replaced is not None:  # the installation it replaced, back where it was in the stack
-                    patch(module, _DynamicSwap, **replaced[0])
-                    restack(module, replaced[1])
+            # what cannot be checked for beforehand (a class that refuses subclasses, an
+            # interrupt): the modules installed so far go back to what they were
+            for module, before in reversed(done):
+                _reinstate(module, before)
             raise
 
     @staticmethod
