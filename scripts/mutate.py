@@ -582,6 +582,66 @@ MUTATIONS = [
         "    for path in reversed(_partial):\n", "    for path in []:\n",
         ("tests/cli/test_interrupt.py::test_an_interrupt_removes_what_was_being_written_and_nothing_else",),
     ),
+    Mutation(
+        "compat: a move keeps preserved_memory_gb free on the device",
+        "src/torchsurgery/compat/framepack.py",
+        '    keep = None if pool.device.type == "cpu" else int(preserved_memory_gb * _GIB)\n', "    keep = None\n",
+        ("tests/compat/test_framepack.py::test_the_memory_functions_leave_the_preserved_memory_free_as_the_app_s_do",),
+    ),
+    Mutation(
+        "compat: an offload takes back what keeping preserved_memory_gb free needs",
+        "src/torchsurgery/compat/framepack.py",
+        "    keep = int(preserved_memory_gb * _GIB)\n", "    keep = 0\n",
+        ("tests/compat/test_framepack.py::test_the_memory_functions_leave_the_preserved_memory_free_as_the_app_s_do",),
+    ),
+    Mutation(
+        "compat: a model shrunk to keep memory free is planned with what its push-back freed, not its grant",
+        "src/torchsurgery/offloading/pool.py",
+        "        self._push_back(entry)\n        room = self._measured(entry, room, keep)\n        if room >= min",
+        "        self._push_back(entry)\n        if room >= min",
+        ("tests/compat/test_framepack.py::test_the_memory_functions_leave_the_preserved_memory_free_as_the_app_s_do",),
+    ),
+    Mutation(
+        "compat: a load planned again counts what the models pushed back freed, not their grants",
+        "src/torchsurgery/offloading/pool.py",
+        "        room = self._measured(entry, room, keep)\n        if room < min(", "        if room < min(",
+        ("tests/offloading/test_pool.py::"
+         "test_on_the_accelerator_a_model_pushed_back_frees_what_it_held_not_what_it_was_granted",
+         "tests/compat/test_framepack.py::test_the_memory_functions_leave_the_preserved_memory_free_as_the_app_s_do"),
+    ),
+    Mutation(
+        "planning: groups read in place, resident from the start, leave room for the ring's prefetch + 1 slots",
+        "src/torchsurgery/offloading/plan.py",
+        "device_bytes(groups, resident | {g.name}, options.prefetch,", "device_bytes(groups, resident | {g.name}, 0,",
+        ("tests/offloading/test_engine.py::"
+         "test_groups_read_in_place_are_kept_resident_from_the_start_next_to_the_ring_at_its_prefetch",),
+    ),
+    Mutation(
+        "planning: the residency chosen from the first forward leaves room for the ring's prefetch + 1 slots",
+        "src/torchsurgery/offloading/plan.py",
+        "device_bytes(self.groups, resident, self.prefetch,", "device_bytes(self.groups, resident, 0,",
+        ("tests/offloading/test_engine_edges.py::test_the_device_peak_stays_within_a_budget_at_every_prefetch[3]",),
+    ),
+    Mutation(
+        "planning: plan_residency's own account leaves room for prefetch + 1 of the largest streamed group",
+        "src/torchsurgery/offloading/planner.py",
+        "(prefetch + 1) * max(rest, default=0) <= budget", "max(rest, default=0) <= budget",
+        ("tests/offloading/test_planner.py::test_planner_beats_filling_in_order_and_is_near_the_best_choice",),
+    ),
+    Mutation(
+        "planning: a streamed weight's cast to the compute dtype is counted in the budget",
+        "src/torchsurgery/offloading/plan.py",
+        "            per_run += _allocated(p.nbytes, granule)\n", "            pass\n",
+        ("tests/offloading/test_engine_edges.py::"
+         "test_the_device_peak_stays_within_the_least_budget_when_streamed_weights_are_cast[2]",),
+    ),
+    Mutation(
+        "planning: what a streamed group's run adds (its casts) is counted in the budget",
+        "src/torchsurgery/offloading/plan.py",
+        " + max((r for _, r in streamed), default=0) + widened", " + widened",
+        ("tests/offloading/test_engine_edges.py::"
+         "test_the_device_peak_stays_within_the_least_budget_when_streamed_weights_are_cast[1]",),
+    ),
 ]
 
 

@@ -8,6 +8,7 @@ the same pipeline done with plain ``.to()`` moves.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import sys
@@ -254,3 +255,67 @@ def test_the_app_pattern_in_its_dtypes_equals_the_app_s_own_memory_module(
     _clean(ours)
     assert ours.transformer.proj_out.weight.dtype == torch.float32  # the conversion is the app's: it stays
     assert all(p.device.type == "cpu" for m in vars(ours).values() for p in m.parameters())
+
+
+# ---------------------------------------------------------------------- the memory to preserve
+
+
+def _free(device: torch.device) -> int:
+    """Bytes free on ``device`` as the app measures them (its own ``get_cuda_free_memory_gb``)."""
+    return round(reference.get_cuda_free_memory_gb(device) * (1 << 30))
+
+
+@pytest.mark.accelerator
+def test_the_memory_functions_leave_the_preserved_memory_free_as_the_app_s_do(accelerator: torch.device) -> None:
+    """Each move and offload with an amount to preserve leaves that much free, also after the
+    forwards that follow (they choose the resident groups, which the function's plan must hold);
+    the app's own functions, on the same model and amounts, go to the line module by module."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)) for _ in range(8)])
+    block = sum(p.nbytes for p in model[0].parameters())  # a group; streaming holds two (prefetch 1)
+    x = torch.randn(3, 64).to(accelerator)
+    with torch.no_grad():
+        expected = copy.deepcopy(model).to(accelerator)(x)
+    # bytes the model may take at each step, in groups: the ring's two and two and a half more,
+    # then one and three quarters more (an offload), then one and most of another (a move after
+    # it): between whole groups, so that counting the bytes granted before as what the model
+    # holds (it holds less: whole groups) would keep one group too many
+    steps = [("move", 4.5), ("offload", 3.75), ("move", 3.9)]
+    on_tardy = accelerator.type == tardy.NAME
+    left: dict[str, list[int]] = {}
+    with tardy.settings(capacity=8 << 20) if on_tardy else contextlib.nullcontext():
+        for memory in (reference, framepack):
+            ours = copy.deepcopy(model)
+            if memory is reference:  # as the app runs its low-VRAM models: weights read onto the device
+                reference.DynamicSwapInstaller.install_model(ours, device=accelerator)
+            functions = {"move": memory.move_model_to_device_with_memory_preservation,
+                         "offload": memory.offload_model_from_device_for_memory_preservation}
+            free = _free(accelerator)
+            left[memory.__name__] = []
+            for function, blocks in steps:
+                preserved = free - int(blocks * block)
+                functions[function](ours, accelerator, preserved_memory_gb=preserved / (1 << 30))
+                # streamed on the test device through a link far slower than the groups' compute:
+                # every transfer stalls, so the first forward after each plan keeps as many
+                # groups resident as the plan allows
+                slow = on_tardy and memory is framepack
+                with torch.no_grad(), tardy.settings(delay=(0.01, 0.012)) if slow else contextlib.nullcontext():
+                    for _ in range(2):
+                        torch.testing.assert_close(ours(x), expected, rtol=0, atol=0)
+                torch.accelerator.synchronize()
+                left[memory.__name__].append(_free(accelerator) - preserved)
+            if memory is framepack:
+                framepack.unload_complete_models(ours)
+            else:
+                ours.to("cpu")
+                reference.DynamicSwapInstaller.uninstall_model(ours)
+            torch.accelerator.empty_cache()
+    app, got = left[reference.__name__], left[framepack.__name__]
+    # the app's move takes modules until no more than the amount is free, its offload gives them
+    # back until at least that much is
+    assert app[0] <= 0 and app[1] >= 0 and app[2] <= 0, app
+    # ours keeps the amount free at every step, taking no more than the app (on the test device,
+    # where every group stalls, less than a group's room is left unused)
+    assert all(0 <= g < (block if on_tardy else 1 << 62) for g in got), (got, block)
+    assert got[0] >= app[0] and got[2] >= app[2], (got, app)
+    assert torchsurgery.surgery_log(ours) == [] and all(p.device.type == "cpu" for p in ours.parameters())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 import torchsurgery
+from torchsurgery.offloading import DEFAULT_SKIP
 from torchsurgery.offloading.device import OffloadDevice
 
 transformers = pytest.importorskip("transformers")
@@ -46,6 +48,17 @@ def least_budget(model: nn.Module, device: str | torch.device | OffloadDevice = 
     with pytest.raises(torchsurgery.BudgetError) as refused:
         torchsurgery.plan_offload(model, device, budget=1, **options)
     return refused.value.needed
+
+
+def rounded_reference(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A plain copy of ``model`` whose weights hold what an offload stores them as (norms and embeddings keep theirs)."""
+    reference = copy.deepcopy(model)
+    kept = {id(p) for name, m in reference.named_modules() if DEFAULT_SKIP(m, name) for p in m.parameters(recurse=False)}
+    with torch.no_grad():
+        for p in reference.parameters():
+            if id(p) not in kept:
+                p.copy_(p.to(dtype))
+    return reference
 
 
 def identity_map(model: nn.Module) -> dict[str, tuple[int, torch.device, torch.dtype]]:

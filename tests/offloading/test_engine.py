@@ -19,6 +19,7 @@ from _offload_models import (
     identity_map,
     least_budget,
     mlp,
+    rounded_reference,
     tiny_clip_text,
     tiny_gpt2,
     tiny_llama,
@@ -65,7 +66,7 @@ def test_same_dtype_offload_gives_exactly_the_same_outputs(make: Any, groups: st
 
 
 @pytest.mark.parametrize("make", [mlp, tiny_gpt2, tiny_llama])
-def test_bf16_storage_fp32_compute_matches_a_bf16_rounded_reference(make: Any) -> None:
+def test_bf16_storage_fp32_compute_matches_a_bf16rounded_reference(make: Any) -> None:
     model = make()
     x = IDS if make is not mlp else torch.randn(3, 32)
     # reference: the same weights rounded to bf16 (except norms/embeddings), computed in fp32
@@ -186,17 +187,33 @@ def test_budget_keeps_groups_resident_in_order() -> None:
     handle.remove()
 
 
-def _rounded_reference(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A plain copy of ``model`` whose weights hold what an offload stores them as (norms and embeddings keep theirs)."""
-    from torchsurgery.offloading import DEFAULT_SKIP
-
-    reference = copy.deepcopy(model)
-    kept = {id(p) for name, m in reference.named_modules() if DEFAULT_SKIP(m, name) for p in m.parameters(recurse=False)}
+def test_groups_read_in_place_are_kept_resident_from_the_start_next_to_the_ring_at_its_prefetch() -> None:
+    """On a CPU the groups the narrow-weight path reads in place are kept resident from the start,
+    in order, while the budget still holds what streaming the others takes: the ring's
+    ``prefetch + 1`` slots (three here), not one."""
+    layers: list[nn.Module] = []
+    for _ in range(4):  # a conv streams through the ring, the linears after it are read in place
+        layers += [nn.Conv1d(8, 8, 3, padding=1), nn.Linear(8, 8), nn.Linear(8, 8)]
+    model = nn.Sequential(*layers)
+    x = torch.randn(2, 8, 8)
     with torch.no_grad():
-        for p in reference.parameters():
-            if id(p) not in kept:
-                p.copy_(p.to(dtype))
-    return reference
+        expected = rounded_reference(model, torch.bfloat16)(x)
+    kwargs: dict[str, Any] = {"storage_dtype": torch.bfloat16, "dtype": torch.float32, "groups": "leaves", "prefetch": 2}
+    plan = plan_offload(model, **kwargs)
+    in_place = [g.name for g in plan.groups if isinstance(model.get_submodule(g.name), nn.Linear)]
+    assert {p.residency for g in plan.groups if g.name in in_place for p in g.params} == {Residency.NARROW}
+    budget = plan.device_bytes(set(in_place[:2]))  # two of them, next to the ring and a run's casts
+    handle = offload(model, budget=budget, **kwargs)
+    assert handle.stats().resident_groups == in_place[:2]  # the first two, in order: a third would not fit
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+    s = handle.stats()
+    # the first forward held the resident linears, the ring's three slots of a conv's weights as
+    # stored (bf16) and its cast to fp32: within the budget
+    ring = 3 * sum(stored_values(p).nbytes for p in model[0].parameters())
+    resident = sum(stored_values(p).nbytes for name in in_place[:2] for p in model.get_submodule(name).parameters())
+    assert resident + ring <= s.peak_device_bytes <= budget
+    handle.remove()
 
 
 def _held(p: Any, model: nn.Module) -> int:
@@ -220,7 +237,7 @@ def test_storage_dtype_computes_and_holds_the_same_whatever_the_budget(
     original = copy.deepcopy(model)
     x = (IDS if make is tiny_clip_text else torch.randn(3, 32)).to(device)
     kwargs: dict[str, Any] = {"storage_dtype": torch.bfloat16, "dtype": torch.float32, "master_dtype": master}
-    reference = _rounded_reference(model, torch.bfloat16).to(device)
+    reference = rounded_reference(model, torch.bfloat16).to(device)
     kept = plan_offload(model, device, budget=1 << 40, **kwargs)
     whole = kept.device_bytes({g.name for g in kept.groups})
     with pytest.raises(torchsurgery.BudgetError) as refused:

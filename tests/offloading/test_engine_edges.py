@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _offload_models import mlp, tiny_gpt2
+from _offload_models import least_budget, mlp, rounded_reference, tiny_gpt2
 from torch import nn
 
 import tardy
@@ -90,6 +90,38 @@ def test_the_device_peak_stays_within_a_budget_at_every_prefetch(prefetch: int, 
         assert peak <= budget + activations, (prefetch, budget, peak)
         assert handle.stats().streamed_groups  # it streamed
         handle.remove()
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_the_device_peak_stays_within_the_least_budget_when_streamed_weights_are_cast(
+    prefetch: int, accelerator: torch.device
+) -> None:
+    """Weights stored in bf16 and computed in fp32 are cast on the device at each run of their
+    group: the least budget accepted counts those casts next to the ring's slots, so the
+    device's own peak stays within it."""
+    model = mlp(blocks=6, d=64)
+    kwargs: dict[str, Any] = {"storage_dtype": torch.bfloat16, "dtype": torch.float32, "prefetch": prefetch}
+    x = X.to(accelerator)
+    plain = rounded_reference(model, torch.bfloat16).to(accelerator)  # the weights as stored, computed in fp32
+    with torch.no_grad():
+        expected = plain(x)
+    activations = _forward_peak(plain, x)  # what a forward takes besides the weights
+    del plain
+    budget = least_budget(model, accelerator, **kwargs)
+    cast = max(sum(p.numel() * 4 for p in g.parameters()) for g in model[1])  # a block's weights in fp32
+    start = _settled()
+    torch.accelerator.reset_peak_memory_stats()
+    handle = offload(model, accelerator, budget=budget, **kwargs)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+    torch.accelerator.synchronize()
+    peak = torch.accelerator.max_memory_allocated() - start
+    assert handle.stats().resident_groups == []  # every group streams and is cast at its run
+    assert (prefetch + 1) * cast // 2 + cast <= peak  # the ring's slots of bf16 blocks, and one block cast to fp32
+    assert peak <= budget + activations, (budget, peak, activations)
+    handle.remove()
 
 
 # ---------------------------------------------------------------------- 2. out of memory in the first forward

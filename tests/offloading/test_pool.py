@@ -335,4 +335,24 @@ def test_a_model_patched_on_the_host_is_sized_again_when_loaded(accelerator: tor
     assert pool.state(model) == "partial"  # planned for what it is now, not for what was added
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+
+
+@pytest.mark.accelerator
+def test_on_the_accelerator_a_model_pushed_back_frees_what_it_held_not_what_it_was_granted(accelerator: torch.device) -> None:
+    """Planned again for more memory to keep free, a loaded model is counted by what its push-back
+    frees (measured), not by its grant: before its first forward it holds the ring only."""
+    model = blocks(8)
+    ids = identity_map(model)
+    pool = DevicePool(accelerator)  # the device's free memory is the limit
+    pool.add(model, name="m")
+    least = least_budget(model, accelerator)  # the ring's slots: what it needs streamed
+    free = pool.free_bytes()
+    pool.load(model, keep_free=free - (least + 4 * BLOCK))  # granted the ring and four blocks
+    assert pool.state(model) == "partial"
+    # counted with its grant, the ring and three blocks would seem free beyond this; pushed back,
+    # it frees its ring alone, a block short of what it needs streamed
+    with pytest.raises(RuntimeError, match=r"'m' needs .* with the other models pushed back only \d+ bytes are free"):
+        pool.load(model, keep_free=free - least + BLOCK)
+    assert pool.state(model) == "host" and identity_map(model) == ids
+    assert pool.free_bytes() >= free  # it holds nothing on the device
     pool.close()

@@ -416,7 +416,9 @@ class DevicePool:
         Raises:
             ValueError: the model is not in this pool.
             RuntimeError: even with every other model pushed back, the room is below what
-                the model needs streamed (nothing is changed then), or the device is gone.
+                the model needs streamed (nothing is changed then; unless, on an accelerator,
+                the models pushed back turn out to have held less than they were granted:
+                they stay on the host), or the device is gone.
         """
         entry = self._entry(model, "load")
         keep = check_bytes(keep_free, _WHAT, "keep_free")
@@ -444,6 +446,13 @@ class DevicePool:
             other.pushed_back += 1
         if entry.loaded:
             self._push_back(entry)
+        room = self._measured(entry, room, keep)
+        if room < min(entry.total, entry.minimum):
+            raise _NoRoom(
+                f"{_WHAT}.load: {entry.name!r} needs {entry.total} bytes whole or {entry.minimum} streamed on "
+                f"{self.device}, but with the other models pushed back only {room} bytes are free; free memory on "
+                "the device or lower keep_free"
+            )
         grant = entry.total if room >= entry.total else room
         handle = self._offload(entry, grant, keep)
         entry.seconds += time.perf_counter() - start
@@ -481,6 +490,7 @@ class DevicePool:
             return handle
         start = time.perf_counter()
         self._push_back(entry)
+        room = self._measured(entry, room, keep)
         if room >= min(entry.total, entry.minimum):
             handle = self._offload(entry, room, keep)
         else:
@@ -652,6 +662,16 @@ class DevicePool:
             limits.append(_free_bytes(self.device) - (keep or 0))
         room = min(limits) if limits else 1 << 62  # a CPU pool without a limit is unlimited
         return max(0, room), others
+
+    def _measured(self, entry: _Entry, room: int, keep: int | None) -> int:
+        """``room`` for ``entry`` once models were pushed back, read again from the accelerator's
+        free memory: a model holds less than the pool granted it (until its first forward, and
+        where that forward's measurements keep fewer groups resident than the grant would hold),
+        so counting its grant as freed would plan past ``keep``. On a CPU the count stands:
+        pushing a model back there converts its weights back, it frees no memory to measure."""
+        if self.device.type == "cpu":
+            return room
+        return min(room, self._room(entry, keep)[0])
 
     def _push_back(self, entry: _Entry) -> None:
         handle = self._refresh(entry).handle
