@@ -37,6 +37,13 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "residency: a weight made resident after the first forward is remembered, so remove() gives it back",
+        "src/torchsurgery/offloading/engine.py",
+        "            self._remember(q.name, p)  # remove() gives it back",
+        "            pass  # remove() gives it back",
+        ("tests/offloading/test_engine_edges.py::test_weights_made_resident_after_the_first_forward_go_back_to_the_host_on_remove_also_when_pinned_before",),
+    ),
+    Mutation(
         "audit/weight: a re-installation failing half-way puts the one it replaced back at its place in the stack",
         "src/torchsurgery/offloading/dynamic_swap.py",
         "        restack(module, before[1])\n",

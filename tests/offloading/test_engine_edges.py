@@ -390,3 +390,32 @@ def test_groups_sharing_a_weight_stay_exact_whatever_the_first_forward_makes_res
                 for p, q in zip(model.parameters(), plain.parameters(), strict=True):
                     torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
             handle.remove()
+
+
+class _Tagged(nn.Parameter):
+    """A parameter subclass of the model's own (streamed converted at each run, not packed)."""
+
+
+@pytest.mark.accelerator
+def test_weights_made_resident_after_the_first_forward_go_back_to_the_host_on_remove_also_when_pinned_before(
+    accelerator: torch.device,
+) -> None:
+    # weights already in pinned memory (as an earlier offload may leave them) need no move
+    # before streaming starts, yet the first forward's measurements may make their groups
+    # resident: remove() gives those back to the host as well
+    model = mlp(blocks=4, d=16)
+    for layer in model.modules():
+        if isinstance(layer, nn.Linear):
+            layer.bias = _Tagged(layer.bias.detach().clone().pin_memory())
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 16, device=accelerator)
+    with _slow_link(accelerator):
+        handle = offload(model, accelerator, budget=_all_but_one_group(model), groups="leaves")
+        with torch.no_grad():
+            for _ in range(3):
+                model(x)
+    assert handle.stats().resident_groups  # the measurements kept groups resident
+    handle.remove()
+    for name, t in model.state_dict(keep_vars=True).items():
+        assert t.device.type == "cpu", name
+        torch.testing.assert_close(t.detach(), reference[name], rtol=0, atol=0)

@@ -526,6 +526,7 @@ class OffloadHandle:
         swaps = []
         for _, _, p, dtype in streamer.packed_entries + streamer.other_entries:
             q = planned[id(p)]
+            self._remember(q.name, p)  # remove() gives it back (one that needed no move to start streaming too)
             if reads_as_computed(q):
                 swaps.append((p, self._wrapper(p, q, stored_values(p).detach().to(self.device, q.storage_dtype, copy=True))))
             else:
