@@ -634,8 +634,8 @@ def _write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # what F.linear becomes in a graph torch.compile traces (mm or addmm by a transposed view
     # of the weight): the narrow product as one operator, which reads the narrow values at run
-    # time, instead of a widened copy of the weight made in the graph at every call (measured:
-    # a compiled Llama-shaped decoding step with bf16 storage 109 ms that way, against 15 ms eager)
+    # time, instead of a widened copy of the weight made in the graph at every call (measured in
+    # docs/benchmarks.md, "Compiled": several times slower than eager that way)
     # (below autograd, as all of __torch_dispatch__: a graph that records gradients keeps mm's
     # own backward, which multiplies by the weight through here again)
     bias, x, w = (None, *args) if func is _aten.mm.default else args
