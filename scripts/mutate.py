@@ -37,6 +37,13 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "undo: an installation under an offload made since is not replaced",
+        "src/torchsurgery/offloading/dynamic_swap.py",
+        "        _check_not_under_an_offload(model)\n",
+        "        pass\n",
+        ("tests/offloading/test_dynamic_swap.py::test_an_installation_under_an_offload_made_since_is_not_replaced",),
+    ),
+    Mutation(
         "residency: a weight made resident after the first forward is remembered, so remove() gives it back",
         "src/torchsurgery/offloading/engine.py",
         "            self._remember(q.name, p)  # remove() gives it back",
@@ -48,7 +55,7 @@ MUTATIONS = [
         "src/torchsurgery/offloading/dynamic_swap.py",
         "        restack(module, before[1])\n",
         "",
-        ("tests/offloading/test_dynamic_swap.py::test_a_reinstallation_failing_half_way_over_an_offload_keeps_the_stack_and_log",),
+        ("tests/offloading/test_dynamic_swap.py::test_a_reinstallation_failing_half_way_keeps_each_modules_stack_and_log",),
     ),
     Mutation(
         "pool: a model's least is counted as its offload counts it (each weight routed as it streams)",

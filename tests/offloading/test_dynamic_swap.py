@@ -340,17 +340,22 @@ def _log(model: nn.Module) -> list[tuple[str, str, int]]:
     return [(e.module_name, e.description, e.seq) for e in torchsurgery.surgery_log(model)]
 
 
-@pytest.mark.accelerator
-def test_a_reinstallation_failing_half_way_over_an_offload_keeps_the_stack_and_log(
-    accelerator: torch.device, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # installed, then offloaded (the offload's patch on top of the installation's), then
+class _Doubled(torchsurgery.Patch, nn.Linear):
+    """A patch of the user's own, applied over the installation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def test_a_reinstallation_failing_half_way_keeps_each_modules_stack_and_log(monkeypatch: pytest.MonkeyPatch) -> None:
+    # installed, then patched by the user (their patch on top of the installation), then
     # installed again with a failure on the third module: each module keeps its class (the
     # patches in their order) and its log (the same records, in place, same order numbers)
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.Linear(8, 8))
-    DynamicSwapInstaller.install_model(model, dtype=torch.float32)
-    handle = torchsurgery.offload(model, accelerator, budget=1 << 20, groups="leaves", storage_dtype=torch.bfloat16)
-    x = torch.randn(2, 8, device=accelerator)
+    DynamicSwapInstaller.install_model(model, dtype=torch.float64)
+    torchsurgery.patch(model[0], _Doubled)
+    torchsurgery.patch(model[2], _Doubled)
+    x = torch.randn(2, 8, dtype=torch.float64)
     with torch.no_grad():
         expected = model(x)
     classes, log = [type(m) for m in model.modules()], _log(model)
@@ -365,14 +370,13 @@ def test_a_reinstallation_failing_half_way_over_an_offload_keeps_the_stack_and_l
 
     monkeypatch.setattr(DynamicSwapInstaller, "_install_module", staticmethod(failing))
     with pytest.raises(RuntimeError, match="injected failure"):
-        DynamicSwapInstaller.install_model(model, dtype=torch.float32)
+        DynamicSwapInstaller.install_model(model, dtype=torch.float64)
     monkeypatch.undo()
     assert [type(m) for m in model.modules()] == classes
     assert _log(model) == log
     with torch.no_grad():
         torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
-    handle.remove()
-    DynamicSwapInstaller.uninstall_model(model)
+    torchsurgery.restore(model)
 
 
 class _Offset(nn.Linear):
@@ -409,3 +413,35 @@ def test_an_installation_over_a_loaded_model_undone_after_its_unload_gives_back_
     x = torch.randn(3, 8)
     with torch.no_grad():
         torch.testing.assert_close(model(x), copy.deepcopy(model)(x), rtol=0, atol=0)
+
+
+@pytest.mark.accelerator
+def test_an_installation_under_an_offload_made_since_is_not_replaced(accelerator: torch.device) -> None:
+    # installed while an offload held the weights (it wrapped none), the offload made again over
+    # the installation, then installed again: refused, nothing changed, and the model computes
+    # as before (replacing the installation under the offload left its forwards mixing the host
+    # and the device)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    least = _least(model, accelerator)
+    handle = torchsurgery.offload(model, accelerator, budget=least, groups="leaves", dtype=torch.float32)
+    DynamicSwapInstaller.install_model(model, dtype=torch.float64)
+    handle.remove()
+    handle = torchsurgery.offload(model, accelerator, budget=least, groups="leaves", dtype=torch.float32)
+    x = torch.randn(2, 8, device=accelerator, dtype=torch.float64)
+    with torch.no_grad():
+        expected = model(x)
+    classes, log = [type(m) for m in model.modules()], _log(model)
+    with pytest.raises(ValueError, match=r"install_model: the installation on .* is under an active offload made since"):
+        DynamicSwapInstaller.install_model(model, dtype=torch.float64)
+    assert [type(m) for m in model.modules()] == classes and _log(model) == log
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    handle.remove()
+    DynamicSwapInstaller.install_model(model, dtype=torch.float64)  # with the offload gone: replaced
+    torchsurgery.restore(model)
+
+
+def _least(model: nn.Module, device: torch.device) -> int:
+    with pytest.raises(torchsurgery.BudgetError) as refused:
+        torchsurgery.plan_offload(model, device, budget=1, groups="leaves", dtype=torch.float32)
+    return refused.value.needed

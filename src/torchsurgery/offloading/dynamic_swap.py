@@ -268,6 +268,25 @@ class _DynamicSwap(Patch, nn.Module):
                 d.pop(_CACHE, None)
 
 
+def _check_not_under_an_offload(model: nn.Module) -> None:
+    """Refuse to replace an installation that an offload made since was planned over.
+
+    The offload took the installed weights as they read then (the ones it streams, the ones
+    it converts at each run); replacing the installation under it would change them behind
+    its back (its forwards then mix devices).
+    """
+    found = list(_undo.walk(model))
+    offloads = [seq for _, _, r in found if r.kind == "offload" for seq in [r.seq]]
+    installed = [(name, r.seq) for name, _, r in found if isinstance(r, PatchRecord) and r.patch is _DynamicSwap]
+    under = [name for name, seq in installed if any(o > seq for o in offloads)]
+    if under:
+        raise ValueError(
+            f"{_WHAT}.install_model: the installation on {under[0] or '<root>'!r} is under an active offload made "
+            "since, which planned its weights as they read now; remove the offload first (handle.remove()), "
+            "install again, and offload again; nothing was changed"
+        )
+
+
 _Installation = tuple[dict[str, Any], tuple[int, int]]
 
 
@@ -362,6 +381,7 @@ class DynamicSwapInstaller:
         _undo.check_module(model, "torchsurgery.DynamicSwapInstaller.install_model")
         for module in model.modules():
             _check_install(module, kwargs)  # a refusal comes before the first module changes
+        _check_not_under_an_offload(model)
         done: list[tuple[nn.Module, _Installation | None]] = []
         try:
             for module in model.modules():
