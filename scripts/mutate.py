@@ -37,6 +37,20 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "undo: a block of surgery that fails is reverted (classes, entries, swapped tensors)",
+        "src/torchsurgery/_undo.py",
+        "        diff(state, model).revert(model)\n",
+        "        pass\n",
+        ("tests/offloading/test_dynamic_swap.py::test_install_model_failing_half_way_leaves_the_model_as_it_was",),
+    ),
+    Mutation(
+        "undo: a block of surgery undone on failure gets back each module's undo log as it was",
+        "src/torchsurgery/_undo.py",
+        "            if log:\n                module.__dict__[_LOG_KEY] = log\n",
+        "            if False:\n                module.__dict__[_LOG_KEY] = log\n",
+        ("tests/offloading/test_dynamic_swap.py::test_a_reinstallation_failing_half_way_keeps_each_modules_stack_and_log",),
+    ),
+    Mutation(
         "undo: an installation under an offload made since is not replaced",
         "src/torchsurgery/offloading/dynamic_swap.py",
         "        _check_not_under_an_offload(model)\n",
@@ -49,13 +63,6 @@ MUTATIONS = [
         "            self._remember(q.name, p)  # remove() gives it back",
         "            pass  # remove() gives it back",
         ("tests/offloading/test_engine_edges.py::test_weights_made_resident_after_the_first_forward_go_back_to_the_host_on_remove_also_when_pinned_before",),
-    ),
-    Mutation(
-        "audit/weight: a re-installation failing half-way puts the one it replaced back at its place in the stack",
-        "src/torchsurgery/offloading/dynamic_swap.py",
-        "        restack(module, before[1])\n",
-        "",
-        ("tests/offloading/test_dynamic_swap.py::test_a_reinstallation_failing_half_way_keeps_each_modules_stack_and_log",),
     ),
     Mutation(
         "pool: a model's least is counted as its offload counts it (each weight routed as it streams)",
@@ -457,17 +464,17 @@ MUTATIONS = [
     Mutation(
         "audit/weight: DynamicSwapInstaller.install_model failing half-way puts back the modules it installed",
         "src/torchsurgery/offloading/dynamic_swap.py",
-        "            for module, before in reversed(done):\n                _reinstate(module, before)\n",
-        "            for module, before in reversed(done):\n                pass\n",
-        ("tests/offloading/test_dynamic_swap.py::test_install_model_failing_half_way_leaves_the_model_as_it_was",),
+        "        with _undo.all_or_nothing(model):\n            for module in model.modules():\n",
+        "        with torch.no_grad():\n            for module in model.modules():\n",
+        ("tests/offloading/test_dynamic_swap.py::test_install_model_failing_half_way_leaves_the_model_as_it_was",
+         "tests/offloading/test_dynamic_swap.py::test_a_reinstallation_failing_half_way_keeps_each_modules_stack_and_log"),
     ),
     Mutation(
         "audit/weight: DynamicSwapInstaller: a re-install failing on a module keeps the installation it replaced",
         "src/torchsurgery/offloading/dynamic_swap.py",
-        "            _reinstate(module, before)  # a failed re-install keeps the installation it replaced\n",
-        "            pass\n",
-        ("tests/offloading/test_dynamic_swap.py::"
-         "test_install_model_failing_half_way_leaves_the_model_as_it_was[injected-third-module-installed]",),
+        "        with _undo.all_or_nothing(module):  # a failed re-install keeps the installation it replaced\n",
+        "        with torch.no_grad():\n",
+        ("tests/offloading/test_dynamic_swap.py::test_install_module_failing_keeps_the_installation_it_replaces",),
     ),
     Mutation(
         "resident weights are stored in the storage dtype, as streamed ones",

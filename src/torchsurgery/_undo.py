@@ -140,7 +140,8 @@ class ChangeSet:
         for param, old_flag, _ in self.grad_flags:
             param.requires_grad_(old_flag)
         for tensor, alias, kind in self.storage:
-            if type(tensor) is kind and torch._has_compatible_shallow_copy_type(tensor, alias):
+            # (a wrapper subclass's `.data =` writes values into what it stores: swapped back instead)
+            if type(tensor) is kind and torch._has_compatible_shallow_copy_type(tensor, alias) and not is_traceable_wrapper_subclass(tensor):
                 tensor.data = alias
             else:  # swapped into another class, or across backends `.data =` refuses: swapped back, the object kept
                 # the graph of a live output may hold the tensor (as ``.data =`` lets it): the undo goes through
@@ -484,24 +485,38 @@ def push(module: nn.Module, record: Record) -> None:
     module.__dict__.setdefault(_LOG_KEY, []).append(record)
 
 
-def position(module: nn.Module, record: Record) -> int:
-    """Where ``record`` is in ``module``'s log (0: the oldest)."""
-    return next(i for i, r in enumerate(module.__dict__.get(_LOG_KEY, ())) if r is record)
-
-
-def move(module: nn.Module, record: Record, index: int) -> None:
-    """Put ``record`` (in ``module``'s log) at ``index`` of the log."""
-    log = module.__dict__[_LOG_KEY]
-    log.remove(record)
-    log.insert(index, record)
-
-
 def remove(module: nn.Module, record: Record) -> None:
     """Drop ``record`` from ``module``'s log; the log key goes when it is empty."""
     log = module.__dict__.get(_LOG_KEY, [])
     log[:] = [r for r in log if r is not record]
     if not log:
         module.__dict__.pop(_LOG_KEY, None)
+
+
+@contextlib.contextmanager
+def all_or_nothing(model: nn.Module) -> Iterator[None]:
+    """Within the block, surgery on ``model``'s subtree is done whole, or undone exactly.
+
+    For surgery made of several steps on several modules (``DynamicSwapInstaller.install_model``
+    replacing an installation module by module): when the block raises, every module gets
+    back its class, attributes, parameters and buffers (the same objects, holding what they
+    held: swaps are swapped back) and its undo log (the same records, in order), whatever
+    the steps did. Writes in place are not tracked: the block must not make any.
+    """
+    state = snapshot(model)
+    cls = type(model)
+    logs = [(m, list(m.__dict__.get(_LOG_KEY, ()))) for m in model.modules()]
+    try:
+        yield
+    except BaseException:
+        diff(state, model).revert(model)
+        model.__class__ = cls
+        for module, log in logs:
+            if log:
+                module.__dict__[_LOG_KEY] = log
+            else:
+                module.__dict__.pop(_LOG_KEY, None)
+        raise
 
 
 def rebase_saved(model: nn.Module, after: Record, given_back: list[torch.Tensor]) -> None:

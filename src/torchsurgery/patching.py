@@ -475,26 +475,6 @@ def unpatch(module: M, patch_cls: type[Patch] | None = None, /, *, _internal: bo
     return module
 
 
-def restack(module: nn.Module, place: tuple[int, int]) -> None:
-    """Put ``module``'s top patch back where a patch it replaces was: ``place`` is that patch's
-    ``(index in the module's undo log, seq)``; the class follows the stack's new order.
-
-    For surgery that takes a patch off and puts it on again to undo a failed replacement
-    (``DynamicSwapInstaller.install_model``): the module then has the class and log it had.
-    """
-    top = _patch_records(module)[-1]
-    index, top.seq = place
-    _undo.move(module, top, index)
-    records = _patch_records(module)
-    module.__class__ = _chain(records[0].original, [r.patch for r in records])
-
-
-def place_of(module: nn.Module, patch_cls: type[Patch]) -> tuple[int, int]:
-    """Where ``patch_cls``'s record is in ``module``'s undo log: ``(index, seq)`` (see :func:`restack`)."""
-    record = next(r for r in _patch_records(module) if r.patch is patch_cls)
-    return _undo.position(module, record), record.seq
-
-
 def check_unpatch(module: nn.Module, patch_cls: type[Patch] | None = None, /) -> None:
     """Raise what ``unpatch(module, patch_cls)`` would refuse with, changing nothing.
 

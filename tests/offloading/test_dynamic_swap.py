@@ -445,3 +445,30 @@ def _least(model: nn.Module, device: torch.device) -> int:
     with pytest.raises(torchsurgery.BudgetError) as refused:
         torchsurgery.plan_offload(model, device, budget=1, groups="leaves", dtype=torch.float32)
     return refused.value.needed
+
+
+def test_install_module_failing_keeps_the_installation_it_replaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    # FramePack's per-module call: the old installation comes off, the new one fails to go on;
+    # the module keeps the old one, as it was (class, log, weights, outputs)
+    from torchsurgery.offloading import dynamic_swap
+
+    layer = nn.Linear(8, 8)
+    DynamicSwapInstaller._install_module(layer, dtype=torch.float64)
+    x = torch.randn(2, 8, dtype=torch.float64)
+    with torch.no_grad():
+        expected = layer(x)
+    cls, log, weight = type(layer), _log(layer), layer.weight
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(dynamic_swap, "patch", failing)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        DynamicSwapInstaller._install_module(layer, dtype=torch.float32)
+    monkeypatch.undo()
+    assert type(layer) is cls and _log(layer) == log and layer.weight is weight
+    assert type(weight) is OffloadedTensor and weight.dtype == torch.float64
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+    DynamicSwapInstaller._uninstall_module(layer)
+    assert type(layer) is nn.Linear and type(layer.weight) is nn.Parameter and layer.weight.dtype == torch.float32

@@ -59,8 +59,6 @@ from torchsurgery.patching import (
     check_unpatch,
     is_patched,
     patch,
-    place_of,
-    restack,
     unpatch,
 )
 
@@ -287,28 +285,6 @@ def _check_not_under_an_offload(model: nn.Module) -> None:
         )
 
 
-_Installation = tuple[dict[str, Any], tuple[int, int]]
-
-
-def _installation(module: nn.Module) -> _Installation | None:
-    """The conversion ``module`` itself is installed with and where the installation is in its
-    stack of patches (``None``: not installed)."""
-    if not is_patched(module, _DynamicSwap):
-        return None
-    kwargs: dict[str, Any] = module.__dict__[_KWARGS]
-    return dict(kwargs), place_of(module, _DynamicSwap)
-
-
-def _reinstate(module: nn.Module, before: _Installation | None) -> None:
-    """Put ``module`` back as it was: installed as ``before`` says, at the same place in its
-    stack of patches and undo log, or not installed (``None``)."""
-    if is_patched(module, _DynamicSwap):
-        unpatch(module, _DynamicSwap)
-    if before is not None:
-        patch(module, _DynamicSwap, **before[0])
-        restack(module, before[1])
-
-
 class DynamicSwapInstaller:
     """Keep weights where they are stored; convert them whenever a forward reads them.
 
@@ -331,14 +307,10 @@ class DynamicSwapInstaller:
     def _install_module(module: nn.Module, **kwargs: Any) -> None:
         """Install on one module (re-installing replaces the previous conversion); all or nothing."""
         _check_install(module, kwargs)
-        before = _installation(module)
-        try:
-            if before is not None:
+        with _undo.all_or_nothing(module):  # a failed re-install keeps the installation it replaced
+            if is_patched(module, _DynamicSwap):
                 unpatch(module, _DynamicSwap)
             patch(module, _DynamicSwap, **kwargs)
-        except BaseException:
-            _reinstate(module, before)  # a failed re-install keeps the installation it replaced
-            raise
 
     @staticmethod
     def _uninstall_module(module: nn.Module) -> None:
@@ -382,18 +354,11 @@ class DynamicSwapInstaller:
         for module in model.modules():
             _check_install(module, kwargs)  # a refusal comes before the first module changes
         _check_not_under_an_offload(model)
-        done: list[tuple[nn.Module, _Installation | None]] = []
-        try:
+        # what cannot be checked for beforehand (a class that refuses subclasses, an interrupt):
+        # every module goes back to what it was, a replaced installation as it was made
+        with _undo.all_or_nothing(model):
             for module in model.modules():
-                before = _installation(module)
-                DynamicSwapInstaller._install_module(module, **kwargs)  # all or nothing itself
-                done.append((module, before))
-        except BaseException:
-            # what cannot be checked for beforehand (a class that refuses subclasses, an
-            # interrupt): the modules installed so far go back to what they were
-            for module, before in reversed(done):
-                _reinstate(module, before)
-            raise
+                DynamicSwapInstaller._install_module(module, **kwargs)
 
     @staticmethod
     def uninstall_model(model: nn.Module) -> None:
