@@ -274,7 +274,7 @@ def _check_not_under_an_offload(model: nn.Module) -> None:
     its back (its forwards then mix devices).
     """
     found = list(_undo.walk(model))
-    offloads = [seq for _, _, r in found if r.kind == "offload" for seq in [r.seq]]
+    offloads = [r.seq for _, _, r in found if r.kind == "offload"]
     installed = [(name, r.seq) for name, _, r in found if isinstance(r, PatchRecord) and r.patch is _DynamicSwap]
     under = [name for name, seq in installed if any(o > seq for o in offloads)]
     if under:
