@@ -422,6 +422,8 @@ class DevicePool:
         """
         entry = self._entry(model, "load")
         keep = check_bytes(keep_free, _WHAT, "keep_free")
+        if entry.handle is None:  # on the host: sized again (surgery since may have added or converted weights)
+            entry.total, entry.largest, entry.streamed = self._footprint(entry.model, entry.options, entry.converted)
         room, reclaimable = self._room(entry, keep)
         handle = entry.handle
         if handle is not None:
@@ -627,13 +629,9 @@ class DevicePool:
         return [self._refresh(e) for e in self._entries.values() if e is not but and e.loaded]
 
     def _refresh(self, entry: _Entry) -> _Entry:
-        """Sizes again for a model on the host (surgery since may have added or converted
-        weights), and sizes and grant again after the user converted the loaded model's
-        weights (``.to(dtype)``)."""
+        """Sizes and grant again after the user converted the loaded model's weights (``.to(dtype)``)."""
         handle = entry.handle
-        if handle is None:
-            entry.total, entry.largest, entry.streamed = self._footprint(entry.model, entry.options, entry.converted)
-        elif handle is not None and handle.converted != entry.converted:
+        if handle is not None and handle.converted != entry.converted:
             entry.converted = dict(handle.converted)
             o = entry.options
             entry.total, entry.largest, entry.streamed = self._footprint(entry.model, o, entry.converted)
