@@ -1,7 +1,8 @@
 """How a weight is stored narrower than it computes: the tensor, its product, the native kernel.
 
 :class:`OffloadedTensor` is a weight whose ``dtype`` is the dtype it computes in while its
-values are kept in another (bf16, fp16, fp8, or a master copy with a narrow shadow);
+values are kept in another (bf16, fp16, fp8, a :class:`~torchsurgery.compact.scaled.Scaled` fp8 or int8 format,
+or a master copy with a narrow shadow);
 :func:`~torchsurgery.compact.narrow.narrow_product` multiplies by such values without
 widening the whole weight, through the native kernel for a few rows. The offload pillar
 (:mod:`torchsurgery.offloading`) decides *which* weights are stored this way and where they
@@ -9,6 +10,7 @@ live; this package decides how they are read.
 """
 
 from torchsurgery.compact.narrow import Scratch, is_matmul_layer, prepare_kernel
+from torchsurgery.compact.scaled import Scaled
 from torchsurgery.compact.tensor import (
     OffloadedTensor,
     ReadContext,
@@ -29,6 +31,8 @@ __all__ = [
     "stored_state",
     "converted_by",
     "plain_reader",
+    # scaled formats
+    "Scaled",
     # its reads
     "ReadContext",
     "Scratch",

@@ -52,6 +52,7 @@ from torchsurgery.compact.narrow import (
     narrow_product_op,
     prepare_kernel,
 )
+from torchsurgery.compact.scaled import dequantize, quantize_with, scaled_product
 from torchsurgery.patching import Patch, patches
 
 __all__ = ["OffloadedTensor", "stored_values", "reads_elsewhere_only"]
@@ -60,6 +61,9 @@ __all__ = ["OffloadedTensor", "stored_values", "reads_elsewhere_only"]
 # user's attributes, which swaps carry along (torchsurgery._swap.user_attributes)
 _STORED, _READS, _SHADOW = "_torchsurgery_stored", "_torchsurgery_reads", "_torchsurgery_shadow"
 _COUNTER = "_torchsurgery_counter"  # the stored tensor whose version counter counts writes (see _written_in_place)
+# a scaled weight's fp32 scale (compact/scaled.py), broadcast to the stored values' shape: a
+# view of the weight takes the same view of it, so every view reads q * scale elementwise
+_SCALE = "_torchsurgery_scale"
 
 
 _ONE_BYTE_FLOATS = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
@@ -196,6 +200,7 @@ class OffloadedTensor(torch.Tensor):
         counter: torch.Tensor | None = None,
         offset: int | torch.SymInt = 0,
         device: torch.device | None = None,
+        scale: torch.Tensor | None = None,
     ) -> OffloadedTensor:
         self: OffloadedTensor = torch.Tensor._make_wrapper_subclass(
             cls,
@@ -214,6 +219,7 @@ class OffloadedTensor(torch.Tensor):
         # views and aliases made in __torch_dispatch__ (below autograd) get version counters of
         # their own: they count writes in the one of the tensor they came from
         d[_COUNTER] = d[_STORED] if counter is None else counter
+        d[_SCALE] = None if scale is None else scale.expand(stored.shape)
         return self
 
     @property
@@ -238,15 +244,22 @@ class OffloadedTensor(torch.Tensor):
         """How far the stored values' storage offset is from this tensor's (packed weights start inside a buffer)."""
         return self.__dict__[_STORED].storage_offset() - self.storage_offset()
 
-    def _rewrap(self, stored: torch.Tensor, *, shadow: Shadow | TracedShadow | ViewedShadow | None = None) -> OffloadedTensor:
-        """Another view or alias of the same values, reading the same way."""
+    def _rewrap(
+        self,
+        stored: torch.Tensor,
+        *,
+        shadow: Shadow | TracedShadow | ViewedShadow | None = None,
+        scale: torch.Tensor | None = None,
+    ) -> OffloadedTensor:
+        """Another view or alias of the same values (and of the scale, for a scaled weight), reading the same way."""
         d = self.__dict__
         offset = stored.storage_offset() - self._frame()
         # a view of a normal tensor is a normal tensor, also made in inference mode (autograd
         # then gives it its base's version counter, which an inference tensor cannot take)
         with torch.inference_mode(self.is_inference()) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
             return OffloadedTensor(
-                stored, self.dtype, reads=d[_READS], shadow=shadow, counter=d[_COUNTER], offset=offset, device=self.device
+                stored, self.dtype, reads=d[_READS], shadow=shadow, counter=d[_COUNTER], offset=offset, device=self.device,
+                scale=scale,
             )
 
     def _rehome(self, stored: torch.Tensor) -> None:
@@ -262,7 +275,7 @@ class OffloadedTensor(torch.Tensor):
             shadow.follow(d[_STORED])
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
-        wide = self.stored.to(self.dtype)
+        wide = _wide(self)
         kind = "OffloadedParameter" if isinstance(self, nn.Parameter) else "OffloadedTensor"
         return f"{kind}(stored as {self.stored.dtype}):\n{wide!r}"
 
@@ -273,6 +286,8 @@ class OffloadedTensor(torch.Tensor):
     # (its no-grad products read it), the dtype it reads as and where it starts in its frame.
     def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype, int | torch.SymInt, torch.device]]:
         inner = [_STORED] if self.__dict__[_SHADOW] is None else [_STORED, "_shadow_values"]
+        if self.__dict__[_SCALE] is not None:
+            inner.append(_SCALE)
         return inner, (self.dtype, self.storage_offset(), self.device)
 
     @staticmethod
@@ -284,7 +299,8 @@ class OffloadedTensor(torch.Tensor):
     ) -> OffloadedTensor:
         shadow = inner.get("_shadow_values")
         return OffloadedTensor(
-            inner[_STORED], ctx[0], shadow=None if shadow is None else TracedShadow(shadow), offset=ctx[1], device=ctx[2]
+            inner[_STORED], ctx[0], shadow=None if shadow is None else TracedShadow(shadow), offset=ctx[1], device=ctx[2],
+            scale=inner.get(_SCALE),
         )
 
     def _stable_hash_for_caching(self) -> str:
@@ -292,6 +308,7 @@ class OffloadedTensor(torch.Tensor):
         stored, shadow = self.stored, self.__dict__[_SHADOW]
         narrow = "" if shadow is None else f":{shadow.copy.dtype}"
         where = "" if self.device == stored.device else f"@{self.device}"
+        narrow += "" if self.__dict__[_SCALE] is None else ":scaled"
         return f"OffloadedTensor:{self.dtype}{where}:{stored.dtype}{narrow}:{tuple(stored.shape)}:{stored.stride()}"
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
@@ -299,7 +316,7 @@ class OffloadedTensor(torch.Tensor):
         # other tensors), the reads context, the shadow's dtype, the user's attributes
         d = self.__dict__
         shadow: Shadow | None = d[_SHADOW]
-        extras = {k: v for k, v in d.items() if k not in (_STORED, _READS, _SHADOW, _COUNTER)}
+        extras = {k: v for k, v in d.items() if k not in (_STORED, _READS, _SHADOW, _COUNTER, _SCALE)}
         shadow_dtype = shadow.copy.dtype if shadow is not None else None
         stored: torch.Tensor = d[_STORED]
         # torch's pickle cannot load fp8 values back (its legacy loader wants a typed storage):
@@ -308,7 +325,7 @@ class OffloadedTensor(torch.Tensor):
         values = stored.view(torch.uint8) if as_bytes else stored
         device = None if self.device == stored.device else self.device
         args = (values, self.dtype, self.requires_grad, d[_READS], shadow_dtype, extras, self.storage_offset(),
-                stored.dtype if as_bytes else None, device)
+                stored.dtype if as_bytes else None, device, d[_SCALE])
         return (_rebuild, args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OffloadedTensor:
@@ -323,8 +340,11 @@ class OffloadedTensor(torch.Tensor):
             shadow=copy.deepcopy(d[_SHADOW], memo),
             offset=self.storage_offset(),
             device=self.device,
+            scale=copy.deepcopy(d[_SCALE], memo),
         )
-        new.__dict__.update(copy.deepcopy({k: v for k, v in d.items() if k not in (_STORED, _READS, _SHADOW, _COUNTER)}, memo))
+        new.__dict__.update(
+            copy.deepcopy({k: v for k, v in d.items() if k not in (_STORED, _READS, _SHADOW, _COUNTER, _SCALE)}, memo)
+        )
         memo[id(self)] = new
         return new
 
@@ -387,11 +407,12 @@ def _rebuild(
     offset: int | torch.SymInt = 0,
     byte_dtype: torch.dtype | None = None,
     device: torch.device | None = None,
+    scale: torch.Tensor | None = None,
 ) -> OffloadedTensor:
     """An OffloadedTensor from what :meth:`OffloadedTensor.__reduce_ex__` kept (``_is_param`` among the extras)."""
     if byte_dtype is not None:
         stored = stored.view(byte_dtype)
-    t = OffloadedTensor(stored, dtype, requires_grad=requires_grad, reads=reads, offset=offset, device=device)
+    t = OffloadedTensor(stored, dtype, requires_grad=requires_grad, reads=reads, offset=offset, device=device, scale=scale)
     if shadow_dtype is not None:
         t.__dict__[_SHADOW] = Shadow(t.stored, shadow_dtype)
     t.__dict__.update(extras)
@@ -405,8 +426,17 @@ def _widened(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def _wide(t: OffloadedTensor) -> torch.Tensor:
     """``t``'s values in its dtype on its device: the stored tensor itself where it already is so."""
-    stored = t.stored
+    stored, scale = t.stored, t.__dict__[_SCALE]
+    if scale is not None:  # a scaled weight: q * scale (compact/scaled.py)
+        return dequantize(stored, scale, t.dtype).to(t.device)
     return stored.to(device=t.device, dtype=t.dtype)
+
+
+def _store(t: OffloadedTensor, values: torch.Tensor) -> None:
+    """Write ``values`` (read as ``t`` reads) into ``t``'s stored values: rounded to the storage dtype,
+    or to a scaled weight's grid (its scale kept)."""
+    scale = t.__dict__[_SCALE]
+    t.stored.copy_(values if scale is None else quantize_with(values.to(scale.device), scale, t.stored.dtype))
 
 
 # ------------------------------------------------------------------ fast products
@@ -417,7 +447,9 @@ def _needs_graph(*tensors: torch.Tensor | None) -> bool:
 
 
 def _narrow_operand(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t._narrow() if isinstance(t, OffloadedTensor) else t
+    if isinstance(t, OffloadedTensor):
+        return _wide(t) if t.__dict__[_SCALE] is not None else t._narrow()
+    return t
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -468,7 +500,16 @@ def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor |
         if transposed:
             return torch.addmm(b, x, w) if b is not None else x @ w
         return F.linear(x, w, b)
-    return narrow_product(x, values, _narrow_operand(bias), transposed, reads.scratch if reads is not None else None)
+    scratch = reads.scratch if reads is not None else None
+    scale = d[_SCALE]
+    if scale is not None and not transposed:  # the scale applied to the sums (compact/scaled.py)
+        def sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return narrow_product(x, w, None, False, scratch)
+
+        return scaled_product(x, values, scale, _narrow_operand(bias), sums)
+    if scale is not None:  # an [in, out] weight (Conv1D): its scale runs along the sums
+        values = _wide(weight)
+    return narrow_product(x, values, _narrow_operand(bias), transposed, scratch)
 
 
 def _transformed() -> bool:
@@ -500,7 +541,8 @@ _REINTERPRETS = {_aten.view.dtype, _aten.view_as_real.default, _aten.view_as_com
 def _alias(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OffloadedTensor:
     # detach (state_dict, .data, nn.Parameter) and alias: the same values, read the same way
     t: OffloadedTensor = args[0]
-    return t._rewrap(t.stored, shadow=t.__dict__[_SHADOW])  # the very tensor: its version counter too
+    d = t.__dict__
+    return t._rewrap(t.stored, shadow=d[_SHADOW], scale=d[_SCALE])  # the very tensor: its version counter too
 
 
 def _in_stored_frame(t: OffloadedTensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
@@ -517,6 +559,14 @@ def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     t: OffloadedTensor = args[0]
     rest = tree_map_only(OffloadedTensor, _wide, args[1:])
     kwargs = tree_map_only(OffloadedTensor, _wide, kwargs)
+    scale = t.__dict__[_SCALE]
+    if scale is not None:  # the same view of the values and of their scale
+        if func is _aten.as_strided.default:  # the values' strides are not the scale's: no view of both
+            return _widened(func, args, kwargs)
+        values, scales = func(t.stored, *rest, **kwargs), func(scale, *rest, **kwargs)
+        if isinstance(values, torch.Tensor):
+            return t._rewrap(values, scale=scales)
+        return [t._rewrap(v, scale=s) for v, s in zip(values, scales, strict=True)]  # split, unbind
     in_stored = _in_stored_frame(t, rest, kwargs) if func is _aten.as_strided.default else (rest, kwargs)
     out = func(t.stored, *in_stored[0], **in_stored[1])
     shadow = t.__dict__[_SHADOW]
@@ -541,6 +591,10 @@ def _reshape_in_place(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     reshaped = _aten.alias.default(t.stored)
     func(reshaped, *in_stored[0], **in_stored[1])
     t.__dict__[_STORED] = reshaped  # writes still counted in t's counter
+    if t.__dict__[_SCALE] is not None:  # the scale takes the same shape
+        scale = _aten.alias.default(t.__dict__[_SCALE])
+        func(scale, *in_stored[0], **in_stored[1])
+        t.__dict__[_SCALE] = scale
     with no_dispatch():
         func(t, *args[1:], **kwargs)
     _written_in_place(t)
@@ -550,6 +604,12 @@ def _reshape_in_place(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
 def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     dst, src = args[0], args[1]
     src_values = src.stored if isinstance(src, OffloadedTensor) else src  # its values exactly, not widened
+    if isinstance(src, OffloadedTensor) and src.__dict__[_SCALE] is not None:
+        src_values = _wide(src)  # q alone is not the values
+    if isinstance(dst, OffloadedTensor) and dst.__dict__[_SCALE] is not None:
+        _store(dst, src_values)
+        _written_in_place(dst)
+        return dst
     if isinstance(dst, OffloadedTensor):
         dst.stored.copy_(src_values, **kwargs)  # rounded to the storage dtype, no widened copy
         _written_in_place(dst)
@@ -568,7 +628,7 @@ def _as_read(t: OffloadedTensor, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
     t: OffloadedTensor = args[0]
-    return func(t.stored, **_as_read(t, kwargs))
+    return func(t.stored if t.__dict__[_SCALE] is None else _wide(t), **_as_read(t, kwargs))
 
 
 def _decomposed(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -616,17 +676,16 @@ def _write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     def unwrap(t: OffloadedTensor) -> torch.Tensor:
         if id(t) not in written:
             return _wide(t)
-        stored = t.stored
         # already in the compute dtype where it computes: written directly; else a widened
         # copy (on the device it reads as), stored back after
-        plain = stored.to(device=t.device, dtype=t.dtype)
+        plain = _wide(t)
         targets[id(plain)] = (t, plain)
         return plain
 
     out = func(*tree_map_only(OffloadedTensor, unwrap, args), **tree_map_only(OffloadedTensor, unwrap, kwargs))
     for t, plain in targets.values():
         if plain is not t.stored:
-            t.stored.copy_(plain)
+            _store(t, plain)
         _written_in_place(t)
     return tree_map(lambda o: targets[id(o)][0] if isinstance(o, torch.Tensor) and id(o) in targets else o, out)
 
@@ -640,7 +699,7 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # own backward, which multiplies by the weight through here again)
     bias, x, w = (None, *args) if func is _aten.mm.default else args
     if (
-        isinstance(w, OffloadedTensor) and not isinstance(x, OffloadedTensor)
+        isinstance(w, OffloadedTensor) and not isinstance(x, OffloadedTensor) and w.__dict__[_SCALE] is None
         and all(v in (None, 1) for v in (kwargs.get("beta"), kwargs.get("alpha")))
     ):
         values = w._narrow()
@@ -710,7 +769,7 @@ def _is_pinned(t: OffloadedTensor, device: Any = None) -> bool:
 
 def _pin_memory(t: OffloadedTensor, device: Any = None) -> OffloadedTensor:
     pinned = t.stored.pin_memory() if device is None else t.stored.pin_memory(device)
-    return OffloadedTensor(pinned, t.dtype, reads=t.__dict__[_READS], device=t.device)
+    return OffloadedTensor(pinned, t.dtype, reads=t.__dict__[_READS], device=t.device, scale=t.__dict__[_SCALE])
 
 
 def _values_out(t: OffloadedTensor, force: bool = False) -> torch.Tensor:
@@ -750,10 +809,18 @@ def _set_data(t: OffloadedTensor, new: Any) -> None:
     values = new.stored if isinstance(new, OffloadedTensor) else new.detach()
     stored = t.stored
     here = new.device == t.device  # values where it computes: kept where it keeps its values
+    scaled = t.__dict__[_SCALE] is not None
+    if scaled and isinstance(new, OffloadedTensor) and new.__dict__[_SCALE] is not None:
+        values = _wide(new)
     if here and values.shape == stored.shape and values.stride() == stored.stride():
-        stored.copy_(values)
+        _store(t, values)
         _written_in_place(t)
         return
+    if scaled:
+        raise TypeError(
+            f"torchsurgery: cannot set .data of a scaled weight of shape {list(t.shape)} to a tensor of shape "
+            f"{list(new.shape)} on {new.device}; write values of its shape in place, or remove the offload first"
+        )
     kept = values.to(device=stored.device if here else values.device, dtype=stored.dtype)
     _DATA.__set__(t, OffloadedTensor(kept, t.dtype, device=new.device))  # the wrapper's shape, strides, device
     t._rehome(kept)
@@ -839,15 +906,17 @@ def offloaded_like(
     reads: ReadContext | None = None,
     shadow_dtype: torch.dtype | None = None,
     device: torch.device | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The object to swap into ``tensor`` so that it reads as ``dtype`` on ``device`` with ``stored`` as its values.
 
-    ``device`` (default: where ``stored`` is) is where it computes: a weight kept in host
+    ``scale`` (a scaled weight, :mod:`torchsurgery.compact.scaled`) makes it read as
+    ``stored * scale``. ``device`` (default: where ``stored`` is) is where it computes: a weight kept in host
     memory for a model offloaded to an accelerator reads as a tensor there. A parameter
     stays a parameter (``isinstance``, ``requires_grad``); attributes the user set on the
     tensor object are carried along.
     """
-    wrapper = OffloadedTensor(stored, dtype, reads=reads, device=device)
+    wrapper = OffloadedTensor(stored, dtype, reads=reads, device=device, scale=scale)
     prepare_kernel(shadow_dtype if shadow_dtype is not None else stored.dtype, stored.device)
     if shadow_dtype is not None:  # follows the very tensor the wrapper keeps (copies keep the link)
         wrapper.__dict__[_SHADOW] = Shadow(wrapper.stored, shadow_dtype)
@@ -873,7 +942,8 @@ def stored_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, loc
         entry = state_dict.get(prefix + name)
         # with keep_vars=True the entry is the tensor object itself: left as it is
         if isinstance(value, OffloadedTensor) and isinstance(entry, OffloadedTensor) and entry is not value:
-            state_dict[prefix + name] = _own_storage(value.stored)
+            # a scaled weight's values are q * scale: given in the compute dtype
+            state_dict[prefix + name] = _own_storage(value.stored) if value.__dict__[_SCALE] is None else _wide(value)
 
 
 def _own_storage(values: torch.Tensor) -> torch.Tensor:

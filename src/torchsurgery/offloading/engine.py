@@ -46,6 +46,7 @@ from torchsurgery._swap import swap_blocker, swap_in, wrap_like
 from torchsurgery.compact import (
     OffloadedTensor,
     ReadContext,
+    Scaled,
     Scratch,
     converted_by,
     offloaded_like,
@@ -288,10 +289,12 @@ class OffloadHandle:
                 if p.tied_to is not None or p.residency is Residency.FILE:
                     continue  # converted under its first name; or the file has its values
                 tensor = _param(self._modules, p)
+                # a scaled weight moves in its own dtype: it is quantised when it is wrapped
+                dtype = tensor.dtype if p.scaled is not None else p.storage_dtype
                 if p.residency is Residency.RESIDENT:
-                    moves.append((p, tensor, target, p.storage_dtype, False))
+                    moves.append((p, tensor, target, dtype, False))
                 else:
-                    moves.append((p, tensor, _STORAGE_DEVICE, p.storage_dtype, pin))
+                    moves.append((p, tensor, _STORAGE_DEVICE, dtype, pin))
         return moves
 
     def _convert(self) -> None:
@@ -394,7 +397,12 @@ class OffloadHandle:
         """What to swap into ``tensor`` to give it the values ``stored`` (in ``p``'s storage dtype), read as it
         computes (on the device it computes on, where the values stay on the host)."""
         device = self.device if reads_elsewhere(p, self.device) else None
-        return offloaded_like(tensor, stored, p.compute_dtype, reads=self._reads, shadow_dtype=p.shadow_dtype, device=device)
+        scale = None
+        if p.scaled is not None:  # ``stored`` holds the values to quantise (compact/scaled.py)
+            stored, scale = p.scaled.quantize(stored)
+        return offloaded_like(
+            tensor, stored, p.compute_dtype, reads=self._reads, shadow_dtype=p.shadow_dtype, device=device, scale=scale
+        )
 
     def _pack(self, group: GroupPlan, packable: list[tuple[_Entry, ParamPlan]]) -> PackedGroup:
         """The group's streamed weights in host buffers (their only host copy), or left in the file."""
@@ -825,7 +833,7 @@ def offload(
     device: str | torch.device | OffloadDevice = "cpu",
     *,
     dtype: torch.dtype | None = None,
-    storage_dtype: torch.dtype | None = None,
+    storage_dtype: torch.dtype | Scaled | None = None,
     budget: int | None = None,
     prefetch: int = 1,
     pin_memory: bool | None = None,
@@ -843,7 +851,10 @@ def offload(
         dtype: the compute dtype of floating weights (default: their current dtype).
         storage_dtype: the dtype weights are stored in, resident or streamed, whatever the
             budget (``bfloat16``, ``float16``, ``float8_e4m3fn``, ``float8_e5m2``, ``float32``,
-            ``float64``); modules selected by ``skip`` keep theirs.
+            ``float64``); modules selected by ``skip`` keep theirs. Or a scaled format,
+            :class:`~torchsurgery.compact.Scaled` (fp8 or int8 values with an fp32 scale per
+            output channel or per tensor) for weights of two or more dimensions, kept whole
+            (resident, or read narrow by the CPU): biases keep the compute dtype.
         budget: device bytes the weights may take as stored, next to the ``prefetch + 1``
             largest streamed groups in flight. A model that fits is kept whole. Otherwise the
             groups that stream through the ring are measured on the first forward and

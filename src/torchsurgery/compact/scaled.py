@@ -1,0 +1,158 @@
+"""Scaled compact formats: a narrow weight plus a scale per output channel or per tensor.
+
+Casting a weight of typical size (std 0.02) straight to fp8 puts most of its values in
+e4m3's subnormal range; the fp8 checkpoints people download (ComfyUI's "fp8 scaled") and
+torchao's float8 and int8 weight-only formats keep a scale beside the narrow values
+instead. :class:`Scaled` names such a format; passed as ``storage_dtype`` to
+:func:`~torchsurgery.offload`, every weight of two or more dimensions is kept as
+``q`` (the narrow values) and ``scale`` (fp32, ``[out, 1, ...]`` per output channel, a scalar
+per tensor), and reads as the compute dtype with the values ``(q.float() * scale).to(dtype)``.
+One-dimensional parameters (biases) keep the compute dtype, norms and embeddings their own
+(``skip``), as with a plain ``storage_dtype``.
+
+The scale is chosen when the weight is stored (the largest magnitude of each channel maps
+to the format's largest value) and stays: a later write (an optimizer step,
+``load_state_dict``) is rounded to the weight's grid, values beyond its range saturate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from torchsurgery.errors import ArgumentValueError
+
+__all__ = ["Scaled", "quantize", "quantize_with", "dequantize", "scaled_product"]
+
+_LARGEST: dict[torch.dtype, float] = {
+    torch.float8_e4m3fn: float(torch.finfo(torch.float8_e4m3fn).max),  # 448
+    torch.float8_e5m2: float(torch.finfo(torch.float8_e5m2).max),  # 57344
+    torch.int8: 127.0,  # symmetric: -128 is never used
+}
+_PER = ("channel", "tensor")
+_WHAT = "torchsurgery.compact.Scaled"
+
+ProductFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(x, weight) -> x @ weight.T`` in ``x``'s dtype, for a weight in any dtype."""
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """A storage format: narrow values (fp8 or int8) and an fp32 scale per output channel or per tensor.
+
+    Pass it as ``storage_dtype`` to :func:`~torchsurgery.offload`.
+
+    Attributes:
+        dtype: the narrow values' dtype: ``torch.float8_e4m3fn``, ``torch.float8_e5m2``, or
+            ``torch.int8`` (per channel only: int8 weight-only, symmetric).
+        per: ``"channel"`` (one scale per slice along the weight's first dimension:
+            ``nn.Linear``'s output channels) or ``"tensor"`` (one scale).
+
+    Raises:
+        ValueError: another dtype, another ``per``, or int8 per tensor; the message names the fix.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> from torchsurgery.compact import Scaled
+        >>> layer = nn.Linear(4, 2)
+        >>> handle = torchsurgery.offload(layer, storage_dtype=Scaled(torch.int8), dtype=torch.float32, groups=[""])
+        >>> layer.weight.dtype, layer.weight.stored.dtype, layer.bias.dtype
+        (torch.float32, torch.int8, torch.float32)
+        >>> _ = handle.remove()
+    """
+
+    dtype: torch.dtype
+    per: Literal["channel", "tensor"] = "channel"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _LARGEST:
+            choices = ", ".join(str(d) for d in _LARGEST)
+            raise ArgumentValueError(
+                _WHAT, "dtype", self.dtype, f"must be a narrow dtype with a scale ({choices}), got {self.dtype!r}",
+                "for a plain (unscaled) dtype pass it as storage_dtype itself",
+            )
+        if self.per not in _PER:
+            raise ArgumentValueError(
+                _WHAT, "per", self.per, f"must be 'channel' or 'tensor', got {self.per!r}",
+                "per='channel' scales each output channel (a weight's first dimension)",
+            )
+        if self.dtype == torch.int8 and self.per != "channel":
+            raise ArgumentValueError(
+                _WHAT, "per", self.per, "int8 is stored with a scale per output channel only",
+                "use Scaled(torch.int8, per='channel'), or Scaled(torch.float8_e4m3fn, per='tensor')",
+            )
+
+    def quantize(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``values`` as ``(q, scale)``: ``q`` in :attr:`dtype`, ``scale`` fp32 broadcastable to it.
+
+        Example:
+            >>> import torch
+            >>> q, scale = Scaled(torch.int8).quantize(torch.tensor([[0.5, -1.0], [2.0, 0.0]]))
+            >>> q.tolist(), scale.flatten().tolist()
+            ([[64, -127], [127, 0]], [0.007874015718698502, 0.015748031437397003])
+        """
+        magnitude = values.detach().abs().float()
+        if self.per == "tensor" or values.dim() < 2:
+            largest = magnitude.amax()
+        else:
+            largest = magnitude.amax(dim=tuple(range(1, values.dim())), keepdim=True)
+        scale = largest / _LARGEST[self.dtype]
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero channel
+        return quantize_with(values, scale, self.dtype), scale
+
+
+def quantize_with(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values / scale`` rounded to ``dtype`` (fp8 to nearest, int8 to the nearest integer), saturating.
+
+    Example:
+        >>> import torch
+        >>> quantize_with(torch.tensor([1.0, -300.0]), torch.tensor(2.0), torch.int8).tolist()
+        [0, -127]
+    """
+    largest = _LARGEST[dtype]
+    ratio = (values.detach().float() / scale).clamp_(-largest, largest)
+    if dtype == torch.int8:
+        ratio.round_()  # half to even, as torch rounds
+    return ratio.to(dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values ``q`` and ``scale`` stand for, in ``dtype``: ``(q.float() * scale).to(dtype)``.
+
+    Example:
+        >>> import torch
+        >>> dequantize(torch.tensor([64, -127], dtype=torch.int8), torch.tensor(0.5), torch.float32).tolist()
+        [32.0, -63.5]
+    """
+    return (q.float() * scale).to(dtype)
+
+
+def scaled_product(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, product: ProductFn
+) -> torch.Tensor:
+    """``x @ (q * scale).T + bias`` without gradients, the scale applied to the sums where it can be.
+
+    ``scale`` is broadcast to ``q``'s shape ([out, in]). Where it is constant along each row
+    (per output channel, or per tensor), the sums are taken from ``q`` itself by ``product``
+    (the narrow product: the native kernel reads fp8 rows in place; int8 is widened) and
+    scaled after: ``(x @ q.T) * scale + bias``. Otherwise (a transposed view of a per-channel
+    weight) the weight is dequantised first.
+
+    Example:
+        >>> import torch
+        >>> q, scale = torch.tensor([[2, 4]], dtype=torch.int8), torch.tensor([[0.5]]).expand(1, 2)
+        >>> plain = lambda x, w: x @ w.to(x.dtype).T
+        >>> scaled_product(torch.ones(1, 2), q, scale, torch.tensor([1.0]), plain).tolist()
+        [[4.0]]
+    """
+    if scale.dim() != 2 or scale.stride(1) != 0:
+        out = product(x, dequantize(q, scale, x.dtype))
+    else:
+        out = product(x, q).mul_(scale[:, 0].to(x.dtype))  # one scale per output: apply it to the sums
+    return out if bias is None else out.add_(bias)
+
