@@ -25,7 +25,7 @@ import torch
 
 from torchsurgery.errors import ArgumentValueError
 
-__all__ = ["Scaled", "quantize", "quantize_with", "dequantize", "scaled_product"]
+__all__ = ["Scaled", "quantize_with", "dequantize", "scaled_product"]
 
 _LARGEST: dict[torch.dtype, float] = {
     torch.float8_e4m3fn: float(torch.finfo(torch.float8_e4m3fn).max),  # 448

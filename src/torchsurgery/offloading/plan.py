@@ -34,7 +34,13 @@ from torchsurgery._validate import (
     dtype_name,
     holds_exactly,
 )
-from torchsurgery.compact import Scaled, is_matmul_layer, plain_reader, reads_elsewhere_only, stored_values
+from torchsurgery.compact import (
+    Scaled,
+    is_matmul_layer,
+    plain_reader,
+    reads_elsewhere_only,
+    stored_values,
+)
 from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, BudgetError, Setting
 from torchsurgery.offloading.device import OffloadDevice, resolve_device
 from torchsurgery.offloading.grouping import find_groups

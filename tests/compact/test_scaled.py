@@ -1,0 +1,209 @@
+"""Tests of the scaled storage formats (``torchsurgery.compact.Scaled``) under ``offload``.
+
+The reference throughout is the plain model whose weights hold the dequantised values
+``(q.float() * scale).to(dtype)``: an offloaded scaled weight must compute, read, save and
+come back as that plain weight does.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchsurgery
+from torchsurgery import OffloadedTensor, offload
+from torchsurgery.compact import Scaled
+from torchsurgery.compact.scaled import dequantize, scaled_product
+
+FORMATS = [
+    Scaled(torch.float8_e4m3fn, per="channel"),
+    Scaled(torch.float8_e4m3fn, per="tensor"),
+    Scaled(torch.float8_e5m2, per="channel"),
+    Scaled(torch.int8, per="channel"),
+]
+IDS = [f"{str(f.dtype).removeprefix('torch.')}-{f.per}" for f in FORMATS]
+
+
+def mlp() -> nn.Sequential:
+    """Linear layers at a typical weight scale (std 0.02, where unscaled fp8 is subnormal), a norm between."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 16))
+    with torch.no_grad():
+        for layer in (model[0], model[3]):
+            layer.weight.normal_(0, 0.02)
+    return model
+
+
+def dequantised(model: nn.Module, fmt: Scaled) -> nn.Module:
+    """A plain copy of ``model`` whose Linear weights hold the values ``fmt`` keeps (biases, norms keep theirs)."""
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in reference.modules():
+            if isinstance(layer, nn.Linear):
+                layer.weight.copy_(dequantize(*fmt.quantize(layer.weight), torch.float32))
+    return reference
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize("rows", [1, 5, 24])  # the native kernel's rows (fp8), and the widening path
+def test_outputs_equal_the_plain_model_with_the_dequantised_weights(fmt: Scaled, rows: int) -> None:
+    model = mlp()
+    reference = dequantised(model, fmt)
+    offload(model, storage_dtype=fmt, dtype=torch.float32)
+    x = torch.randn(rows, 32)
+    with torch.no_grad():
+        got, expected = model(x), reference(x)
+    # the scale multiplies the sums instead of the weight: the same values, rounded once differently
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert (got - expected).abs().max() < 1e-3 * expected.abs().max()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_gradients_flow_as_for_the_plain_weight(fmt: Scaled) -> None:
+    model = mlp()
+    reference = dequantised(model, fmt)
+    offload(model, storage_dtype=fmt, dtype=torch.float32)
+    x = torch.randn(4, 32)
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for (name, mine), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert mine.grad is not None and theirs.grad is not None
+        assert mine.grad.dtype == torch.float32, name
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_it_reads_as_the_compute_dtype_and_its_state_dict_holds_the_dequantised_values(fmt: Scaled) -> None:
+    model = mlp()
+    reference = dequantised(model, fmt)
+    offload(model, storage_dtype=fmt, dtype=torch.float32)
+    weight = model[0].weight
+    assert isinstance(weight, OffloadedTensor) and isinstance(weight, nn.Parameter)
+    assert weight.dtype == torch.float32 and weight.stored.dtype == fmt.dtype
+    assert type(model[0].bias) is nn.Parameter and model[2].weight.dtype == torch.float32  # bias, norm kept
+    torch.testing.assert_close(weight * 1, reference[0].weight, rtol=0, atol=0)
+    torch.testing.assert_close(weight.t(), reference[0].weight.t(), rtol=0, atol=0)  # views read scaled too
+    torch.testing.assert_close(weight[5:9], reference[0].weight[5:9], rtol=0, atol=0)
+    state = model.state_dict()
+    for name, value in reference.state_dict().items():
+        assert state[name].dtype == value.dtype and type(state[name]) is torch.Tensor, name
+        torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
+    q, scale = weight.stored.clone(), weight.__dict__["_torchsurgery_scale"].clone()
+    model.load_state_dict(state)  # its own values back: the same q and scale
+    assert torch.equal(weight.stored.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(weight.__dict__["_torchsurgery_scale"], scale)
+    plain = mlp()
+    plain.load_state_dict(state)  # and a plain model takes them as they are
+    torch.testing.assert_close(plain[0].weight, reference[0].weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("undo", ["remove", "restore"])
+@pytest.mark.parametrize("fmt", FORMATS[::3], ids=IDS[::3])
+def test_undo_gives_back_the_same_parameters_with_the_dequantised_values(fmt: Scaled, undo: str) -> None:
+    model = mlp()
+    reference = dequantised(model, fmt)
+    ids = [id(p) for p in model.parameters()]
+    handle = offload(model, storage_dtype=fmt, dtype=torch.float32)
+    if undo == "remove":
+        handle.remove()
+    else:
+        torchsurgery.restore(model)
+    assert [id(p) for p in model.parameters()] == ids
+    for (name, mine), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert type(mine) is nn.Parameter and mine.dtype == torch.float32, name
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0, msg=name)
+
+
+def test_writes_are_rounded_to_the_weights_grid() -> None:
+    fmt = Scaled(torch.int8)
+    model = mlp()
+    offload(model, storage_dtype=fmt, dtype=torch.float32)
+    weight = model[0].weight
+    before = weight * 1
+    with torch.no_grad():
+        weight[3] = 0  # through a view: lands in q, the scale kept
+        weight.mul_(0.5)  # in place: rounded to the grid of the same scale
+    expected = before.clone()
+    expected[3] = 0
+    scale = weight.__dict__["_torchsurgery_scale"]
+    grid = dequantize(torch.round(expected * 0.5 / scale).to(torch.int8), scale, torch.float32)
+    torch.testing.assert_close(weight * 1, grid, rtol=0, atol=0)
+    assert weight.stored.dtype == torch.int8
+
+
+def test_a_deep_copy_keeps_the_scale() -> None:
+    model = mlp()
+    offload(model, storage_dtype=Scaled(torch.float8_e4m3fn), dtype=torch.float32)
+    copied = copy.deepcopy(model[0].weight)
+    torch.testing.assert_close(copied * 1, model[0].weight * 1, rtol=0, atol=0)
+
+
+def test_the_scale_is_applied_to_the_sums_of_the_narrow_values() -> None:
+    fmt = Scaled(torch.float8_e4m3fn)
+    w = torch.randn(6, 8) * 0.02
+    q, scale = fmt.quantize(w)
+    seen: list[torch.dtype] = []
+
+    def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        seen.append(weight.dtype)
+        return x @ weight.to(x.dtype).T
+
+    x, bias = torch.randn(3, 8), torch.randn(6)
+    out = scaled_product(x, q, scale.expand(q.shape), bias, product)
+    assert seen == [torch.float8_e4m3fn]  # the product read q itself, not a dequantised weight
+    torch.testing.assert_close(out, x @ dequantize(q, scale, torch.float32).T + bias, rtol=1e-5, atol=1e-7)
+    # a view whose scale runs along the sums (the transpose of a per-channel weight) is dequantised first
+    square_q, square_scale = fmt.quantize(torch.randn(8, 8))
+    out = scaled_product(x, square_q.t(), square_scale.expand(8, 8).t(), None, product)
+    assert seen[-1] == torch.float32
+    torch.testing.assert_close(out, x @ dequantize(square_q, square_scale, torch.float32), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"dtype": torch.bfloat16}, ["torchsurgery.compact.Scaled", "torch.bfloat16", "storage_dtype itself"]),
+        ({"dtype": torch.float8_e4m3fn, "per": "row"}, ["torchsurgery.compact.Scaled", "'row'", "per='channel'"]),
+        ({"dtype": torch.int8, "per": "tensor"}, ["torchsurgery.compact.Scaled", "tensor", "Scaled(torch.int8, per='channel')"]),
+    ],
+)
+def test_bad_formats_are_refused_naming_the_value_and_the_fix(kwargs: dict[str, Any], words: list[str]) -> None:
+    with pytest.raises(ValueError) as caught:
+        Scaled(**kwargs)
+    for word in words:
+        assert word in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("make", "options", "words"),
+    [
+        # a CPU streams the weights no matmul layer reads narrow: a convolution's
+        (lambda: nn.Sequential(nn.Conv2d(3, 4, 3)), {}, ["torchsurgery.offload", "'0.weight' would be streamed", "give no budget"]),
+        (mlp, {"master_dtype": torch.float32}, ["torchsurgery.offload", "master_dtype", "leave out master_dtype"]),
+    ],
+)
+def test_what_is_not_built_yet_is_refused_changing_nothing(make: Any, options: dict[str, Any], words: list[str]) -> None:
+    model = make()
+    before = {name: (id(p), type(p), p.clone()) for name, p in model.named_parameters()}
+    with pytest.raises(ValueError) as caught:
+        offload(model, "cpu", storage_dtype=Scaled(torch.int8), dtype=torch.float32, groups="leaves", **options)
+    for word in words:
+        assert word in str(caught.value)
+    for name, p in model.named_parameters():
+        assert (id(p), type(p)) == before[name][:2] and torch.equal(p, before[name][2])
+    assert not torchsurgery.surgery_log(model)
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("fmt", FORMATS[::3], ids=IDS[::3])
+def test_on_the_accelerator_outputs_equal_the_dequantised_model(fmt: Scaled, accelerator: torch.device) -> None:
+    model = mlp()
+    reference = dequantised(model, fmt).to(accelerator)
+    offload(model, accelerator, storage_dtype=fmt, dtype=torch.float32)  # kept whole on the device
+    assert model[0].weight.stored.device == accelerator and model[0].weight.stored.dtype == fmt.dtype
+    x = torch.randn(3, 32, device=accelerator)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-6)
