@@ -63,6 +63,92 @@ def test_outputs_match_fp32_for_many_shapes_rows_and_biases(kernel: _NarrowMatve
     assert not kernel.failed
 
 
+def _narrow(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """Random values in ``dtype``: int8 over its whole range, the floating ones around 1."""
+    if dtype == torch.int8:
+        return torch.randint(-127, 128, shape, dtype=torch.int8)
+    return torch.randn(*shape).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("transposed", [False, True], ids=["out-in", "in-out"])
+def test_the_scale_multiplies_each_sum_before_the_bias(each_path: _NarrowMatvec, dtype: torch.dtype, transposed: bool) -> None:
+    # (x @ q.T) * scale + bias, the scale per output or one for all (0-d, or a broadcast scalar),
+    # at rows with every kind of tail, against the plain product of the widened values
+    torch.manual_seed(9)
+    for i, (out, inp) in enumerate([(7, 5), (100, 149), (33, 200), (300, 257), (64, 1100)]):
+        weight = _narrow((inp, out) if transposed else (out, inp), dtype)
+        per_output = torch.rand(out) * 0.01 + 1e-4
+        scales = [per_output, torch.tensor(0.003), torch.tensor(0.02).expand(out)]
+        for rows in range(1, NATIVE_MAX_ROWS + 1):
+            x, scale = torch.randn(rows, inp), scales[(i + rows) % 3]
+            bias = None if rows % 2 else torch.randn(out)
+            got = each_path(x, weight, bias, transposed, scale)
+            sums = reference(x, weight, None, transposed)
+            expected = sums * scale if bias is None else sums * scale + bias
+            assert got is not None
+            size = float(weight.float().abs().max() * scale.max())  # of one weight, scaled
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * inp**0.5 * size + 1e-6)
+    assert not each_path.failed
+
+
+def test_a_scale_of_another_kind_is_refused_for_its_shape_only(kernel: _NarrowMatvec) -> None:
+    weight, x = _narrow((6, 40), torch.int8), torch.randn(1, 40)
+    for bad in (torch.ones(5), torch.ones(6, dtype=torch.float64), torch.ones(12)[::2], torch.ones(6, 1)):
+        fresh = _NarrowMatvec()
+        fresh._libraries = kernel._libraries
+        with pytest.warns(UserWarning, match="the scale must"):
+            assert fresh(x, weight, None, False, bad) is None
+        assert fresh.failed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.int8], ids=str)
+def test_every_split_over_threads_gives_the_same_outputs(
+    each_path: _NarrowMatvec, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # outputs split over 1 to 7 threads (more than this machine's cores where it has fewer): each
+    # output computed once, by one thread, in the same order, so every split gives the same bits
+    torch.manual_seed(10)
+    for out, inp, transposed in [(1001, 64, False), (77, 2048, False), (129, 4100, True)]:
+        weight = _narrow((out, inp), dtype)
+        weight = weight.t().contiguous() if transposed else weight
+        for rows in (1, 3, 8):
+            x = torch.randn(rows, inp)
+            results = []
+            for threads in range(1, 8):
+                monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
+                results.append(each_path(x, weight, None, transposed))
+            assert results[0] is not None
+            size = float(weight.float().abs().max())
+            torch.testing.assert_close(results[0], reference(x, weight, None, transposed), rtol=1e-5, atol=1e-5 * inp**0.5 * size)
+            for got in results[1:]:
+                assert got is not None and torch.equal(got, results[0])
+
+
+@pytest.mark.parametrize("ahead", [0, 64, 4096, 65536])
+def test_how_far_ahead_the_weight_is_asked_for_changes_no_output(
+    each_path: _NarrowMatvec, ahead: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(11)
+    cases = [(_narrow((300, 1100), dtype), torch.randn(rows, 1100)) for dtype in (torch.bfloat16, torch.float8_e5m2) for rows in (1, 4)]
+    expected = [each_path(x, w, None, False) for w, x in cases]
+    monkeypatch.setattr(each_path, "ahead", ahead)
+    for (w, x), e in zip(cases, expected, strict=True):
+        got = each_path(x, w, None, False)
+        assert got is not None and e is not None and torch.equal(got, e)
+
+
+def test_a_bad_distance_ahead_in_the_environment_warns_and_keeps_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchsurgery.compact import narrow_matvec as module
+
+    for text in ("lots", "-5", "999999"):
+        monkeypatch.setenv("TORCHSURGERY_NARROW_AHEAD", text)
+        with pytest.warns(UserWarning, match="TORCHSURGERY_NARROW_AHEAD"):
+            assert module._ahead_from_environment() == module._AHEAD
+    monkeypatch.setenv("TORCHSURGERY_NARROW_AHEAD", "1024")
+    assert module._ahead_from_environment() == 1024
+
+
 def test_leading_dimensions_are_kept(kernel: _NarrowMatvec) -> None:
     torch.manual_seed(2)
     weight = torch.randn(300, 257).bfloat16()
@@ -203,7 +289,7 @@ def test_every_fp8_pattern_at_many_places_of_long_rows_is_exact(kernel: _NarrowM
         assert bool(same.all()), (rows, patterns[~same.all(0)][:8])
 
 
-@pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [d for d in NATIVE_DTYPES if d.is_floating_point], ids=str)
 def test_a_nan_weight_in_a_long_row_makes_its_outputs_nan_and_no_other(kernel: _NarrowMatvec, dtype: torch.dtype) -> None:
     # rows long enough for the vector loop (fp8's NaN is found there by its bit pattern)
     torch.manual_seed(4)

@@ -147,9 +147,11 @@ def test_the_scale_is_applied_to_the_sums_of_the_narrow_values() -> None:
     q, scale = fmt.quantize(w)
     seen: list[torch.dtype] = []
 
-    def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def product(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
         seen.append(weight.dtype)
-        return x @ weight.to(x.dtype).T
+        out = x @ weight.to(x.dtype).T
+        out = out if s is None else out * s
+        return out if b is None else out + b
 
     x, bias = torch.randn(3, 8), torch.randn(6)
     out = scaled_product(x, q, scale.expand(q.shape), bias, product)

@@ -259,11 +259,12 @@ def through_cache(
 
 def _few_rows(
     x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
-    scratch: Scratch | None,
+    scratch: Scratch | None, scale: torch.Tensor | None,
 ) -> torch.Tensor | None:
     """The product from the narrow weight for 1 to 8 rows without gradients, or None: cast.
 
-    ``x`` keeps its leading dimensions, and so does the result.
+    ``x`` keeps its leading dimensions, and so does the result. A ``scale`` is applied by the
+    native kernel only; the other paths here leave it (and the bias with it) to the caller.
     """
     if (
         x.dtype == torch.float32
@@ -271,12 +272,15 @@ def _few_rows(
         and weight.is_contiguous()
         and (bias is None or bias.is_contiguous())
     ):
-        out = narrow_matvec(x.contiguous(), weight, bias, transposed)
+        out = narrow_matvec(x.contiguous(), weight, bias, transposed, scale)
         if out is not None:
             return out
-        if getattr(narrow_matvec, "pending", False):  # the kernel is on its way: nothing compiles meanwhile
+        pending = scale is None and getattr(narrow_matvec, "pending", False)
+        if pending:  # the kernel is on its way: nothing compiles meanwhile
             sliced = through_cache(x.reshape(rows, x.shape[-1]), weight, bias, transposed, scratch)
             return sliced.reshape(*x.shape[:-1], sliced.shape[-1])
+    if scale is not None:  # the caller scales the sums the other paths give
+        return None
     if rows <= _FUSED_MAX_ROWS and weight.numel() >= _FUSED_MIN_WEIGHT:
         result = _fused(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias, transposed)
         if result is not None:
@@ -310,14 +314,30 @@ def _narrow_product_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return x.new_empty((*x.shape[:-1], weight.shape[1] if transposed else weight.shape[0]))
 
 
+def _scaled_sums(
+    x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
+    scratch: Scratch | None, scale: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`narrow_product` with a scale: the native kernel scales each sum; elsewhere the sums, then scale and bias."""
+    if weight.device.type == "cpu" and weight.dtype != x.dtype and 0 < rows <= NATIVE_MAX_ROWS:
+        out = _few_rows(x, rows, weight, bias, transposed, scratch, scale)
+        if out is not None:
+            return out
+    out = narrow_product(x, weight, None, transposed, scratch).mul_(scale.to(x.dtype))
+    return out if bias is None else out.add_(bias.to(x.dtype))
+
+
 def narrow_product(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool, scratch: Scratch | None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool, scratch: Scratch | None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` (``x @ weight + bias`` when ``transposed``) in ``x``'s dtype, without gradients.
 
     ``weight`` is 2-d in any dtype (narrower than ``x``'s, or the same); ``x`` keeps its
     leading dimensions, and so does the result. A weight widened for the cast path goes
-    into ``scratch`` (or a fresh tensor without one).
+    into ``scratch`` (or a fresh tensor without one). ``scale`` (fp32, one value per output
+    or 0-d) multiplies the sums before the bias is added: ``(x @ weight.T) * scale + bias``,
+    the native kernel doing it as it writes each sum.
 
     Example:
         >>> import torch
@@ -329,9 +349,11 @@ def narrow_product(
     dtype = x.dtype
     rows = x.numel() // max(1, x.shape[-1])
     host = weight.device.type == "cpu"
+    if scale is not None:
+        return _scaled_sums(x, rows, weight, bias, transposed, scratch, scale)
     if weight.dtype != dtype:
         if host and 0 < rows <= NATIVE_MAX_ROWS:
-            out = _few_rows(x, rows, weight, bias, transposed, scratch)
+            out = _few_rows(x, rows, weight, bias, transposed, scratch, None)
             if out is not None:
                 return out
         # on an accelerator the widened copy lives for the product only: its allocator reuses

@@ -21,7 +21,7 @@
 #endif
 
 #ifndef TS_KIND  // one library per weight dtype: each builds in a fraction of the time of all four
-#error "build with -DTS_KIND=0 (bf16), 1 (fp16), 2 (e4m3fn) or 3 (e5m2)"
+#error "build with -DTS_KIND=0 (bf16), 1 (fp16), 2 (e4m3fn), 3 (e5m2) or 4 (int8)"
 #endif
 
 namespace {
@@ -50,8 +50,20 @@ typedef uint32_t vu32 __attribute__((vector_size(64)));
 typedef uint16_t vu16 __attribute__((vector_size(32)));
 typedef uint8_t vu8 __attribute__((vector_size(16)));
 typedef int16_t vi16 __attribute__((vector_size(32)));
+typedef int8_t vi8 __attribute__((vector_size(16)));
 
-enum Kind { kBF16, kF16, kE4M3, kE5M2 };
+enum Kind { kBF16, kF16, kE4M3, kE5M2, kI8 };
+
+template <int K>
+constexpr int kBytes = K == kBF16 || K == kF16 ? 2 : 1;  // one weight element
+
+// how far ahead of the weight row being summed its bytes are asked for (0: none): the
+// caller's choice, measured on this machine (see narrow_matvec.py); one cache line each
+inline void prefetch_ahead(const void* p, int64_t byte, int64_t span, int64_t distance) {
+  if (distance <= 0) return;
+  const char* at = static_cast<const char*>(p) + byte + distance;
+  for (int64_t b = 0; b < span; b += 64) __builtin_prefetch(at + b, 0, 3);
+}
 
 inline float bits_to_float(uint32_t bits) {
   float f;
@@ -83,6 +95,8 @@ inline float widen1(const void* p, int64_t i) {
     return bits_to_float(uint32_t(static_cast<const uint16_t*>(p)[i]) << 16);
   } else if constexpr (K == kF16) {
     return half_to_float(static_cast<const uint16_t*>(p)[i]);
+  } else if constexpr (K == kI8) {
+    return float(static_cast<const int8_t*>(p)[i]);
   } else if constexpr (K == kE4M3) {
     uint8_t b = static_cast<const uint8_t*>(p)[i];
     if ((b & 0x7f) == 0x7f) return bits_to_float(0x7fc00000u);  // e4m3fn's only NaN
@@ -129,6 +143,10 @@ inline vf widen16(const void* p, int64_t i) {
     vu16 h;
     std::memcpy(&h, static_cast<const uint16_t*>(p) + i, 32);
     return halves_to_floats(h);
+  } else if constexpr (K == kI8) {
+    vi8 b;
+    std::memcpy(&b, static_cast<const int8_t*>(p) + i, 16);
+    return __builtin_convertvector(b, vf);
   } else {
     vu8 b;
     std::memcpy(&b, static_cast<const uint8_t*>(p) + i, 16);
@@ -200,7 +218,7 @@ inline bool has_e4m3_nan(const void* p, int64_t begin, int64_t n) {
 // R dot products: weight row o against x's rows, C accumulator chains per row, about 16
 // in all (measured: 8 chains leave the FMA units waiting half the time)
 template <int K, int R>
-inline void dots(const float* x, const void* w, int64_t in, int64_t o, float* sums) {
+inline void dots(const float* x, const void* w, int64_t in, int64_t o, float* sums, int64_t ahead) {
   constexpr int C = R >= 16 ? 1 : 16 / R;
   constexpr float kScale = K == kE4M3 ? 256.0f : 1.0f;  // what widen16_for_sum left out
   const int64_t base = o * in;
@@ -214,11 +232,13 @@ inline void dots(const float* x, const void* w, int64_t in, int64_t o, float* su
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < R; ++r) acc[c][r] = vf{};
   int64_t k = 0;
-  for (; k + C * kLanes <= in; k += C * kLanes)
+  for (; k + C * kLanes <= in; k += C * kLanes) {
+    prefetch_ahead(w, (base + k) * kBytes<K>, C * kLanes * kBytes<K>, ahead);
     for (int c = 0; c < C; ++c) {
       vf wv = widen16_for_sum<K>(w, base + k + c * kLanes);
       for (int r = 0; r < R; ++r) acc[c][r] += wv * load(x + r * in + k + c * kLanes);
     }
+  }
   for (; k + kLanes <= in; k += kLanes) {
     vf wv = widen16_for_sum<K>(w, base + k);
     for (int r = 0; r < R; ++r) acc[0][r] += wv * load(x + r * in + k);
@@ -242,7 +262,6 @@ inline void dots(const float* x, const void* w, int64_t in, int64_t o, float* su
 // each 16-byte lane, so the fp32 vectors hold the 8-element chunks 0,2 | 4,6 | 1,3 | 5,7 of
 // the 64: x is put in that order once per call (fp8_block_order).
 constexpr int kBlock8 = 64;
-constexpr int kPrefetch = 1024;  // bytes ahead (measured: e5m2 1.5x faster on one thread with it)
 
 struct E4M3Tables {
   __m512i hi0, hi1, lo0, lo1;  // the high and low byte of fp16(e4m3fn(m)) for m in [0, 64) and [64, 128)
@@ -301,7 +320,8 @@ void fp8_block_order(const float* x, float* xp, int64_t rows, int64_t in) {
 // dots<K, R> for fp8 with x in fp8_block_order: 4 accumulator chains per block, 2 blocks per
 // step for one row (8 chains)
 template <int K, int R>
-inline void dots_fp8(const float* xp, const void* w, const E4M3Tables& t, int64_t in, int64_t o, float* sums) {
+inline void dots_fp8(const float* xp, const void* w, const E4M3Tables& t, int64_t in, int64_t o, float* sums,
+                     int64_t ahead) {
   constexpr int U = R == 1 ? 2 : 1;
   const int64_t base = o * in;
   const uint8_t* row = static_cast<const uint8_t*>(w) + base;
@@ -313,7 +333,7 @@ inline void dots_fp8(const float* xp, const void* w, const E4M3Tables& t, int64_
   for (; k + U * kBlock8 <= in; k += U * kBlock8)
     for (int u = 0; u < U; ++u) {
       __m512 f[4];
-      _mm_prefetch(reinterpret_cast<const char*>(row + k + u * kBlock8 + kPrefetch), _MM_HINT_T0);
+      prefetch_ahead(row, k + u * kBlock8, kBlock8, ahead);
       widen64<K>(row + k + u * kBlock8, t, f[0], f[1], f[2], f[3]);
       for (int c = 0; c < 4; ++c)
         for (int r = 0; r < R; ++r)
@@ -341,38 +361,56 @@ inline void dots_fp8(const float* xp, const void* w, const E4M3Tables& t, int64_
 }
 #endif
 
-// weight [out, in]: one output after the other, so that the weight is read front to back
-// (measured: reading two rows side by side, to share the loads of x, is up to 2x slower
-// from memory)
+// One call's operands: y[rows, out] = (x[rows, in] @ W.T) * scale + bias (or x @ W, transposed)
+struct Call {
+  const float* x;
+  const void* w;
+  const float* bias;   // none, or `out` fp32 values
+  const float* scale;  // none, or one per output (scale_step 1) or one for all (scale_step 0)
+  int64_t scale_step;
+  float* y;
+  int64_t in, out;
+  int threads;
+  bool generic;   // the portable vector path only
+  int64_t ahead;  // bytes of the weight row asked for ahead of the sums (0: none)
+
+  // output o of row r from its sum: the scale on the sum (exactly as (x @ q.T) * scale), then the bias
+  float finish(float sum, int64_t o) const {
+    if (scale) sum *= scale[o * scale_step];
+    return bias ? sum + bias[o] : sum;
+  }
+};
+
+// weight [out, in]: one output after the other, so that the weight is read front to back,
+// the bytes ahead asked for while the row is summed (measured on an Intel Xeon with AVX-512:
+// without it one stream per thread reads at two thirds of the memory's speed)
 // (generic: dots<K, R> even where the fp8 blocks of 64 would run, so that tests reach it on every CPU)
 template <int K, int R>
-void rows_kernel(const float* x, const void* w, const float* bias, float* y, int64_t in, int64_t out, int threads,
-                 bool generic) {
+void rows_kernel(const Call& c) {
+  const int64_t in = c.in, out = c.out;
   int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / std::max<int64_t>(in, 1));
 #if defined(__AVX512VBMI__)
   if constexpr ((K == kE4M3 || K == kE5M2) && R <= 4) {
-    if (in >= kBlock8 && !generic) {
+    if (in >= kBlock8 && !c.generic) {
       std::unique_ptr<float[]> xp(new float[R * in]);
-      fp8_block_order(x, xp.get(), R, in);
+      fp8_block_order(c.x, xp.get(), R, in);
       static const E4M3Tables tables = e4m3_tables();  // once per process
-      parallel_for(out, grain, threads, [&](int64_t begin, int64_t end) {
+      parallel_for(out, grain, c.threads, [&](int64_t begin, int64_t end) {
         float sums[R];
         for (int64_t o = begin; o < end; ++o) {
-          dots_fp8<K, R>(xp.get(), w, tables, in, o, sums);
-          for (int r = 0; r < R; ++r) y[r * out + o] = sums[r] + (bias ? bias[o] : 0.0f);
+          dots_fp8<K, R>(xp.get(), c.w, tables, in, o, sums, c.ahead);
+          for (int r = 0; r < R; ++r) c.y[r * out + o] = c.finish(sums[r], o);
         }
       });
       return;
     }
   }
-#else
-  (void)generic;
 #endif
-  parallel_for(out, grain, threads, [&](int64_t begin, int64_t end) {
+  parallel_for(out, grain, c.threads, [&](int64_t begin, int64_t end) {
     float sums[R];
     for (int64_t o = begin; o < end; ++o) {
-      dots<K, R>(x, w, in, o, sums);
-      for (int r = 0; r < R; ++r) y[r * out + o] = sums[r] + (bias ? bias[o] : 0.0f);
+      dots<K, R>(c.x, c.w, in, o, sums, c.ahead);
+      for (int r = 0; r < R; ++r) c.y[r * out + o] = c.finish(sums[r], o);
     }
   });
 }
@@ -381,19 +419,21 @@ void rows_kernel(const float* x, const void* w, const float* bias, float* y, int
 // partial sums are loaded and stored once per IB rows), the partial sums of a block of
 // columns (32 KiB) kept in the first-level cache
 template <int K, int R>
-void cols_kernel(const float* x, const void* w, const float* bias, float* y, int64_t in, int64_t out, int threads) {
+void cols_kernel(const Call& c) {
   constexpr int IB = R <= 2 ? 1 : R <= 4 ? 2 : 4;
   constexpr int64_t kBlock = 8192 / R / kLanes * kLanes;
+  const float* x = c.x;
+  const void* w = c.w;
+  const int64_t in = c.in, out = c.out;
   int64_t vectors = (out + kLanes - 1) / kLanes;
   int64_t grain = std::max<int64_t>(4, (int64_t(1) << 16) / std::max<int64_t>(in, 1) / kLanes);
-  parallel_for(vectors, grain, threads, [&](int64_t vbegin, int64_t vend) {
+  parallel_for(vectors, grain, c.threads, [&](int64_t vbegin, int64_t vend) {
     std::unique_ptr<float[]> part(new float[R * kBlock]);
     int64_t stop = std::min(vend * kLanes, out);
     for (int64_t c0 = vbegin * kLanes; c0 < stop; c0 += kBlock) {
       int64_t width = std::min(kBlock, stop - c0);
       int64_t full = width / kLanes * kLanes;
-      for (int r = 0; r < R; ++r)
-        for (int64_t j = 0; j < width; ++j) part[r * kBlock + j] = bias ? bias[c0 + j] : 0.0f;
+      std::fill(part.get(), part.get() + R * kBlock, 0.0f);
       int64_t i = 0;
       for (; i + IB <= in; i += IB) {
         float xs[R][IB];
@@ -421,27 +461,27 @@ void cols_kernel(const float* x, const void* w, const float* bias, float* y, int
           float wt = widen1<K>(w, i * out + c0 + j);
           for (int r = 0; r < R; ++r) part[r * kBlock + j] += x[r * in + i] * wt;
         }
-      for (int r = 0; r < R; ++r) std::memcpy(y + r * out + c0, &part[r * kBlock], width * sizeof(float));
+      for (int r = 0; r < R; ++r)
+        for (int64_t j = 0; j < width; ++j) c.y[r * out + c0 + j] = c.finish(part[r * kBlock + j], c0 + j);
     }
   });
 }
 
 template <int K>
-int run(bool transposed, int64_t rows, const float* x, const void* w, const void* bias, bool narrow_bias, float* y,
-        int64_t in, int64_t out, int threads, bool generic) {
-  const float* b = static_cast<const float*>(bias);
+int run(bool transposed, int64_t rows, Call c, const void* bias, bool narrow_bias) {
+  c.bias = static_cast<const float*>(bias);
   std::unique_ptr<float[]> wide;
   if (bias != nullptr && narrow_bias) {  // stored as narrow as the weight
-    wide.reset(new float[out]);
-    for (int64_t j = 0; j < out; ++j) wide[j] = widen1<K>(bias, j);
-    b = wide.get();
+    wide.reset(new float[c.out]);
+    for (int64_t j = 0; j < c.out; ++j) wide[j] = widen1<K>(bias, j);
+    c.bias = wide.get();
   }
-#define TS_ROWS(R)                                         \
-  case R:                                                  \
-    if (transposed)                                        \
-      cols_kernel<K, R>(x, w, b, y, in, out, threads);     \
-    else                                                   \
-      rows_kernel<K, R>(x, w, b, y, in, out, threads, generic); \
+#define TS_ROWS(R)             \
+  case R:                      \
+    if (transposed)            \
+      cols_kernel<K, R>(c);    \
+    else                       \
+      rows_kernel<K, R>(c);    \
     return 0;
   switch (rows) {
     TS_ROWS(1) TS_ROWS(2) TS_ROWS(3) TS_ROWS(4) TS_ROWS(5) TS_ROWS(6) TS_ROWS(7) TS_ROWS(8)
@@ -453,15 +493,18 @@ int run(bool transposed, int64_t rows, const float* x, const void* w, const void
 
 }  // namespace
 
-// y[rows, out] = x[rows, in] @ W.T + bias (W [out, in]), or x @ W + bias (W [in, out], transposed):
-// x and y contiguous fp32, W contiguous in `kind` (0 bf16, 1 fp16, 2 e4m3fn, 3 e5m2), bias
-// none, `out` fp32 values or (narrow_bias) `out` values in W's dtype. Returns 0, or 1 for an
-// unknown kind, 2 for rows outside 1..8, 3 for an empty shape; the caller checks the rest.
-// generic: the portable vector path only (no fp8 blocks of 64 where AVX-512 VBMI has them).
-extern "C" int ts_narrow_matvec(const float* x, const void* w, const void* bias, int narrow_bias, float* y,
-                                int64_t rows, int64_t in, int64_t out, int kind, int transposed, int threads,
-                                int generic) {
+// y[rows, out] = (x[rows, in] @ W.T) * scale + bias (W [out, in]), or (x @ W) * scale + bias
+// (W [in, out], transposed): x and y contiguous fp32, W contiguous in `kind` (0 bf16, 1 fp16,
+// 2 e4m3fn, 3 e5m2, 4 int8), bias none, `out` fp32 values or (narrow_bias) `out` values in W's
+// dtype, scale none, `out` fp32 values (scale_step 1) or one (scale_step 0). Returns 0, or 1
+// for an unknown kind, 2 for rows outside 1..8, 3 for an empty shape; the caller checks the
+// rest. generic: the portable vector path only (no fp8 blocks of 64 where AVX-512 VBMI has
+// them). ahead: bytes of a weight row to ask for ahead of the sums (0: none).
+extern "C" int ts_narrow_matvec(const float* x, const void* w, const void* bias, int narrow_bias, const float* scale,
+                                int64_t scale_step, float* y, int64_t rows, int64_t in, int64_t out, int kind,
+                                int transposed, int threads, int generic, int64_t ahead) {
   if (in <= 0 || out <= 0) return 3;
   if (kind != TS_KIND) return 1;
-  return run<TS_KIND>(transposed, rows, x, w, bias, narrow_bias, y, in, out, threads, generic != 0);
+  Call c{x, w, nullptr, scale, scale_step, y, in, out, threads, generic != 0, ahead};
+  return run<TS_KIND>(transposed, rows, c, bias, narrow_bias != 0);
 }

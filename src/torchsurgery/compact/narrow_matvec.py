@@ -1,9 +1,10 @@
 """A native CPU kernel for few-row matmuls against a weight stored narrower than fp32.
 
-``y = x @ W.T + b`` (or ``x @ W + b`` for a weight stored ``[in, out]``) with ``x`` of 1 to
-8 rows in fp32 and ``W`` in bf16, fp16 or fp8 (e4m3fn, e5m2): each weight element is
-widened in registers and accumulated in fp32, so a step reads the narrow bytes once and
-writes nothing weight-sized. torch's CPU matmuls take only one dtype, so this is the
+``y = (x @ W.T) * s + b`` (or ``x @ W`` for a weight stored ``[in, out]``) with ``x`` of 1 to
+8 rows in fp32, ``W`` in bf16, fp16, fp8 (e4m3fn, e5m2) or int8, and ``s`` an optional scale
+per output or per tensor (the scaled formats of :mod:`torchsurgery.compact.scaled`): each
+weight element is widened in registers and accumulated in fp32, each sum scaled as it is
+written, so a step reads the narrow bytes once and writes nothing weight-sized. torch's CPU matmuls take only one dtype, so this is the
 one way to read a narrow weight at memory speed without a compiled graph per shape.
 
 The source is ``narrow_matvec.cpp``, next to this module: a plain shared library with one C
@@ -48,6 +49,12 @@ NaN pattern first), and tails one element at a time. ``narrow_matvec.generic = T
 environment variable ``TORCHSURGERY_NARROW_GENERIC=1`` at import) sends every call down the
 generic path, so that the tests reach it on every CPU, as a machine without VBMI runs.
 
+Reading at the memory's speed: each thread reads its weight rows front to back and asks
+for the bytes :attr:`_NarrowMatvec.ahead` ahead of the sums (software prefetch; measured on
+an Intel Xeon with AVX-512, one stream per thread otherwise reads at two thirds of the
+memory's speed). ``TORCHSURGERY_NARROW_AHEAD`` sets the distance at import (0: none);
+``benchmarks/narrow_kernel.py`` sweeps it on the host at hand.
+
 Threads: the output columns are split over torch's thread count (OpenMP: the runtime torch
 has loaded); concurrent calls from several Python threads share nothing but the read-only
 weight.
@@ -67,16 +74,38 @@ import torch
 from torchsurgery.compact import native_build
 
 NATIVE_MAX_ROWS = 8
-NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 _KINDS = {dtype: native_build.KINDS[str(dtype).removeprefix("torch.")] for dtype in NATIVE_DTYPES}  # the source's enum Kind
 _ARGTYPES: list[Any] = [
-    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
 ]
+# Bytes of a weight row asked for ahead of the sums. Measured on an Intel Xeon (AVX-512, 2
+# threads, weights out of cache): 14 GB/s without, 21-24 GB/s at 2-4 KiB, against 21.6 GB/s for
+# torch's own fp32 matmul; ``benchmarks/narrow_kernel.py`` sweeps it on the host at hand. It is
+# not measured at start-up: the sweep must read more than the last-level cache (300 MiB on that
+# host) to mean anything.
+_AHEAD = 3072
 _ERRORS = {1: "no kernel for this dtype", 2: "1 to 8 rows only", 3: "an empty shape"}
 
 
 _INSTALLED_DIR: str | None = native_build.installed_dir()  # where an install-time build is
+
+
+def _ahead_from_environment() -> int:
+    """``TORCHSURGERY_NARROW_AHEAD`` (bytes, 0 to 65536) where it is set, or the measured default."""
+    text = os.environ.get("TORCHSURGERY_NARROW_AHEAD", "")
+    try:
+        value = int(text) if text else _AHEAD
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65536:
+        warnings.warn(
+            f"torchsurgery.compact.narrow_matvec: TORCHSURGERY_NARROW_AHEAD={text!r} is not a byte count "
+            f"from 0 to 65536; using {_AHEAD}", stacklevel=2,
+        )
+        return _AHEAD
+    return value
 
 
 def _load(path: str) -> Callable[..., int] | None:
@@ -131,6 +160,8 @@ class _NarrowMatvec:
         self.failed: set[_Key] = set()
         # every call down the generic path (no fp8 blocks of 64 where AVX-512 VBMI has them)
         self.generic: bool = os.environ.get("TORCHSURGERY_NARROW_GENERIC", "") not in ("", "0")
+        # bytes of a weight row asked for ahead of the sums (0: none); TORCHSURGERY_NARROW_AHEAD at import
+        self.ahead: int = _ahead_from_environment()
 
     @property
     def unavailable(self) -> str | None:
@@ -222,14 +253,17 @@ class _NarrowMatvec:
         return (transposed, x.numel() // max(1, x.shape[-1]), weight.dtype, tuple(weight.shape))
 
     def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
+        scale: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """``x @ weight.T + bias`` (``x @ weight + bias`` when ``transposed``) in fp32, or None.
+        """``(x @ weight.T) * scale + bias`` (``x @ weight`` when ``transposed``) in fp32, or None.
 
         ``x`` is a contiguous fp32 ``[..., in]`` tensor of 1 to :data:`NATIVE_MAX_ROWS` rows
         (the leading dimensions together), the result ``[..., out]``; ``weight`` a contiguous
         2-d CPU tensor of one of :data:`NATIVE_DTYPES`, ``bias`` None or ``out`` elements in fp32
-        or the weight's dtype; none of them needs a gradient. None means: no kernel for this
+        or the weight's dtype, ``scale`` None or fp32, one value per output (a 1-d tensor of
+        ``out`` elements, contiguous or a broadcast scalar) or one for all (0-d), applied to
+        the sums before the bias; none of them needs a gradient. None means: no kernel for this
         call (not yet, or not at all), take another path.
         """
         library = self._libraries.get(weight.dtype)
@@ -243,7 +277,7 @@ class _NarrowMatvec:
         if self.failed and self._key(x, weight, transposed) in self.failed:
             return None
         try:
-            return self._run(fn, x, weight, bias, transposed, self.generic)
+            return self._run(fn, x, weight, bias, transposed, scale, (self.generic, self.ahead))
         except ValueError as exc:  # remembered for this shape only
             with self._lock:
                 self.failed.add(self._key(x, weight, transposed))
@@ -258,7 +292,7 @@ class _NarrowMatvec:
     @staticmethod
     def _run(
         fn: Callable[..., int], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
-        generic: bool,
+        scale: torch.Tensor | None, tuning: tuple[bool, int],
     ) -> torch.Tensor:
         """The call itself, after the checks the library leaves to its caller (ValueError)."""
         if not (x.is_cpu and weight.is_cpu):
@@ -279,15 +313,31 @@ class _NarrowMatvec:
                     f"the bias must be a contiguous CPU tensor of {out} elements, in float32 or the weight's dtype"
                 )
             narrow_bias = int(bias.dtype != torch.float32)
+        scale_step = _scale_step(scale, out)
+        generic, ahead = tuning
         y = torch.empty((*leading, out))
         code = fn(
-            x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), narrow_bias, y.data_ptr(),
+            x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), narrow_bias,
+            None if scale is None else scale.data_ptr(), scale_step, y.data_ptr(),
             x.numel() // inp if inp else 0, inp, out, _KINDS[weight.dtype], transposed, torch.get_num_threads(),
-            int(generic),
+            int(generic), ahead,
         )
         if code != 0:
             raise ValueError(_ERRORS.get(code, f"error {code}"))
         return y
+
+
+def _scale_step(scale: torch.Tensor | None, out: int) -> int:
+    """How far apart the scales of consecutive outputs lie (0: one for all), after the checks (ValueError)."""
+    if scale is None:
+        return 0
+    if scale.dtype != torch.float32 or not scale.is_cpu:
+        raise ValueError("the scale must be a float32 CPU tensor")
+    if scale.dim() == 0 or (scale.dim() == 1 and scale.numel() == out and scale.stride(0) == 0):
+        return 0
+    if scale.dim() == 1 and scale.numel() == out and (scale.stride(0) == 1 or out == 1):
+        return 1
+    raise ValueError(f"the scale must hold one value or one per output ({out}), contiguous or broadcast")
 
 
 narrow_matvec = _NarrowMatvec()

@@ -39,7 +39,7 @@ import tempfile
 __all__ = ["KINDS", "build", "build_all", "cache_dir", "installed_dir", "last_line", "library_name", "no_compiler",
            "source_path"]
 
-KINDS = {"bfloat16": 0, "float16": 1, "float8_e4m3fn": 2, "float8_e5m2": 3}
+KINDS = {"bfloat16": 0, "float16": 1, "float8_e4m3fn": 2, "float8_e5m2": 3, "int8": 4}
 """The weight dtypes the kernel reads, by torch's name, and the source's ``enum Kind`` for each."""
 
 BUILD_TIMEOUT_S = 480.0  # a build still running after this is given up on

@@ -35,8 +35,9 @@ _LARGEST: dict[torch.dtype, float] = {
 _PER = ("channel", "tensor")
 _WHAT = "torchsurgery.compact.Scaled"
 
-ProductFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""``(x, weight) -> x @ weight.T`` in ``x``'s dtype, for a weight in any dtype."""
+ProductFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+"""``(x, weight, scale, bias) -> (x @ weight.T) * scale + bias`` in ``x``'s dtype, for a weight in
+any dtype; ``scale`` (fp32: one value per output, or 0-d) and ``bias`` may be None."""
 
 
 @dataclass(frozen=True)
@@ -139,20 +140,20 @@ def scaled_product(
 
     ``scale`` is broadcast to ``q``'s shape ([out, in]). Where it is constant along each row
     (per output channel, or per tensor), the sums are taken from ``q`` itself by ``product``
-    (the narrow product: the native kernel reads fp8 rows in place; int8 is widened) and
-    scaled after: ``(x @ q.T) * scale + bias``. Otherwise (a transposed view of a per-channel
-    weight) the weight is dequantised first.
+    and scaled there (the native kernel reads fp8 and int8 rows in place and scales each sum):
+    ``(x @ q.T) * scale + bias``. Otherwise (a transposed view of a per-channel weight) the
+    weight is dequantised first.
 
     Example:
         >>> import torch
         >>> q, scale = torch.tensor([[2, 4]], dtype=torch.int8), torch.tensor([[0.5]]).expand(1, 2)
-        >>> plain = lambda x, w: x @ w.to(x.dtype).T
+        >>> def plain(x, w, s, b):
+        ...     out = x @ w.to(x.dtype).T
+        ...     out = out if s is None else out * s
+        ...     return out if b is None else out + b
         >>> scaled_product(torch.ones(1, 2), q, scale, torch.tensor([1.0]), plain).tolist()
         [[4.0]]
     """
     if scale.dim() != 2 or scale.stride(1) != 0:
-        out = product(x, dequantize(q, scale, x.dtype))
-    else:
-        out = product(x, q).mul_(scale[:, 0].to(x.dtype))  # one scale per output: apply it to the sums
-    return out if bias is None else out.add_(bias)
-
+        return product(x, dequantize(q, scale, x.dtype), None, bias)
+    return product(x, q, scale[:, 0], bias)  # one scale per output: applied to the sums

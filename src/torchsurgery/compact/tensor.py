@@ -503,8 +503,8 @@ def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor |
     scratch = reads.scratch if reads is not None else None
     scale = d[_SCALE]
     if scale is not None and not transposed:  # the scale applied to the sums (compact/scaled.py)
-        def sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return narrow_product(x, w, None, False, scratch)
+        def sums(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+            return narrow_product(x, w, b, False, scratch, scale=s)
 
         return scaled_product(x, values, scale, _narrow_operand(bias), sums)
     if scale is not None:  # an [in, out] weight (Conv1D): its scale runs along the sums
