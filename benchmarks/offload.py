@@ -25,15 +25,18 @@ Variants, each on its own copy of the model:
 * torchsurgery fp8    (llama only) ``offload`` with fp8 (e4m3fn) storage, fp32 compute
 
 For the Llama-shaped model the script also times one decoding step (a KV cache of 8
-tokens) with bf16 and fp8 storage against its floor, and splits it into the time inside
-the native kernel and the rest of the step.
+tokens) at hidden sizes 1024 and 2048 (``--decode-widths``; at 2048 the weights are about 90%
+of the step) in every storage format — bf16, fp8 (e4m3fn, unscaled), fp8 with a scale per
+output channel and int8 with a scale per output channel (``torchsurgery.compact.Scaled``) —
+against the fp32 model and against its floor, and splits it into the time inside the
+native kernel and the rest of the step.
 
 Rounds: the variants take turns inside each round (machine noise hits all of them alike);
 each round gives every variant a ratio to the fp32 model of that round; the table shows
 the median time, the median ratio and the range of the ratios over the rounds.
 
-The floor: each round also times a contiguous read of a 256 MiB buffer (this machine's
-memory read bandwidth, measured in this process); for one-token steps the ``floor``
+The floor: each round also times a contiguous read of a 1 GiB buffer (this machine's
+memory read bandwidth, measured in this process, beyond a server CPU's last-level cache); for one-token steps the ``floor``
 column is the step's time over (bytes of weights the step reads / that bandwidth).
 
 Run: .venv/bin/python benchmarks/offload.py [--rounds 7] [--threads 2] [--models shapes12,mlp,gpt2,llama]
@@ -55,7 +58,7 @@ import torch
 from torch import nn
 
 import torchsurgery
-from _machine import cpu_name
+from _machine import describe
 from torchsurgery.compact import narrow, stored_values
 from torchsurgery.compact.narrow_matvec import narrow_matvec
 
@@ -208,10 +211,11 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 class Bandwidth:
-    """Memory read bandwidth: a reduction over a 256 MiB buffer (well beyond the caches)."""
+    """Memory read bandwidth: a reduction over a 1 GiB buffer (beyond the caches: server CPUs' last
+    level reaches 300 MiB)."""
 
     def __init__(self) -> None:
-        self.buffer = torch.ones(64 << 20)
+        self.buffer = torch.ones(256 << 20)
 
     def measure(self) -> float:
         self.buffer.sum()
@@ -346,29 +350,46 @@ def _no_reads() -> contextlib.AbstractContextManager[None]:
     return kernel_replaced(answer)
 
 
-def bench_decode(rounds: int, bandwidth: Bandwidth, steps: int = 10) -> None:
-    """One decoding step of the Llama-shaped model (a KV cache of 8 tokens), bf16 and fp8 storage.
+DECODE_SHAPES = {1024: 2816, 2048: 5632}  # hidden size -> MLP width (Llama's ratio)
 
-    Prints the step's time, its floor (the bytes of weights it reads over the bandwidth
-    measured in the same rounds), the ratio, and where the time goes: inside the native
-    kernel (with its own floor) and everything else (attention, norms, the cache, Python).
+
+def decode_variants(base: nn.Module) -> dict[str, nn.Module]:
+    """The fp32 model and one copy per storage format, each computing in fp32."""
+    from torchsurgery.compact import Scaled
+
+    models: dict[str, nn.Module] = {"fp32 model": base}
+    formats: list[tuple[str, Any]] = [
+        ("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn),
+        ("fp8 per-chan", Scaled(torch.float8_e4m3fn)), ("int8 per-chan", Scaled(torch.int8)),
+    ]
+    for label, fmt in formats:
+        model = copy.deepcopy(base)
+        torchsurgery.offload(model, storage_dtype=fmt, dtype=torch.float32)
+        models[label] = model
+    return models
+
+
+def bench_decode(rounds: int, bandwidth: Bandwidth, width: int = 1024, steps: int = 10) -> None:
+    """One decoding step of a Llama-shaped model (a KV cache of 8 tokens) in each storage format.
+
+    Prints the step's time, its ratio to the fp32 model's step (median over rounds of the
+    ratio within a round), its floor (the bytes of weights it reads over the bandwidth
+    measured in the same rounds), and where the time goes: inside the native kernel (with
+    its own floor) and everything else (attention, norms, the cache, Python).
     """
     import transformers
 
     torch.manual_seed(0)
-    base = make_llama()
+    base = make_llama(hidden_size=width, intermediate_size=DECODE_SHAPES[width])
     # the same model with every Linear answering an uninitialised output of its shape: the
     # step's work that reads no weights (attention, norms, rotary embeddings, the cache,
     # transformers' Python, at the model's own sizes), a floor of its own
-    no_weights = copy.deepcopy(base)
+    no_weights = make_llama(hidden_size=width, intermediate_size=DECODE_SHAPES[width])
     for module in no_weights.modules():
         if isinstance(module, nn.Linear):
             module.forward = functools.partial(_no_weights, out=module.out_features)  # type: ignore[method-assign]
-    models: dict[str, nn.Module] = {"fp32 model": base}
-    for label, dtype in (("bf16 storage", torch.bfloat16), ("fp8 storage", torch.float8_e4m3fn)):
-        model = copy.deepcopy(base)
-        torchsurgery.offload(model, storage_dtype=dtype, dtype=torch.float32)
-        models[label] = model
+            module.weight = nn.Parameter(torch.empty(0))  # the weights are never read: no memory for them
+    models = decode_variants(base)
     prompt, token = torch.randint(0, 32000, (1, 8), generator=torch.Generator().manual_seed(8)), torch.tensor([[5]])
 
     def cache_for(model: nn.Module) -> Any:
@@ -376,22 +397,17 @@ def bench_decode(rounds: int, bandwidth: Bandwidth, steps: int = 10) -> None:
         model(prompt, past_key_values=cache, use_cache=True)
         return cache
 
-    models["no weights"] = no_weights
-    times: dict[str, list[float]] = {name: [] for name in models}
+    times: dict[str, list[float]] = {name: [] for name in [*models, "no weights"]}
     kernel: dict[str, list[float]] = {name: [] for name in models}
     no_reads: dict[str, list[float]] = {name: [] for name in models}
     bandwidths: list[float] = []
     with torch.no_grad():
         reference = base(token, past_key_values=cache_for(base), use_cache=True).logits
-        for name, model in models.items():
-            if model is no_weights:
-                continue
-            got = model(token, past_key_values=cache_for(model), use_cache=True).logits
-            if "fp8" not in name:  # fp8's rounding is checked by the tests, against fp8-rounded weights
-                torch.testing.assert_close(got, reference, rtol=0.05, atol=0.05)
+        got = models["bf16"](token, past_key_values=cache_for(models["bf16"]), use_cache=True).logits
+        torch.testing.assert_close(got, reference, rtol=0.05, atol=0.05)  # the others: benchmarks/accuracy.py
         for _ in range(rounds):
             bandwidths.append(bandwidth.measure())
-            for name, model in models.items():
+            for name, model in [*models.items(), ("no weights", no_weights)]:
                 cache = cache_for(model)
                 model(token, past_key_values=cache, use_cache=True)  # the cache's first growth
                 clock = _KernelClock()
@@ -400,23 +416,32 @@ def bench_decode(rounds: int, bandwidth: Bandwidth, steps: int = 10) -> None:
                     for _ in range(steps):
                         model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
                     times[name].append((time.perf_counter() - start) / steps)
-                kernel[name].append(clock.seconds / steps)
-                if "storage" in name:  # the same steps with no weight read: offload's Python alone
+                if name in kernel:
+                    kernel[name].append(clock.seconds / steps)
+                if name in models and name != "fp32 model":  # the same steps with no weight read: offload's Python alone
                     with _no_reads():
                         start = time.perf_counter()
                         for _ in range(steps):
                             model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
                         no_reads[name].append((time.perf_counter() - start) / steps)
+    print_decode(width, models, times, kernel, no_reads, bandwidths, steps)
+
+
+def print_decode(
+    width: int, models: dict[str, nn.Module], times: dict[str, list[float]], kernel: dict[str, list[float]],
+    no_reads: dict[str, list[float]], bandwidths: list[float], steps: int,
+) -> None:
+    """The decode table: one line per storage format."""
     bw = statistics.median(bandwidths)
-    print(f"\nllama: one decoding step (KV cache of 8), medians of {rounds} rounds x {steps} steps; "
+    rounds = len(bandwidths)
+    print(f"\nllama {width}-wide: one decoding step (KV cache of 8), medians of {rounds} rounds x {steps} steps; "
           f"floor = weight bytes read / {bw / 1e9:.1f} GB/s")
-    own = statistics.median(times.pop("no weights"))
-    print(f"{'variant':<14}{'step':>10}{'floor':>10}{'ratio':>8}{'in kernel':>12}{'kernel/floor':>14}{'the rest':>10}"
-          f"{'rest - own':>12}{'python':>10}{'cold':>10}{'step/(floor+own)':>18}")
+    own = statistics.median(times["no weights"])
+    print(f"{'variant':<15}{'step':>10}{'vs fp32':>9}{'floor':>10}{'ratio':>8}{'in kernel':>12}{'kernel/floor':>14}"
+          f"{'the rest':>10}{'rest - own':>12}{'python':>10}{'cold':>10}{'step/(floor+own)':>18}")
     for name, model in models.items():
-        if model is no_weights:
-            continue
         t, k = statistics.median(times[name]), statistics.median(kernel[name])
+        versus = statistics.median(a / b for a, b in zip(times[name], times["fp32 model"], strict=True))
         floor = read_bytes(model) / bw
         kernel_text = f"{k * 1e3:9.2f} ms{k / floor:13.2f}x" if k else f"{'-':>12}{'-':>14}"
         rest = f"{(t - k - own) * 1e3:9.2f} ms" if k else f"{'-':>12}"
@@ -425,10 +450,11 @@ def bench_decode(rounds: int, bandwidth: Bandwidth, steps: int = 10) -> None:
             split = f"{python * 1e3:7.2f} ms{(t - k - own - python) * 1e3:7.2f} ms"
         else:
             split = f"{'-':>10}{'-':>10}"
-        print(f"{name:<14}{t * 1e3:7.2f} ms{floor * 1e3:7.2f} ms{t / floor:7.2f}x{kernel_text}{(t - k) * 1e3:7.2f} ms"
-              f"{rest}{split}{t / (floor + own):17.2f}x")
+        print(f"{name:<15}{t * 1e3:7.2f} ms{versus:8.2f}x{floor * 1e3:7.2f} ms{t / floor:7.2f}x{kernel_text}"
+              f"{(t - k) * 1e3:7.2f} ms{rest}{split}{t / (floor + own):17.2f}x")
     print(f"the model's own work (the same model, its Linears answering uninitialised outputs): {own * 1e3:.2f} ms a "
-          "step; 'rest - own' is what the step spends outside the kernel beyond that work, split into 'python' "
+          "step; 'vs fp32' is the median over rounds of the step's time over the fp32 model's in the same round; "
+          "'rest - own' is what the step spends outside the kernel beyond that work, split into 'python' "
           "(the same steps with the kernel answering uninitialised outputs: offload's Python per product and "
           "its output buffers) and 'cold' (what remains: the model's own work slowed by the weights just "
           "streamed through the caches)")
@@ -440,11 +466,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--models", default="shapes12,mlp,gpt2,llama")
     parser.add_argument("--steps", type=int, default=10, help="steps per round for 1-4 rows")
+    parser.add_argument("--decode-widths", default="1024,2048", help="hidden sizes of the decoding-step models")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not narrow_matvec.wait():  # steady state: the kernel built (benchmarks/first_forward.py times the start)
         print(f"no native kernel: {narrow_matvec.unavailable}")
-    print(f"machine: {cpu_name()}, {args.threads} threads, torch {torch.__version__}; bf16 storage, fp32 compute")
+    print(f"machine: {describe(args.threads)}, torch {torch.__version__}; narrow storage, fp32 compute")
     bandwidth = Bandwidth()
     samples = [bandwidth.measure() for _ in range(5)]
     print(f"memory read bandwidth: median {statistics.median(samples) / 1e9:.1f} GB/s "
@@ -453,7 +480,8 @@ def main() -> None:
         if kind == "shapes12":
             bench_steps(kind, [1, 2, 3, 4], args.rounds, bandwidth, args.steps)
         elif kind == "llama":
-            bench_decode(args.rounds, bandwidth)
+            for width in args.decode_widths.split(","):
+                bench_decode(args.rounds, bandwidth, int(width))
             bench_generation(args.rounds)
             bench_steps(kind, [512], max(3, args.rounds // 2), bandwidth)
         else:

@@ -418,3 +418,39 @@ def test_an_e4m3fn_nan_at_every_place_of_a_weight_stored_in_out_makes_its_column
         assert got is not None
         assert torch.equal(got.isnan(), expected.isnan()), (rows, (got.isnan() != expected.isnan()).nonzero()[:4].tolist())
         torch.testing.assert_close(got.nan_to_num(0.0), expected.nan_to_num(0.0), rtol=1e-5, atol=1e-4 * inp**0.5)
+
+
+def _has_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx2 " in f" {line.split(':', 1)[1]} " for line in f)
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_avx2(), reason="an x86-64 CPU with AVX2 runs the AVX2 build")
+def test_the_kernel_built_for_avx2_alone_is_exact(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    # the build for an AVX2 host without AVX-512 (most AMD CPUs before Zen 4, older Intel ones)
+    # takes other intrinsics (F16C halves, 8-lane int8 conversions): built here for such a
+    # host, and run, since this CPU has AVX2 too
+    import concurrent.futures
+
+    from torchsurgery.compact import narrow_matvec as module
+
+    flags = [flag for flag in native_build._flags() if not flag.startswith("-march")] + ["-march=haswell"]
+    monkeypatch.setattr(native_build, "_flags", lambda: flags)
+    kinds = {torch.float16: 1, torch.float8_e4m3fn: 2, torch.int8: 4}
+    with concurrent.futures.ThreadPoolExecutor(len(kinds)) as pool:
+        built = pool.map(lambda k: native_build.build(k, str(tmp_path / f"{k}.so"), yielding=False), kinds.values())
+        why = dict(zip(kinds, built, strict=True))
+    assert not any(why.values()), why
+    torch.manual_seed(12)
+    for dtype, kind in kinds.items():
+        fn = module._load(str(tmp_path / f"{kind}.so"))
+        assert fn is not None
+        for (out, inp), transposed, rows in [((7, 5), False, 1), ((100, 149), True, 3), ((300, 1100), False, 8), ((33, 77), True, 5)]:
+            weight = _narrow((inp, out) if transposed else (out, inp), dtype)
+            x, scale = torch.randn(rows, inp), torch.rand(out)
+            got = _NarrowMatvec._run(fn, x, weight, None, transposed, scale, (False, 3072))
+            size = float(weight.float().abs().max())
+            torch.testing.assert_close(got, reference(x, weight, None, transposed) * scale, rtol=1e-5, atol=1e-5 * inp**0.5 * size)

@@ -13,7 +13,7 @@
 #include <memory>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #if defined(_OPENMP)
@@ -50,7 +50,6 @@ typedef uint32_t vu32 __attribute__((vector_size(64)));
 typedef uint16_t vu16 __attribute__((vector_size(32)));
 typedef uint8_t vu8 __attribute__((vector_size(16)));
 typedef int16_t vi16 __attribute__((vector_size(32)));
-typedef int8_t vi8 __attribute__((vector_size(16)));
 
 enum Kind { kBF16, kF16, kE4M3, kE5M2, kI8 };
 
@@ -127,6 +126,24 @@ inline vf halves_to_floats(vu16 h) {
 #endif
 }
 
+// 16 int8 values to fp32 (with intrinsics: GCC 12 widens a vector of int8 lane by lane)
+inline vf int8_to_floats(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+  vf out;
+  std::memcpy(&out, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&out) + 32, &hi, 32);
+  return out;
+#else
+  vf out;
+  for (int j = 0; j < kLanes; ++j) out[j] = float(p[j]);
+  return out;
+#endif
+}
+
 // 16 weights from element i on, widened to fp32
 template <int K>
 inline vf widen16(const void* p, int64_t i) {
@@ -144,9 +161,7 @@ inline vf widen16(const void* p, int64_t i) {
     std::memcpy(&h, static_cast<const uint16_t*>(p) + i, 32);
     return halves_to_floats(h);
   } else if constexpr (K == kI8) {
-    vi8 b;
-    std::memcpy(&b, static_cast<const int8_t*>(p) + i, 16);
-    return __builtin_convertvector(b, vf);
+    return int8_to_floats(static_cast<const int8_t*>(p) + i);
   } else {
     vu8 b;
     std::memcpy(&b, static_cast<const uint8_t*>(p) + i, 16);
