@@ -56,6 +56,15 @@ fails for any reason (an I/O error, a file cut short after its header was read,
 nothing is kept: a read failing after the checks (those same causes) leaves some tensors
 with the checkpoint's values, and raises a ``RuntimeError`` saying so (an interrupt
 stays a ``KeyboardInterrupt``).
+
+**Scaled fp8 checkpoints.** In ComfyUI's "fp8 scaled" layout a float8 ``<prefix>.weight``
+stands for ``weight.float() * <prefix>.scale_weight`` (one number per weight;
+``scale_input`` and a ``scaled_fp8`` marker may come along, and are not needed). Such a
+weight loads as those values in the module's dtype (or ``dtype=``, also with
+``assign=True``), except into a weight offloaded with a scaled ``storage_dtype``
+(:class:`~torchsurgery.compact.Scaled`), which takes the float8 bytes and the scale as
+stored. The scale keys are understood, not unexpected; a scale that cannot be one (another
+shape, or for a weight that is not float8) is refused with the other mismatches.
 """
 
 from __future__ import annotations
