@@ -183,6 +183,8 @@ class OffloadHandle:
         self._patched: list[nn.Module] = []
         self._originals: list[_Original] = []  # every tensor the offload changed, in order
         self._reader: SafetensorsSource | None = None
+        # the checkpoint's scaled fp8 weights (ComfyUI's layout): file key -> its scale's key
+        self._file_scales = {p.file_key: p.file_scale for p in self.plan.params if p.file_key and p.file_scale}
         self._hooks: list[Any] = []
         self._reads = ReadContext(self._stats, Scratch())
         self._hold: _undo.Hold | None = None
@@ -440,7 +442,7 @@ class OffloadHandle:
     def _from_file(self, key: str) -> torch.Tensor:
         """The values the checkpoint holds under ``key``: a scaled fp8 weight's as ``q * scale`` (fp32)."""
         assert self._reader is not None
-        scale = next((p.file_scale for p in self.plan.params if p.file_key == key and p.file_scale is not None), None)
+        scale = self._file_scales.get(key)
         values = self._reader.read(key)
         return values if scale is None else dequantize(values, self._file_scale(scale), torch.float32)
 
