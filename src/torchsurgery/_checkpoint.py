@@ -31,7 +31,7 @@ import os
 import struct
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -478,6 +478,85 @@ class SafetensorsSource(Source):
             f.close()
         self._files.clear()
         self._maps.clear()
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_SCALE_KEY, _INPUT_SCALE_KEY, _MARKER_KEY = "scale_weight", "scale_input", "scaled_fp8"
+
+
+@dataclass(frozen=True)
+class ScaledKeys:
+    """The entries of ComfyUI's scaled fp8 layout in a checkpoint (all empty for other checkpoints).
+
+    In that layout ("fp8 scaled") a weight ``<prefix>.weight`` is stored in float8 and
+    stands for the values ``weight.float() * <prefix>.scale_weight`` (one fp32 number per
+    weight); ``<prefix>.scale_input`` (the activations' scale of fp8 matmuls) and a marker
+    ``scaled_fp8`` may come with it. Keys the module itself has are never taken as these.
+
+    Attributes:
+        scales: each scaled weight's key -> its scale's key.
+        understood: the scale, input-scale and marker keys: read with their weights or not
+            needed (weights only), so neither loaded as tensors nor unexpected.
+        problems: one line per scale that cannot be read so (the key, what is wrong, the fix).
+    """
+
+    scales: dict[str, str]
+    understood: frozenset[str]
+    problems: list[str]
+
+
+def scaled_keys(stored: Mapping[str, Entry], wanted: Collection[str]) -> ScaledKeys:
+    """The scaled fp8 entries of a checkpoint holding ``stored``, for a module whose keys are ``wanted``.
+
+    A scale or input scale is taken as one only where its weight is both stored and wanted
+    (else it is as unexpected as any other key); a weight stored in float8 without a scale
+    stays a plain float8 tensor (scale 1, as ComfyUI reads it).
+    """
+    scales: dict[str, str] = {}
+    understood: set[str] = set()
+    problems: list[str] = []
+    for key, entry in stored.items():
+        prefix, _, last = key.rpartition(".")
+        if key in wanted or last not in (_SCALE_KEY, _INPUT_SCALE_KEY, _MARKER_KEY):
+            continue
+        weight = f"{prefix}.weight" if prefix else "weight"
+        if last != _MARKER_KEY and not (weight in stored and weight in wanted):
+            continue
+        understood.add(key)
+        problem = _scale_problem(key, entry, weight, stored[weight]) if last == _SCALE_KEY else None
+        if problem is not None:
+            problems.append(problem)
+        elif last == _SCALE_KEY:
+            scales[weight] = key
+    return ScaledKeys(scales, frozenset(understood), problems)
+
+
+def _scale_problem(key: str, scale: Entry, weight_key: str, weight: Entry) -> str | None:
+    """Why ``key`` cannot scale ``weight_key`` in ComfyUI's layout, with the fix; ``None`` where it can."""
+    dequantise = f"or save the values it stands for ({weight_key} * {key}) without the scale"
+    if weight.dtype not in _FP8:
+        return (
+            f"{key!r} scales {weight_key!r}, which the checkpoint holds in {weight.dtype}: a scale_weight "
+            f"belongs to a float8_e4m3fn or float8_e5m2 weight (ComfyUI's scaled fp8 layout); save the weight's "
+            f"float8 values with it, {dequantise}"
+        )
+    if not scale.dtype.is_floating_point or scale.dtype.itemsize > 4 or scale.dtype in _FP8:
+        return (
+            f"{key!r} is stored in {scale.dtype}: a scale_weight is a float32 number (float16 and bfloat16 "
+            f"are read exactly too); save it as float32, {dequantise}"
+        )
+    if scale.shape not in ((), (1,)):
+        return (
+            f"{key!r} has shape {list(scale.shape)}: ComfyUI's scaled fp8 layout keeps one scale per weight "
+            f"(shape [] or [1]); save one scale per tensor, {dequantise}"
+        )
+    return None
+
+
+def read_scaled(reader: Source, keys: Sequence[tuple[str, str]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For each (weight key, scale key): the weight's float8 values as stored and its scale (fp32, 0-dim)."""
+    taken = reader.take([key for pair in keys for key in pair], copy=True)
+    return [(q, scale.float().reshape(())) for q, scale in zip(taken[::2], taken[1::2], strict=True)]
 
 
 def _index_shards(index: Path) -> list[Path]:

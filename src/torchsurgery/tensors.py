@@ -56,6 +56,15 @@ fails for any reason (an I/O error, a file cut short after its header was read,
 nothing is kept: a read failing after the checks (those same causes) leaves some tensors
 with the checkpoint's values, and raises a ``RuntimeError`` saying so (an interrupt
 stays a ``KeyboardInterrupt``).
+
+**Scaled fp8 checkpoints.** In ComfyUI's "fp8 scaled" layout a float8 ``<prefix>.weight``
+stands for ``weight.float() * <prefix>.scale_weight`` (one number per weight;
+``scale_input`` and a ``scaled_fp8`` marker may come along, and are not needed). Such a
+weight loads as those values in the module's dtype (or ``dtype=``, also with
+``assign=True``), except into a weight offloaded with a scaled ``storage_dtype``
+(:class:`~torchsurgery.compact.Scaled`), which takes the float8 bytes and the scale as
+stored. The scale keys are understood, not unexpected; a scale that cannot be one (another
+shape, or for a weight that is not float8) is refused with the other mismatches.
 """
 
 from __future__ import annotations
@@ -72,11 +81,21 @@ import torch
 from torch import nn
 
 from torchsurgery import _undo
-from torchsurgery._checkpoint import CheckpointError, Entry, Source, Stash, open_source
+from torchsurgery._checkpoint import (
+    CheckpointError,
+    Entry,
+    ScaledKeys,
+    Source,
+    Stash,
+    open_source,
+    read_scaled,
+    scaled_keys,
+)
 from torchsurgery._names import near_matches
 from torchsurgery._swap import swap_blocker, swap_in, wrap_like
 from torchsurgery._validate import check_device, check_dtype
-from torchsurgery.compact import OffloadedTensor
+from torchsurgery.compact import OffloadedTensor, load_scaled, own_scale, stored_values
+from torchsurgery.compact.scaled import dequantize
 
 __all__ = ["swap_on_conversion", "convert_", "load_", "LoadResult", "skeleton", "CheckpointError"]
 
@@ -622,9 +641,11 @@ class LoadRecord(_undo.Record):
 
 
 def _match(
-    module: nn.Module, stored: dict[str, Entry], strict: bool
+    module: nn.Module, stored: dict[str, Entry], strict: bool, scaled: ScaledKeys
 ) -> tuple[list[tuple[str, torch.Tensor, str]], list[str], list[str]]:
     """(qualified name, tensor, checkpoint key) for every tensor to load, the missing and unexpected keys.
+
+    The keys ``scaled`` understands (scales read with their weights) are neither loaded nor unexpected.
 
     Raises:
         RuntimeError: keys (when ``strict``), shapes or kinds of dtype do not fit, all listed at once.
@@ -634,7 +655,7 @@ def _match(
     groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
     for key, t in state.items():
         groups.setdefault(id(t), (t, []))[1].append(key)
-    missing, mismatched = [], []
+    missing, mismatched = [], list(scaled.problems)
     plan: list[tuple[str, torch.Tensor, str]] = []
     for t, names in groups.values():
         present = [n for n in names if n in stored]
@@ -650,7 +671,7 @@ def _match(
         else:
             plan.append((names[0], t, key))
     claimed = {n for _, names in groups.values() for n in names}
-    unexpected = sorted(k for k in stored if k not in claimed)
+    unexpected = sorted(k for k in stored if k not in claimed and k not in scaled.understood)
     message = _load_errors(missing, unexpected, mismatched, strict, sorted(stored), sorted(state))
     if message:
         raise RuntimeError(message)
@@ -696,7 +717,8 @@ def _load(
     what: str,
 ) -> tuple[LoadResult, LoadRecord | None]:
     stored: dict[str, Entry] = reader.entries()
-    plan, missing, unexpected = _match(module, stored, strict)
+    scaled = scaled_keys(stored, module.state_dict(keep_vars=True).keys())
+    plan, missing, unexpected = _match(module, stored, strict, scaled)
     for name, t, _ in plan:
         problem = swap_blocker(name, t, None, what)
         if problem:
@@ -720,23 +742,20 @@ def _load(
         if in_place_kind and not assign and not t.is_meta and t.device == target_device and t.dtype == target_dtype:
             in_place.append((t, key))
         else:
-            # assign=True without a dtype keeps the checkpoint's dtype
-            kept = stored[key].dtype if assign and dtype is None else target_dtype
+            # assign=True without a dtype keeps the checkpoint's dtype (a scaled weight's values: the module's)
+            kept = stored[key].dtype if assign and dtype is None and key not in scaled.scales else target_dtype
             fresh.append(_Fresh(name, t, key, target_device, kept))
     # first everything that can fail and changes nothing in the module: the new values
     # read or mapped, and (for an undoable load) the values about to be overwritten kept
     # aside, which both the undo and a load failing half-way give back. Without undo nothing
     # is kept: the load is then the reads alone, and a read failing half-way is reported
-    values = _new_values(reader, fresh, stored, assign, copy)
-    stash = Stash([t for t, _ in in_place]) if undoable else None
+    values = _new_values(reader, fresh, stored, assign, copy, scaled.scales)
+    # what the writes change: each tensor's memory; a scaled weight's q and scale, taken narrow
+    written = [w for t, key in in_place for w in _written_by(t, key in scaled.scales)]
+    stash = Stash(written) if undoable else None
     try:
         previous = stash.keep() if stash is not None else []
-        for run in _in_chunks(in_place, [stored[key].dtype.itemsize * t.numel() for t, key in in_place]):
-            reader.read_many([(key, t.detach()) for t, key in run])
-            for t, _ in run:
-                # the bytes went straight into memory: count it as the in-place write it is, so
-                # whoever keeps a copy by version (an offload's streamed groups) sees the change
-                torch.autograd.graph.increment_version(t)
+        _read_in_place(reader, in_place, stored, scaled.scales)
         swaps = [
             _Swap(item.name, item.tensor, _replacement(item.tensor, value, assign), item.device, item.dtype)
             for item, value in zip(fresh, values, strict=True)
@@ -760,17 +779,47 @@ def _load(
     if not undoable or not plan:
         return result, None
     # after the swap, each swap's .new holds what its tensor held before
-    overwritten = list(zip([t for t, _ in in_place], previous, strict=True))
+    overwritten = list(zip(written, previous, strict=True))
     return result, LoadRecord(overwritten, [(s.name, s.tensor, s.new, (s.tensor.device, s.tensor.dtype)) for s in swaps])
 
 
-def _new_values(reader: Source, fresh: list[_Fresh], stored: dict[str, Entry], assign: bool, copy: bool) -> list[torch.Tensor]:
-    """The content of each tensor in ``fresh``: mapped where it can be, else read and converted."""
+def _written_by(t: torch.Tensor, scaled: bool) -> list[torch.Tensor]:
+    """The tensors a load in place writes for ``t``: a scaled weight given a scaled entry: its narrow
+    values and its scale (taken as the file has them), else ``t`` itself."""
+    scale = own_scale(t) if scaled else None
+    return [t] if scale is None else [stored_values(t), scale]
+
+
+def _read_in_place(reader: Source, in_place: list[tuple[torch.Tensor, str]], stored: dict[str, Entry], scales: dict[str, str]) -> None:
+    """Write each tensor's checkpoint values into it; a scaled entry's as the values ``q * scale`` stand for."""
+    plain = [(t, key) for t, key in in_place if key not in scales]
+    for run in _in_chunks(plain, [stored[key].dtype.itemsize * t.numel() for t, key in plain]):
+        reader.read_many([(key, t.detach()) for t, key in run])
+        for t, _ in run:
+            # the bytes went straight into memory: count it as the in-place write it is, so
+            # whoever keeps a copy by version (an offload's streamed groups) sees the change
+            torch.autograd.graph.increment_version(t)
+    narrow = [(t, key) for t, key in in_place if key in scales]
+    for run in _in_chunks(narrow, [t.numel() for t, _ in narrow]):
+        for (t, _), (q, scale) in zip(run, read_scaled(reader, [(key, scales[key]) for _, key in run]), strict=True):
+            if isinstance(t, OffloadedTensor) and own_scale(t) is not None:
+                load_scaled(t, q, scale)
+            else:
+                with torch.no_grad():
+                    t.detach().copy_(dequantize(q, scale.to(q.device), t.dtype))
+
+
+def _new_values(
+    reader: Source, fresh: list[_Fresh], stored: dict[str, Entry], assign: bool, copy: bool, scales: dict[str, str]
+) -> list[torch.Tensor]:
+    """The content of each tensor in ``fresh``: mapped where it can be, else read and converted (a scaled
+    entry: the values ``q * scale`` stand for)."""
     values: dict[int, torch.Tensor] = {}
     to_read: list[int] = []
     for i, item in enumerate(fresh):
         # only tensors that get new memory anyway may take the checkpoint's own
         mappable = not copy and (item.tensor.is_meta or assign) and stored[item.key].dtype == item.dtype
+        mappable = mappable and item.key not in scales
         value = reader.mapped(item.key) if mappable else None
         if value is not None and value.device == item.device and value.dtype == item.dtype:
             values[i] = value
@@ -782,6 +831,9 @@ def _new_values(reader: Source, fresh: list[_Fresh], stored: dict[str, Entry], a
         # worth of extra memory
         taken = reader.take([fresh[i].key for i in run], copy=copy)
         for i, value in zip(run, taken, strict=True):
+            scale = scales.get(fresh[i].key)
+            if scale is not None:
+                value = dequantize(value, reader.read(scale).float().reshape(()), fresh[i].dtype)
             values[i] = value.to(device=fresh[i].device, dtype=fresh[i].dtype)
     return [values[i] for i in range(len(fresh))]
 

@@ -15,7 +15,9 @@ from torchsurgery.compact.tensor import (
     OffloadedTensor,
     ReadContext,
     converted_by,
+    load_scaled,
     offloaded_like,
+    own_scale,
     plain_reader,
     reads_elsewhere_only,
     stored_state,
@@ -33,6 +35,8 @@ __all__ = [
     "plain_reader",
     # scaled formats
     "Scaled",
+    "own_scale",
+    "load_scaled",
     # its reads
     "ReadContext",
     "Scratch",

@@ -52,7 +52,7 @@ from torchsurgery.compact.narrow import (
     narrow_product_op,
     prepare_kernel,
 )
-from torchsurgery.compact.scaled import dequantize, quantize_with, scaled_product
+from torchsurgery.compact.scaled import Scaled, dequantize, quantize_with, scaled_product
 from torchsurgery.patching import Patch, patches
 
 __all__ = ["OffloadedTensor", "stored_values", "reads_elsewhere_only"]
@@ -858,6 +858,59 @@ def stored_values(tensor: torch.Tensor) -> torch.Tensor:
         torch.float32
     """
     return tensor.stored if isinstance(tensor, OffloadedTensor) else tensor
+
+
+def own_scale(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A scaled weight's scale with one element per distinct value (per tensor ``[1, 1]``, per channel
+    ``[out, 1]``), a view of it: writing it rescales the weight. ``None`` for every other tensor.
+
+    Example:
+        >>> import torch
+        >>> from torchsurgery.compact.tensor import own_scale
+        >>> own_scale(torch.ones(2)) is None
+        True
+    """
+    if not isinstance(tensor, OffloadedTensor) or tensor.__dict__[_SCALE] is None:
+        return None
+    scale: torch.Tensor = tensor.__dict__[_SCALE]
+    # one element along each dimension it is broadcast along (stride 0); a dimension of one
+    # element takes stride 1, so that the view reads as plain memory (its bytes can be kept)
+    shape = [1 if stride == 0 else size for size, stride in zip(scale.shape, scale.stride(), strict=True)]
+    strides = [1 if size == 1 else stride for size, stride in zip(shape, scale.stride(), strict=True)]
+    return scale.as_strided(shape, strides, scale.storage_offset())
+
+
+def load_scaled(tensor: OffloadedTensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Give the scaled weight ``tensor`` the values ``q * scale`` (``scale``: one number, fp32).
+
+    Values in the weight's own narrow dtype are taken as they are: ``q`` bit for bit, and
+    ``scale`` as the scale of every channel (a scale per tensor is a valid one per channel).
+    Another narrow dtype (e5m2 values for an e4m3fn weight) is quantised again, with a new
+    scale of the weight's granularity, from the values it stands for.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> from torchsurgery.compact import Scaled
+        >>> from torchsurgery.compact.tensor import load_scaled
+        >>> layer = nn.Linear(2, 2)
+        >>> handle = torchsurgery.offload(layer, storage_dtype=Scaled(torch.float8_e4m3fn), groups=[""])
+        >>> load_scaled(layer.weight, torch.ones(2, 2, dtype=torch.float8_e4m3fn), torch.tensor(0.5))
+        >>> layer.weight.tolist()
+        [[0.5, 0.5], [0.5, 0.5]]
+        >>> _ = handle.remove()
+    """
+    own = own_scale(tensor)
+    if own is None:
+        raise TypeError(f"torchsurgery: load_scaled needs a weight stored with a scale, got one stored as {tensor.stored.dtype}")
+    stored = tensor.stored
+    if q.dtype != stored.dtype:
+        fmt = Scaled(stored.dtype, "channel" if own.numel() > 1 or stored.dtype == torch.int8 else "tensor")
+        q, scale = fmt.quantize(dequantize(q, scale, torch.float32))
+    with torch.no_grad():
+        stored.copy_(q)  # counts in the stored values' version counter: copies kept by version see it
+        own.copy_(scale)
 
 
 def reads_elsewhere_only(tensor: torch.Tensor) -> bool:

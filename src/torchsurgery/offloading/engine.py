@@ -54,6 +54,7 @@ from torchsurgery.compact import (
     stored_state,
     stored_values,
 )
+from torchsurgery.compact.scaled import dequantize
 from torchsurgery.offloading.device import OffloadDevice
 from torchsurgery.offloading.packing import FlatLayout, pack_runs, unpack
 from torchsurgery.offloading.plan import (
@@ -182,6 +183,8 @@ class OffloadHandle:
         self._patched: list[nn.Module] = []
         self._originals: list[_Original] = []  # every tensor the offload changed, in order
         self._reader: SafetensorsSource | None = None
+        # the checkpoint's scaled fp8 weights (ComfyUI's layout): file key -> its scale's key
+        self._file_scales = {p.file_key: p.file_scale for p in self.plan.params if p.file_key and p.file_scale}
         self._hooks: list[Any] = []
         self._reads = ReadContext(self._stats, Scratch())
         self._hold: _undo.Hold | None = None
@@ -321,7 +324,7 @@ class OffloadHandle:
             if tensor.is_meta and p.file_key is not None:  # resident, its values only in the file
                 assert self._reader is not None
                 self._remember(p.name, tensor)
-                swap_in(tensor, _moved(tensor, to, dtype, data=self._reader.read(p.file_key)))
+                swap_in(tensor, _moved(tensor, to, dtype, data=self._from_file(p.file_key)))
         for name, tensor, to, dtype, pin in moves:
             if tensor.device != to or tensor.dtype != dtype or (pin and not self._seam.is_pinned(tensor)):
                 self._remember(name, tensor)
@@ -418,7 +421,8 @@ class OffloadHandle:
                 if _made_meta(param, p):
                     meta = torch.empty_like(param, device="meta", dtype=p.compute_dtype)
                     swap_in(param, wrap_like(param, meta))
-            packed = PackedGroup(group.name, layout, source=self._reader, keys=keys)
+            scales = tuple(None if p.file_scale is None else self._file_scale(p.file_scale) for p in planned)
+            packed = PackedGroup(group.name, layout, source=self._reader, keys=keys, scales=scales)
         else:
             layout = FlatLayout.of(params)
             pinned = self.plan.pin_memory
@@ -429,6 +433,18 @@ class OffloadHandle:
             packed = PackedGroup(group.name, layout, tensors=tuple(params), pinned=pinned)
         self._streaming.add(packed)
         return packed
+
+    def _file_scale(self, key: str) -> torch.Tensor:
+        """The scale stored under ``key`` (ComfyUI's scaled fp8 layout), fp32, 0-dim, in host memory."""
+        assert self._reader is not None
+        return self._reader.read(key).float().reshape(())
+
+    def _from_file(self, key: str) -> torch.Tensor:
+        """The values the checkpoint holds under ``key``: a scaled fp8 weight's as ``q * scale`` (fp32)."""
+        assert self._reader is not None
+        scale = self._file_scales.get(key)
+        values = self._reader.read(key)
+        return values if scale is None else dequantize(values, self._file_scale(scale), torch.float32)
 
     def _check_file_holds(self) -> None:
         """Refuse a checkpoint whose values differ from the model's own (a stale or other file).
@@ -442,7 +458,7 @@ class OffloadHandle:
             param = _param(self._modules, p)
             if p.residency is not Residency.FILE or p.tied_to is not None or param.is_meta:
                 continue
-            stored = self._reader.read(str(p.file_key)).to(param.dtype)
+            stored = self._from_file(str(p.file_key)).to(param.dtype)
             if stored.shape != param.shape or not _same_bytes(stored, param.detach()):
                 raise ValueError(
                     f"{_WHAT}: {self.plan.storage!r} holds other values than the model for {p.name!r} "
@@ -528,7 +544,7 @@ class OffloadHandle:
             # the group streams from the checkpoint file (its parameters are meta): read it once
             buffer = torch.empty(packed.layout.nbytes, dtype=torch.uint8)
             packed.fill(buffer)
-            views = unpack(buffer, packed.layout)
+            views = [v if s is None else dequantize(v, s, torch.float32) for v, s in packed.scaled_views(unpack(buffer, packed.layout))]
             values = {id(p): v for (_, _, p, _), v in zip(streamer.packed_entries, views, strict=True)}
         planned = {id(p.lookup(self._live)): p for p in self.plan.params if p.tied_to is None}
         swaps = []
@@ -754,7 +770,7 @@ class OffloadHandle:
             where = o.kept_on or o.device
             if meta:  # its values are in the checkpoint file it was streamed from
                 assert self._reader is not None and o.file_key is not None
-                data = self._reader.read(o.file_key).to(device=where, dtype=dtype)
+                data = self._from_file(o.file_key).to(device=where, dtype=dtype)
             else:
                 data = tensor.detach().to(device=where, dtype=dtype, copy=True)
             back = wrap_like(tensor, data) if o.kept is None else offloaded_like(tensor, data, o.dtype, device=o.device)

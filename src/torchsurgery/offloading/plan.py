@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from torchsurgery import _undo
-from torchsurgery._checkpoint import SafetensorsSource, open_source
+from torchsurgery._checkpoint import SafetensorsSource, open_source, scaled_keys
 from torchsurgery._format import human_bytes
 from torchsurgery._tensor_layout import ALIGNMENT, align
 from torchsurgery._validate import (
@@ -114,6 +114,8 @@ class ParamPlan:
         nbytes: its bytes in the compute dtype (what a read of it widens to).
         scaled: the scaled format its values are kept in (``storage_dtype`` is then the
             format's narrow dtype; :mod:`torchsurgery.compact.scaled`), or ``None``.
+        file_scale: the key of the scale its values in the checkpoint file are multiplied by
+            (ComfyUI's scaled fp8 layout: ``<prefix>.scale_weight``), or ``None``.
 
     Example:
         >>> import torch
@@ -136,6 +138,7 @@ class ParamPlan:
     tied_to: str | None
     nbytes: int
     scaled: Scaled | None = None
+    file_scale: str | None = None
 
     def lookup(self, model: nn.Module) -> nn.Parameter:
         """The parameter in ``model`` (the object itself, not what attribute access returns)."""
@@ -732,8 +735,12 @@ def _file_keys(model: nn.Module, named: dict[str, nn.Module], groups: list[Group
     finally:
         source.close()
     state_names: dict[int, list[str]] = {}
-    for key, tensor in model.state_dict(keep_vars=True).items():
+    state = model.state_dict(keep_vars=True)
+    for key, tensor in state.items():
         state_names.setdefault(id(tensor), []).append(key)
+    scaled = scaled_keys(stored, state.keys())  # ComfyUI's scaled fp8 weights: read narrow, computed as q * scale
+    if scaled.problems:
+        raise ValueError(f"{_WHAT}: {storage!r} holds scales that cannot be read:\n  " + "\n  ".join(scaled.problems))
     problems = []
     for p in (p for g in groups for p in g.params):
         tensor = _param(named, p)
@@ -744,6 +751,7 @@ def _file_keys(model: nn.Module, named: dict[str, nn.Module], groups: list[Group
             problems.append(p.name)
         else:
             p.file_key = found[0]
+            p.file_scale = scaled.scales.get(found[0])
             if p.residency is Residency.FILE:
                 p.storage_dtype = stored[found[0]].dtype
     if problems:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from torchsurgery.compact import OffloadedTensor, stored_values
+from torchsurgery.compact.scaled import dequantize
 from torchsurgery.offloading.device import OffloadDevice
 from torchsurgery.offloading.order import OrderRecorder
 from torchsurgery.offloading.packing import (
@@ -58,6 +59,8 @@ class PackedGroup:
         source: a group left in a checkpoint file: the file (a ``torchsurgery._checkpoint`` source).
         keys: the file's keys, in layout order.
         pinned: whether the host buffers are page-locked (the ring re-packs them so).
+        scales: a group read from a scaled fp8 checkpoint (ComfyUI's layout): each weight's
+            scale (fp32, 0-dim; its values are ``q * scale``) or ``None``, in layout order.
     """
 
     name: str
@@ -66,11 +69,16 @@ class PackedGroup:
     source: Any = None
     keys: tuple[str, ...] = ()
     pinned: bool = False
+    scales: tuple[torch.Tensor | None, ...] = ()
 
     @property
     def from_file(self) -> bool:
         """Whether the weights are read from the checkpoint file."""
         return self.source is not None
+
+    def scaled_views(self, views: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each of the group's weights as brought in (``views``, in layout order) with its scale, if any."""
+        return list(zip(views, self.scales or [None] * len(views), strict=True))
 
     def version(self) -> int:
         """Grows whenever one of the group's weights is written in place (optimizer steps, edits, loads).
@@ -556,6 +564,14 @@ class _GroupStreamer:
         self.resident = False
         # weights read from a checkpoint file cannot come in inside a compiled graph
         self.traceable = packed is None or not packed.from_file
+        self.scales: list[torch.Tensor | None] = []  # the packed weights' scales where they compute, once needed
+
+    def _on_device(self, views: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each packed weight's view in the ring with its scale (a scaled checkpoint's) on the same device."""
+        assert self.packed is not None
+        if not self.scales:
+            self.scales = [s if s is None else s.to(v.device) for v, s in self.packed.scaled_views(views)]
+        return list(zip(views, self.scales, strict=True))
 
     @torch.compiler.disable  # transfers stay outside compiled regions; the group's compute compiles
     def bring_in(self) -> None:
@@ -584,8 +600,11 @@ class _GroupStreamer:
                 self.slot, views, copy = streaming.ring.enter(self.packed, upcoming)
                 if self.slot < 0:  # every slot busy: a temporary buffer
                     fresh += self.packed.layout.nbytes
-                for ((owner, pname, _, dtype), narrow), view in zip(entries, views, strict=False):  # the packed ones
-                    through = _through(narrow)
+                for ((owner, pname, _, dtype), narrow), (view, scale) in zip(entries, self._on_device(views), strict=False):
+                    through = _through(narrow)  # (the packed ones)
+                    if scale is not None:  # a scaled fp8 weight of the checkpoint: its values are q * scale
+                        view = dequantize(view, scale, dtype)
+                        fresh += view.nbytes
                     if through is not None:
                         view = view.to(through)
                     if view.dtype != dtype:
