@@ -40,6 +40,7 @@ memory read bandwidth, measured in this process, beyond a server CPU's last-leve
 column is the step's time over (bytes of weights the step reads / that bandwidth).
 
 Run: .venv/bin/python benchmarks/offload.py [--rounds 7] [--threads 2] [--models shapes12,mlp,gpt2,llama]
+(``--models decode``: the decoding steps alone, ``--decode-widths 2048`` one of them)
 """
 
 from __future__ import annotations
@@ -344,7 +345,7 @@ class _KernelClock:
 def _no_reads() -> contextlib.AbstractContextManager[None]:
     """The native kernel answering an uninitialised output: offload's own path, no weight read."""
 
-    def answer(x: torch.Tensor, weight: torch.Tensor, bias: Any, transposed: bool) -> torch.Tensor:
+    def answer(x: torch.Tensor, weight: torch.Tensor, bias: Any, transposed: bool, scale: Any = None) -> torch.Tensor:
         return _no_weights(x, weight.shape[1] if transposed else weight.shape[0])
 
     return kernel_replaced(answer)
@@ -479,9 +480,11 @@ def main() -> None:
     for kind in args.models.split(","):
         if kind == "shapes12":
             bench_steps(kind, [1, 2, 3, 4], args.rounds, bandwidth, args.steps)
-        elif kind == "llama":
+        elif kind in ("llama", "decode"):  # decode: the decoding steps alone
             for width in args.decode_widths.split(","):
                 bench_decode(args.rounds, bandwidth, int(width))
+            if kind == "decode":
+                continue
             bench_generation(args.rounds)
             bench_steps(kind, [512], max(3, args.rounds // 2), bandwidth)
         else:
