@@ -901,8 +901,8 @@ def offload(
             budget (``bfloat16``, ``float16``, ``float8_e4m3fn``, ``float8_e5m2``, ``float32``,
             ``float64``); modules selected by ``skip`` keep theirs. Or a scaled format,
             :class:`~torchsurgery.compact.Scaled` (fp8 or int8 values with an fp32 scale per
-            output channel or per tensor) for weights of two or more dimensions, kept whole
-            (resident, or read narrow by the CPU): biases keep the compute dtype.
+            output channel or per tensor) for weights of two or more dimensions, resident or
+            streamed: biases keep the compute dtype.
         budget: device bytes the weights may take as stored, next to the ``prefetch + 1``
             largest streamed groups in flight. A model that fits is kept whole. Otherwise the
             groups that stream through the ring are measured on the first forward and
