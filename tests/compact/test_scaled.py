@@ -16,7 +16,7 @@ from torch import nn
 
 import torchsurgery
 from torchsurgery import OffloadedTensor, offload
-from torchsurgery.compact import Scaled
+from torchsurgery.compact import Scaled, own_scale
 from torchsurgery.compact.scaled import dequantize, scaled_product
 
 FORMATS = [
@@ -132,6 +132,21 @@ def test_writes_are_rounded_to_the_weights_grid() -> None:
     grid = dequantize(torch.round(expected * 0.5 / scale).to(torch.int8), scale, torch.float32)
     torch.testing.assert_close(weight * 1, grid, rtol=0, atol=0)
     assert weight.stored.dtype == torch.int8
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_what_the_offload_holds_and_reads_counts_the_scales(fmt: Scaled) -> None:
+    model = mlp()
+    handle = offload(model, storage_dtype=fmt, dtype=torch.float32, budget=1 << 20)  # kept whole
+    weights = [model[0].weight, model[3].weight]
+    scales = [own_scale(w) for w in weights]
+    assert all(s is not None and s.dtype == torch.float32 for s in scales)
+    kept = sum(w.stored.nbytes for w in weights) + sum(s.nbytes for s in scales if s is not None)
+    others = sum(p.nbytes for p in model.parameters() if not isinstance(p, OffloadedTensor))
+    assert handle.stats().resident_bytes == kept + others  # the groups as held
+    with torch.no_grad():
+        model(torch.randn(2, 32))
+    assert handle.stats().bytes_moved == kept  # each product reads its weight's q and scale
 
 
 def test_a_deep_copy_keeps_the_scale() -> None:
