@@ -83,6 +83,7 @@ class PackedGroup:
     def scaled_views(self, views: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Each of the group's weights as brought in (``views``, in layout order) with its scale, if any."""
         return list(zip(views, self.scales or [None] * len(views), strict=True))
+
     def slot_values(self) -> list[torch.Tensor]:
         """What each slot of the layout holds, in the parameters' own memory: each weight's stored
         values, then each scaled weight's scale."""
