@@ -14,7 +14,7 @@ from torch import nn
 
 import torchsurgery
 from torchsurgery import DevicePool
-from torchsurgery.compact import stored_values
+from torchsurgery.compact import Scaled, stored_values
 from torchsurgery.offloading import pool as pool_module
 
 
@@ -102,6 +102,46 @@ def test_a_model_loaded_with_a_storage_dtype_computes_as_offloaded_whole_or_part
         assert handle.stats().resident_bytes <= pool.stats()["m"].device_bytes
         pool.close()
         for name, value in reference.state_dict().items():  # pushed back as offload's remove() leaves it
+            torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("accelerator", marks=pytest.mark.accelerator)])
+def test_a_model_pooled_in_a_scaled_format_loads_and_goes_back_with_the_dequantised_values(
+    where: str, request: pytest.FixtureRequest
+) -> None:
+    device = torch.device("cpu") if where == "cpu" else request.getfixturevalue("accelerator")
+    kwargs: dict[str, Any] = {"storage_dtype": Scaled(torch.float8_e4m3fn), "dtype": torch.float32}
+    model = blocks(8)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)  # a typical scale: unscaled fp8 would be subnormal
+    reference = copy.deepcopy(model)
+    x = X.to(device)
+    with torch.no_grad():
+        handle = torchsurgery.offload(reference, device, **kwargs)  # kept whole
+        expected = reference(x)
+        handle.remove()  # the dequantised values, in fp32
+    plan = torchsurgery.plan_offload(copy.deepcopy(model), device, **kwargs)
+    whole, streaming = plan.device_bytes({g.name for g in plan.groups}), least_budget(model, device, **kwargs)
+    assert streaming < whole
+    ids = identity_map(model)
+    pool = DevicePool(device, budget=whole)
+    pool.add(model, name="m", **kwargs)
+    for budget, state, put_back in ((whole, "whole", "unload"), (whole, "whole", "shrink"), (streaming, "partial", "close")):
+        pool.budget = budget
+        pool.load(model)  # from the second load on, the values the previous one gave back: quantised to the same
+        assert pool.stats()["m"].state == state and pool.stats()["m"].total_bytes == whole  # the scales counted
+        with torch.no_grad():
+            for _ in range(2):  # the second after what the first forward measured
+                torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+        if put_back == "unload":
+            pool.unload(model)
+        elif put_back == "shrink":
+            assert pool.shrink(model, keep_free=1 << 62) is None
+        else:
+            pool.close()
+        assert identity_map(model) == ids
+        for name, value in reference.state_dict().items():
             torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0)
 
 

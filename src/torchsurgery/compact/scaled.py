@@ -106,6 +106,17 @@ class Scaled:
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero channel
         return quantize_with(values, scale, self.dtype), scale
 
+    def scale_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
+        """Bytes of the fp32 scale :meth:`quantize` keeps for a weight of ``shape``.
+
+        Example:
+            >>> import torch
+            >>> Scaled(torch.int8).scale_nbytes((64, 32)), Scaled(torch.float8_e4m3fn, per="tensor").scale_nbytes((64, 32))
+            (256, 4)
+        """
+        per_channel = self.per == "channel" and len(shape) >= 2
+        return (shape[0] if per_channel else 1) * torch.float32.itemsize
+
 
 def quantize_with(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``values / scale`` rounded to ``dtype`` (fp8 to nearest, int8 to the nearest integer), saturating.
@@ -125,12 +136,16 @@ def quantize_with(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The values ``q`` and ``scale`` stand for, in ``dtype``: ``(q.float() * scale).to(dtype)``.
 
+    One fp32 tensor of ``q``'s shape is made (``q`` widened, then scaled in place), and the
+    result in ``dtype`` besides where ``dtype`` is not fp32: the same values on every device,
+    so a weight widened into a ring slot on an accelerator equals the one read on the host.
+
     Example:
         >>> import torch
         >>> dequantize(torch.tensor([64, -127], dtype=torch.int8), torch.tensor(0.5), torch.float32).tolist()
         [32.0, -63.5]
     """
-    return (q.float() * scale).to(dtype)
+    return q.to(torch.float32, copy=True).mul_(scale).to(dtype)
 
 
 def scaled_product(

@@ -85,10 +85,11 @@ class ReadContext:
     stats: ReadCounts
     scratch: Scratch
 
-    def count(self, weight: torch.Tensor, compute: torch.dtype) -> None:
-        """One read of ``weight`` (narrow) for a product in ``compute`` (eager forwards only)."""
+    def count(self, weight: torch.Tensor, compute: torch.dtype, scale: torch.Tensor | None = None) -> None:
+        """One read of ``weight`` (narrow; a scaled one with its ``scale``) for a product in ``compute``
+        (eager forwards only)."""
         stats = self.stats
-        stats.bytes_moved += weight.numel() * weight.element_size()
+        stats.bytes_moved += weight.numel() * weight.element_size() + (0 if scale is None else scale.nbytes)
         stats.transfers += 1
         wide = stats.resident_bytes + weight.numel() * compute.itemsize
         if wide > stats.peak_device_bytes:
@@ -274,6 +275,12 @@ class OffloadedTensor(torch.Tensor):
         if isinstance(shadow, Shadow):
             shadow.follow(d[_STORED])
 
+    def _rehome_scale(self, scale: torch.Tensor) -> None:
+        """Keep a scaled weight's scale in ``scale`` from now on (the same values, in new memory,
+        in the shape :func:`own_scale` gives)."""
+        d = self.__dict__
+        d[_SCALE] = scale.detach().expand(d[_STORED].shape)
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         wide = _wide(self)
         kind = "OffloadedParameter" if isinstance(self, nn.Parameter) else "OffloadedTensor"
@@ -427,8 +434,8 @@ def _widened(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _wide(t: OffloadedTensor) -> torch.Tensor:
     """``t``'s values in its dtype on its device: the stored tensor itself where it already is so."""
     stored, scale = t.stored, t.__dict__[_SCALE]
-    if scale is not None:  # a scaled weight: q * scale (compact/scaled.py)
-        return dequantize(stored, scale, t.dtype).to(t.device)
+    if scale is not None:  # a scaled weight: q * scale (compact/scaled.py), q moved narrow
+        return dequantize(stored.to(t.device), scale.to(t.device), t.dtype)
     return stored.to(device=t.device, dtype=t.dtype)
 
 
@@ -494,7 +501,7 @@ def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor |
     whole = not fits or (grad and (shadow is not None or _needs_graph(x, weight, bias)))
     values = stored if whole or shadow is None else shadow.current()
     if reads is not None:
-        reads.count(values, dtype)
+        reads.count(values, dtype, own_scale(weight))
     if whole:
         w, b = _whole(weight), None if bias is None else _whole(bias)
         if transposed:
@@ -502,12 +509,13 @@ def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor |
         return F.linear(x, w, b)
     scratch = reads.scratch if reads is not None else None
     scale = d[_SCALE]
-    if scale is not None and not transposed:  # the scale applied to the sums (compact/scaled.py)
+    if scale is not None and not transposed and values.device.type == "cpu":  # the scale applied to the sums
         def sums(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
             return narrow_product(x, w, b, False, scratch, scale=s)
 
         return scaled_product(x, values, scale, _narrow_operand(bias), sums)
-    if scale is not None:  # an [in, out] weight (Conv1D): its scale runs along the sums
+    if scale is not None:  # an [in, out] weight (Conv1D), whose scale runs along the sums; or on an
+        # accelerator: dequantised as a streamed weight is widened into its ring slot, so that both compute alike
         values = _wide(weight)
     return narrow_product(x, values, _narrow_operand(bias), transposed, scratch)
 
@@ -699,7 +707,7 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # own backward, which multiplies by the weight through here again)
     bias, x, w = (None, *args) if func is _aten.mm.default else args
     if (
-        isinstance(w, OffloadedTensor) and not isinstance(x, OffloadedTensor) and w.__dict__[_SCALE] is None
+        isinstance(w, OffloadedTensor) and not isinstance(x, OffloadedTensor)
         and all(v in (None, 1) for v in (kwargs.get("beta"), kwargs.get("alpha")))
     ):
         values = w._narrow()
@@ -709,11 +717,47 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             and values.dim() == 2 and x.dim() == 2
         ):
             narrow_bias = _narrow_operand(bias)  # as eager reads it: a master bias through its narrow copy
+            if w.__dict__[_SCALE] is not None:
+                scaled = _scaled_matmul(x, w, narrow_bias)
+                return scaled if scaled is not None else _widened(func, args, kwargs)
             if values.t().is_contiguous():  # W.T of an [out, in] weight: nn.Linear
                 return narrow_product_op(x, values.t(), narrow_bias, False)
             if values.is_contiguous():  # an [in, out] weight (Conv1D)
                 return narrow_product_op(x, values, narrow_bias, True)
     return _widened(func, args, kwargs)
+
+
+def _scaled_matmul(x: torch.Tensor, w: OffloadedTensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A compiled product by a scaled weight as its eager forward takes it on the host (an
+    ``nn.Linear``'s ``W.T``, one scale per output): the sums of ``q``, scaled; else None (dequantised)."""
+    values, scale = w.stored, w.__dict__[_SCALE]
+    if values.device.type != "cpu" or not values.t().is_contiguous() or scale.t().stride(1) != 0:
+        return None
+    return scaled_product_op(x, values.t(), scale.t()[:, 0].contiguous(), bias)
+
+
+@torch.library.custom_op("torchsurgery::scaled_product", mutates_args=())
+def scaled_product_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ (q * scale[:, None]).T + bias`` by :func:`~torchsurgery.compact.scaled.scaled_product` as one
+    operator: a compiled forward computes what the eager one does, the same kernels in the same order.
+
+    Example:
+        >>> import torch
+        >>> q = torch.tensor([[2, 4]], dtype=torch.int8)
+        >>> scaled_product_op(torch.ones(1, 2), q, torch.tensor([0.5]), None).tolist()
+        [[3.0]]
+    """
+    return scaled_product(x, q, scale[:, None].expand(q.shape), bias, _sums)
+
+
+@scaled_product_op.register_fake
+def _scaled_product_shape(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], q.shape[0]))
+
+
+def _sums(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    # a scaled product's sums: the narrow product of q itself, scaled, as eager takes them
+    return narrow_product(x, q, bias, False, None, scale=scale)
 
 
 _HANDLERS: dict[Any, Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = {

@@ -50,6 +50,7 @@ from torchsurgery.compact import (
     Scratch,
     converted_by,
     offloaded_like,
+    own_scale,
     reads_elsewhere_only,
     stored_state,
     stored_values,
@@ -137,6 +138,11 @@ def _moved(
     if pin is not None and data.device.type == "cpu":
         data = pin.pin(data)
     return wrap_like(tensor, data)
+
+
+def _packed_scaled(p: ParamPlan) -> bool:
+    """Whether ``p`` is a scaled weight packed into its group's host buffers (wrapped as it is packed)."""
+    return p.scaled is not None and p.residency is Residency.STREAMED
 
 
 def _gone() -> None:
@@ -292,12 +298,13 @@ class OffloadHandle:
                 if p.tied_to is not None or p.residency is Residency.FILE:
                     continue  # converted under its first name; or the file has its values
                 tensor = _param(self._modules, p)
-                # a scaled weight moves in its own dtype: it is quantised when it is wrapped
+                # a scaled weight moves in its own dtype: it is quantised when it is wrapped (or
+                # packed, into host buffers pinned then)
                 dtype = tensor.dtype if p.scaled is not None else p.storage_dtype
                 if p.residency is Residency.RESIDENT:
                     moves.append((p, tensor, target, dtype, False))
                 else:
-                    moves.append((p, tensor, _STORAGE_DEVICE, dtype, pin))
+                    moves.append((p, tensor, _STORAGE_DEVICE, dtype, pin and p.scaled is None))
         return moves
 
     def _convert(self) -> None:
@@ -389,19 +396,22 @@ class OffloadHandle:
         owners: dict[int, nn.Module] = {}
         for p in filter(self._wrapped, self.plan.params):
             tensor = _param(self._modules, p)
-            self._remember(p.name, tensor)
-            swap_in(tensor, self._wrapper(tensor, p, tensor.detach()))
+            if not _packed_scaled(p):  # those were wrapped as they were packed
+                self._remember(p.name, tensor)
+                swap_in(tensor, self._wrapper(tensor, p, tensor.detach()))
             owner = self._modules[p.module]
             owners[id(owner)] = owner
         for owner in owners.values():
             self._hooks.append(owner.register_state_dict_post_hook(stored_state))
 
-    def _wrapper(self, tensor: torch.Tensor, p: ParamPlan, stored: torch.Tensor) -> torch.Tensor:
-        """What to swap into ``tensor`` to give it the values ``stored`` (in ``p``'s storage dtype), read as it
-        computes (on the device it computes on, where the values stay on the host)."""
+    def _wrapper(
+        self, tensor: torch.Tensor, p: ParamPlan, stored: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """What to swap into ``tensor`` to give it the values ``stored`` (in ``p``'s storage dtype; a scaled
+        weight's ``q`` with its ``scale``), read as it computes (on the device it computes on, where the
+        values stay on the host)."""
         device = self.device if reads_elsewhere(p, self.device) else None
-        scale = None
-        if p.scaled is not None:  # ``stored`` holds the values to quantise (compact/scaled.py)
+        if p.scaled is not None and scale is None:  # ``stored`` holds the values to quantise (compact/scaled.py)
             stored, scale = p.scaled.quantize(stored)
         return offloaded_like(
             tensor, stored, p.compute_dtype, reads=self._reads, shadow_dtype=p.shadow_dtype, device=device, scale=scale
@@ -424,13 +434,7 @@ class OffloadHandle:
             scales = tuple(None if p.file_scale is None else self._file_scale(p.file_scale) for p in planned)
             packed = PackedGroup(group.name, layout, source=self._reader, keys=keys, scales=scales)
         else:
-            layout = FlatLayout.of(params)
-            pinned = self.plan.pin_memory
-            allocate = self._seam.pinned_empty if pinned else functools.partial(torch.empty, dtype=torch.uint8)
-            for param, view, p in zip(params, pack_runs(params, layout, allocate), planned, strict=True):
-                self._remember(p.name, param)
-                param.data = view
-            packed = PackedGroup(group.name, layout, tensors=tuple(params), pinned=pinned)
+            packed = self._pack_in_memory(group.name, params, planned)
         self._streaming.add(packed)
         return packed
 
@@ -445,6 +449,32 @@ class OffloadHandle:
         scale = self._file_scales.get(key)
         values = self._reader.read(key)
         return values if scale is None else dequantize(values, self._file_scale(scale), torch.float32)
+
+    def _pack_in_memory(self, name: str, params: list[nn.Parameter], planned: list[ParamPlan]) -> PackedGroup:
+        """The group's weights in host buffers, one per dtype run, the parameters views of them.
+
+        A scaled weight is quantised and wrapped to read as it computes first; its ``q`` takes
+        its slot, its scale one after every weight's values (the ring carries both).
+        """
+        for param, p in zip(params, planned, strict=True):
+            self._remember(p.name, param)
+            if p.scaled is not None and not isinstance(param, OffloadedTensor):  # once, if tied within the group
+                swap_in(param, self._wrapper(param, p, param.detach()))
+        scaled = [t for t in {id(t): t for t in params}.values() if isinstance(t, OffloadedTensor) and own_scale(t) is not None]
+        values = [stored_values(t) for t in params]
+        scales = [s for s in map(own_scale, scaled) if s is not None]
+        layout = FlatLayout.of(values + scales)
+        pinned = self.plan.pin_memory
+        allocate = self._seam.pinned_empty if pinned else functools.partial(torch.empty, dtype=torch.uint8)
+        views = pack_runs(values + scales, layout, allocate)
+        for param, view in zip(params, views, strict=False):  # the scales' views follow
+            if isinstance(param, OffloadedTensor):
+                param._rehome(view)
+            else:
+                param.data = view
+        for param, view in zip(scaled, views[len(values):], strict=True):
+            param._rehome_scale(view)
+        return PackedGroup(name, layout, tensors=tuple(params), pinned=pinned, scaled=tuple(scaled))
 
     def _check_file_holds(self) -> None:
         """Refuse a checkpoint whose values differ from the model's own (a stale or other file).
@@ -552,7 +582,9 @@ class OffloadHandle:
             q = planned[id(p)]
             self._remember(q.name, p)  # remove() gives it back (one that needed no move to start streaming too)
             if reads_as_computed(q):
-                swaps.append((p, self._wrapper(p, q, stored_values(p).detach().to(self.device, q.storage_dtype, copy=True))))
+                scale = own_scale(p)  # a scaled weight's moves with it
+                kept = stored_values(p).detach().to(self.device, q.storage_dtype, copy=True)
+                swaps.append((p, self._wrapper(p, q, kept, None if scale is None else scale.to(self.device, copy=True))))
             else:
                 swaps.append((p, _moved(p, self.device, dtype, data=values.get(id(p)))))
         return swaps
@@ -869,8 +901,8 @@ def offload(
             budget (``bfloat16``, ``float16``, ``float8_e4m3fn``, ``float8_e5m2``, ``float32``,
             ``float64``); modules selected by ``skip`` keep theirs. Or a scaled format,
             :class:`~torchsurgery.compact.Scaled` (fp8 or int8 values with an fp32 scale per
-            output channel or per tensor) for weights of two or more dimensions, kept whole
-            (resident, or read narrow by the CPU): biases keep the compute dtype.
+            output channel or per tensor) for weights of two or more dimensions, resident or
+            streamed: biases keep the compute dtype.
         budget: device bytes the weights may take as stored, next to the ``prefetch + 1``
             largest streamed groups in flight. A model that fits is kept whole. Otherwise the
             groups that stream through the ring are measured on the first forward and

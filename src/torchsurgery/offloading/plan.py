@@ -116,6 +116,7 @@ class ParamPlan:
             format's narrow dtype; :mod:`torchsurgery.compact.scaled`), or ``None``.
         file_scale: the key of the scale its values in the checkpoint file are multiplied by
             (ComfyUI's scaled fp8 layout: ``<prefix>.scale_weight``), or ``None``.
+        scale_nbytes: the bytes of its fp32 scale, kept and moved next to its values (0 unscaled).
 
     Example:
         >>> import torch
@@ -139,6 +140,7 @@ class ParamPlan:
     nbytes: int
     scaled: Scaled | None = None
     file_scale: str | None = None
+    scale_nbytes: int = 0
 
     def lookup(self, model: nn.Module) -> nn.Parameter:
         """The parameter in ``model`` (the object itself, not what attribute access returns)."""
@@ -284,6 +286,12 @@ def already_offloaded(model: nn.Module) -> str | None:
     return None
 
 
+def check_storage_format(value: object, what: str) -> torch.dtype | Scaled | None:
+    """``value`` if weights can be stored in it: a :class:`~torchsurgery.compact.Scaled` format, or a dtype
+    :func:`~torchsurgery._validate.check_storage_dtype` takes (its ``TypeError`` otherwise)."""
+    return value if isinstance(value, Scaled) else check_storage_dtype(value, what)
+
+
 def _check_options(
     model: nn.Module,
     device: str | torch.device | OffloadDevice,
@@ -304,12 +312,15 @@ def _check_options(
     _undo.check_idle(model, _WHAT)
     seam = resolve_device(device, _WHAT)
     compute = check_dtype(dtype, _WHAT, "dtype")
-    stored = storage_dtype if isinstance(storage_dtype, Scaled) else check_storage_dtype(storage_dtype, _WHAT)
+    stored = check_storage_format(storage_dtype, _WHAT)
     master = check_storage_dtype(master_dtype, _WHAT, "master_dtype")
     if isinstance(stored, Scaled) and master is not None:
         raise ArgumentValueError(
-            _WHAT, "master_dtype", master, f"does not apply with storage_dtype={stored!r} yet (a scaled narrow copy "
-            "of master weights is not built)", "leave out master_dtype, or give a plain storage_dtype",
+            _WHAT, "master_dtype", master, f"does not apply with storage_dtype={stored!r}: a master weight's narrow "
+            "copy is refreshed by a plain cast after every write, and a scaled copy would have to choose its scale "
+            "again at each optimizer step (a grid that moves under training); that is not built",
+            "leave out master_dtype (writes to a scaled weight round to its grid, its scale kept), or give a plain "
+            "storage_dtype",
         )
     if stored is not None and storage is not None:
         # streamed weights are read in the file's dtype: resident ones must not differ from them
@@ -397,7 +408,8 @@ def _collect(
                     shadow, stored = stored, master_dtype  # the parameter keeps the master dtype
                 tied = first.setdefault(id(p), name)
                 entry = ParamPlan(name, qual, attr, stored, compute, shadow, Residency.STREAMED, None,
-                                  tied if tied != name else None, p.numel() * compute.itemsize, scaled)
+                                  tied if tied != name else None, p.numel() * compute.itemsize, scaled,
+                                  scale_nbytes=0 if scaled is None else scaled.scale_nbytes(p.shape))
                 group.params.append(entry)
                 if tied == name:
                     group.nbytes += held_bytes(entry)
@@ -418,7 +430,8 @@ def _check_master_holds(master: torch.dtype, name: str, dtype: torch.dtype) -> N
 
 
 def held_bytes(p: ParamPlan, granule: int = 1) -> int:
-    """Device bytes ``p`` takes resident: its values in its storage dtype, and a master's narrow copy besides.
+    """Device bytes ``p`` takes resident: its values in its storage dtype, and a master's narrow copy
+    or a scaled weight's scale besides.
 
     Each is one allocation, rounded up to ``granule`` bytes (the device's allocation granule).
 
@@ -430,10 +443,15 @@ def held_bytes(p: ParamPlan, granule: int = 1) -> int:
         ...                                  master_dtype=torch.float32, dtype=torch.float32)
         >>> held_bytes(plan.params[0])  # 16 fp32 master values and their 16 bf16 copies
         96
+        >>> from torchsurgery.compact import Scaled
+        >>> plan = torchsurgery.plan_offload(nn.Linear(4, 4, bias=False), storage_dtype=Scaled(torch.int8), dtype=torch.float32)
+        >>> held_bytes(plan.params[0])  # 16 int8 values and 4 fp32 scales
+        32
     """
     numel = p.nbytes // p.compute_dtype.itemsize
     shadow = _allocated(numel * p.shadow_dtype.itemsize, granule) if p.shadow_dtype is not None else 0
-    return _allocated(numel * p.storage_dtype.itemsize, granule) + shadow
+    scale = _allocated(p.scale_nbytes, granule) if p.scale_nbytes else 0
+    return _allocated(numel * p.storage_dtype.itemsize, granule) + shadow + scale
 
 
 def _allocated(nbytes: int, granule: int) -> int:
@@ -442,8 +460,18 @@ def _allocated(nbytes: int, granule: int) -> int:
 
 
 def _widened_bytes(p: ParamPlan) -> int:
-    """What a read of ``p`` widens it to for a product (its compute dtype), where it is held in another dtype."""
-    return p.nbytes if p.tied_to is None and (p.storage_dtype != p.compute_dtype or p.shadow_dtype is not None) else 0
+    """What a read of ``p`` widens it to for a product (its compute dtype, through fp32 for a scaled
+    weight: :func:`_through_fp32`), where it is held in another dtype."""
+    widened = p.tied_to is None and (p.storage_dtype != p.compute_dtype or p.shadow_dtype is not None)
+    return p.nbytes + _through_fp32(p) if widened else 0
+
+
+def _through_fp32(p: ParamPlan) -> int:
+    """The fp32 copy a scaled weight is dequantised through on its way to a narrower compute dtype
+    (:func:`~torchsurgery.compact.scaled.dequantize`), for as long as the cast takes."""
+    if p.scaled is None or p.compute_dtype == torch.float32:
+        return 0
+    return p.nbytes // p.compute_dtype.itemsize * torch.float32.itemsize
 
 
 def sizes(
@@ -451,7 +479,7 @@ def sizes(
     what: str,
     *,
     dtype: torch.dtype | None,
-    storage_dtype: torch.dtype | None,
+    storage_dtype: torch.dtype | Scaled | None,
     groups: str | Sequence[str],
     skip: Callable[[nn.Module, str], bool] | None,
     converted: Mapping[int, torch.dtype] | None = None,
@@ -511,7 +539,7 @@ def _route(named: dict[str, nn.Module], groups: list[GroupPlan], options: _Optio
             if group.resident or (first is not None and first[0] is Residency.RESIDENT):
                 p.residency = Residency.RESIDENT  # in its storage dtype, as when it streams
                 if not plain:  # a tensor subclass is not wrapped to read as it computes: kept as it computes
-                    p.storage_dtype, p.shadow_dtype = p.compute_dtype, None
+                    p.storage_dtype, p.shadow_dtype, p.scaled, p.scale_nbytes = p.compute_dtype, None, None, 0
             elif from_file:
                 p.residency = Residency.FILE
             elif _reads_narrow(named, group, p, options):
@@ -528,16 +556,18 @@ def _route(named: dict[str, nn.Module], groups: list[GroupPlan], options: _Optio
                 where[p.name] = (p.residency, group.name)
 
 
-def _check_scaled_kept_whole(groups: list[GroupPlan]) -> None:
-    """Refuse scaled weights the ring would stream: packing a scale beside its values is not built yet."""
+def _check_scaled_plain(named: dict[str, nn.Module], groups: list[GroupPlan]) -> None:
+    """Refuse a scaled format for a weight that is a tensor subclass converted at each run: its values
+    cannot be quantised into a plain ``q`` and scale (those kept resident keep their own dtype)."""
     for g in groups:
         for p in g.params:
-            if p.scaled is not None and p.residency not in (Residency.NARROW, Residency.RESIDENT):
+            if p.scaled is not None and p.residency is Residency.CONVERTED and p.tied_to is None:
+                kind = type(_param(named, p)).__name__
                 raise ArgumentValueError(
                     _WHAT, "storage_dtype", p.scaled,
-                    f"keeps weights whole only for now, but {p.name!r} would be {p.residency.value} "
-                    "(streamed scaled weights are not built yet)",
-                    "give no budget (or one that holds the model), or a plain storage_dtype such as torch.bfloat16",
+                    f"keeps plain weights only, but {p.name!r} is a {kind} (a tensor subclass, converted at each run): "
+                    "its values cannot be kept as narrow values and a scale",
+                    f"leave {p.module or '<root>'!r} out (skip=...), or give a plain storage_dtype such as torch.bfloat16",
                 )
 
 
@@ -597,8 +627,9 @@ def streaming_bytes(group: GroupPlan, granule: int = 1) -> tuple[int, int]:
 
     Returns:
         (its ring slot: the weights the ring carries, in their storage dtype, each aligned
-        as the ring packs them; what a run adds: casts to the compute dtype (through a
-        master's narrow dtype, whose copy lives next to the cast while it is made), the
+        as the ring packs them, and the scales of scaled weights after them; what a run adds:
+        casts to the compute dtype (through a master's narrow dtype, or a scaled weight's
+        fp32 dequantisation, whose copy lives next to the cast while it is made), the
         weights converted at each run, such as a tied weight another group holds, and the
         widest of the weights read narrow in place, widened for a product).
 
@@ -610,12 +641,18 @@ def streaming_bytes(group: GroupPlan, granule: int = 1) -> tuple[int, int]:
         >>> streaming_bytes(plan.groups[0])  # weight at 0, bias at 256 (bf16); both cast to fp32 per run
         (264, 80)
     """
-    ring = [p for p in group.params if p.residency in (Residency.STREAMED, Residency.FILE)]
+    ring = sorted(  # the order the engine packs them in
+        (p for p in group.params if p.residency in (Residency.STREAMED, Residency.FILE)), key=lambda p: str(p.storage_dtype)
+    )
     end = per_run = through = 0
-    for p in sorted(ring, key=lambda p: str(p.storage_dtype)):  # the order the engine packs them in
+    for p in ring:
         end = align(end, ALIGNMENT) + p.nbytes // p.compute_dtype.itemsize * p.storage_dtype.itemsize
         if p.storage_dtype != p.compute_dtype or p.shadow_dtype is not None:  # cast (a master: through its copy's dtype)
             per_run += _allocated(p.nbytes, granule)
+        through = max(through, _allocated(_through_fp32(p), granule))
+    for p in ring:
+        if p.scale_nbytes:  # the scales, after every weight's values
+            end = align(end, ALIGNMENT) + p.scale_nbytes
     converted = [p for p in group.params if p.residency is Residency.CONVERTED]
     per_run += sum(_allocated(p.nbytes, granule) for p in converted)
     for p in ring + converted:
@@ -863,7 +900,7 @@ def plan_converted(
     buffers = _buffer_bytes(model, options.device)
     budget, measured = _choose_residency(named, plan, options, buffers)
     _route(named, plan, options, from_file)
-    _check_scaled_kept_whole(plan)
+    _check_scaled_plain(named, plan)
     _check_plain_readers(named, plan)
     if storage is not None:
         _file_keys(model, named, plan, storage)

@@ -38,7 +38,8 @@ import torch
 from torch import nn
 
 from torchsurgery import _undo
-from torchsurgery._validate import check_bytes, check_device, check_dtype, check_storage_dtype
+from torchsurgery._validate import check_bytes, check_device, check_dtype
+from torchsurgery.compact import Scaled
 from torchsurgery.offloading.device import resolve_device
 from torchsurgery.offloading.engine import (
     DEFAULT_SKIP,
@@ -46,7 +47,7 @@ from torchsurgery.offloading.engine import (
     OffloadRecord,
     offload_converted,
 )
-from torchsurgery.offloading.plan import already_offloaded, sizes
+from torchsurgery.offloading.plan import already_offloaded, check_storage_format, sizes
 from torchsurgery.offloading.stats import OffloadStats
 
 __all__ = ["DevicePool", "PoolStats"]
@@ -298,7 +299,7 @@ class DevicePool:
         *,
         name: str | None = None,
         dtype: torch.dtype | None = None,
-        storage_dtype: torch.dtype | None = None,
+        storage_dtype: torch.dtype | Scaled | None = None,
         groups: str | Sequence[str] = "blocks",
         skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP,
         prefetch: int = 1,
@@ -311,7 +312,7 @@ class DevicePool:
             name: its name in :meth:`stats` (default: its class name, numbered if taken).
             dtype: compute dtype, as for :func:`~torchsurgery.offload`.
             storage_dtype: storage dtype while loaded, resident or streamed, as for
-                :func:`~torchsurgery.offload`.
+                :func:`~torchsurgery.offload` (a :class:`~torchsurgery.compact.Scaled` format too).
             groups: offload groups, as for :func:`~torchsurgery.offload`.
             skip: modules that keep their dtype, as for :func:`~torchsurgery.offload`.
             prefetch: groups brought in ahead when streamed.
@@ -331,7 +332,7 @@ class DevicePool:
         what = f"{_WHAT}.add"
         _undo.check_module(model, what)
         check_dtype(dtype, what, "dtype")
-        check_storage_dtype(storage_dtype, what)
+        check_storage_format(storage_dtype, what)
         for record in _undo.records(model):
             if isinstance(record, PoolRecord) and record.pool is None:
                 record.undo(model)  # a copy of a pooled model: the record it carried is stale

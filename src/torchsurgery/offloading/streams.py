@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchsurgery.compact import OffloadedTensor, stored_values
+from torchsurgery.compact import OffloadedTensor, own_scale, stored_values
 from torchsurgery.compact.scaled import dequantize
 from torchsurgery.offloading.device import OffloadDevice
 from torchsurgery.offloading.order import OrderRecorder
@@ -61,6 +61,9 @@ class PackedGroup:
         pinned: whether the host buffers are page-locked (the ring re-packs them so).
         scales: a group read from a scaled fp8 checkpoint (ComfyUI's layout): each weight's
             scale (fp32, 0-dim; its values are ``q * scale``) or ``None``, in layout order.
+        scaled: a group held in memory: the scaled weights among ``tensors``
+            (:mod:`torchsurgery.compact.scaled`; their ``q`` in their slots), each once: their
+            scales take the layout's last slots, in this order.
     """
 
     name: str
@@ -70,6 +73,7 @@ class PackedGroup:
     keys: tuple[str, ...] = ()
     pinned: bool = False
     scales: tuple[torch.Tensor | None, ...] = ()
+    scaled: tuple[torch.Tensor, ...] = ()
 
     @property
     def from_file(self) -> bool:
@@ -80,6 +84,17 @@ class PackedGroup:
         """Each of the group's weights as brought in (``views``, in layout order) with its scale, if any."""
         return list(zip(views, self.scales or [None] * len(views), strict=True))
 
+    def slot_values(self) -> list[torch.Tensor]:
+        """What each slot of the layout holds, in the parameters' own memory: each weight's stored
+        values, then each scaled weight's scale."""
+        scales = [own_scale(t) for t in self.scaled]
+        return [stored_values(t) for t in self.tensors] + [s for s in scales if s is not None]
+
+    def split(self, views: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+        """``views`` of the layout's slots as (each weight's values, each scaled weight's scale by ``id``)."""
+        n = len(self.layout.slots) - len(self.scaled)
+        return views[:n], dict(zip(map(id, self.scaled), views[n:], strict=True))
+
     def version(self) -> int:
         """Grows whenever one of the group's weights is written in place (optimizer steps, edits, loads).
 
@@ -87,7 +102,7 @@ class PackedGroup:
         its stored values, which also sees writes through ``.data``).
         """
         # weights made under inference_mode (a .to(dtype) inside such a forward) count no versions
-        return sum(v._version for v in map(stored_values, self.tensors) if not v.is_inference())
+        return sum(v._version for v in self.slot_values() if not v.is_inference())
 
     def host_runs(self, allocate: Callable[[int], torch.Tensor] | None = None) -> list[tuple[int, torch.Tensor]]:
         """Per dtype run, its byte offset in the device slot and its host bytes (a ``uint8`` view).
@@ -98,12 +113,13 @@ class PackedGroup:
         host memory), the parameters becoming views of it.
         """
         out = []
+        slots = self.slot_values()
         for first, end in dtype_runs(self.layout):
             start, stop = run_bytes(self.layout, first, end)
-            values = [stored_values(t) for t in self.tensors[first:end]]
+            values = slots[first:end]
             if not _share_one_buffer(values, self.layout.slots[first:end], start):
                 self._repack(first, end, allocate or functools.partial(torch.empty, dtype=torch.uint8))
-                values = [stored_values(t) for t in self.tensors[first:end]]
+                values = self.slot_values()[first:end]
             storage = values[0].untyped_storage()
             out.append((start, torch.empty(0, dtype=torch.uint8).set_(storage, 0, (stop - start,), (1,))))
         return out
@@ -111,9 +127,12 @@ class PackedGroup:
     def _repack(self, first: int, end: int, allocate: Callable[[int], torch.Tensor]) -> None:
         start, stop = run_bytes(self.layout, first, end)
         run = FlatLayout(tuple(Slot(s.offset - start, s.shape, s.dtype) for s in self.layout.slots[first:end]), stop - start)
-        params = self.tensors[first:end]
-        for t, view in zip(params, pack_runs([stored_values(t) for t in params], run, allocate), strict=True):
-            if isinstance(t, OffloadedTensor):
+        n = len(self.tensors)
+        for i, view in enumerate(pack_runs(self.slot_values()[first:end], run, allocate), start=first):
+            t = self.tensors[i] if i < n else self.scaled[i - n]
+            if i >= n:
+                t._rehome_scale(view)  # type: ignore[attr-defined]  # a scaled weight: an OffloadedTensor
+            elif isinstance(t, OffloadedTensor):
                 t._rehome(view)
             else:
                 t.data = view
@@ -565,6 +584,9 @@ class _GroupStreamer:
         # weights read from a checkpoint file cannot come in inside a compiled graph
         self.traceable = packed is None or not packed.from_file
         self.scales: list[torch.Tensor | None] = []  # the packed weights' scales where they compute, once needed
+        # on a CPU a packed scaled weight computes as it is kept (its products scale the sums), compiled too
+        scaled = {id(t) for t in packed.scaled} if packed is not None else set()
+        self.as_kept = [streaming.device.host_compute and id(p) in scaled for _, _, p, _ in packed_entries + other_entries]
 
     def _on_device(self, views: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Each packed weight's view in the ring with its scale (a scaled checkpoint's) on the same device."""
@@ -600,17 +622,7 @@ class _GroupStreamer:
                 self.slot, views, copy = streaming.ring.enter(self.packed, upcoming)
                 if self.slot < 0:  # every slot busy: a temporary buffer
                     fresh += self.packed.layout.nbytes
-                for ((owner, pname, _, dtype), narrow), (view, scale) in zip(entries, self._on_device(views), strict=False):
-                    through = _through(narrow)  # (the packed ones)
-                    if scale is not None:  # a scaled fp8 weight of the checkpoint: its values are q * scale
-                        view = dequantize(view, scale, dtype)
-                        fresh += view.nbytes
-                    if through is not None:
-                        view = view.to(through)
-                    if view.dtype != dtype:
-                        view = view.to(dtype)
-                        fresh += view.nbytes
-                    owner._parameters[pname] = view  # type: ignore[assignment]
+                fresh += self._install(entries, views)
             else:
                 direct = entries  # autograd keeps these until backward
             for (owner, pname, p, dtype), narrow in direct:
@@ -634,6 +646,36 @@ class _GroupStreamer:
         streaming.current += fresh
         ring = streaming.ring.nbytes if streaming.ring is not None else 0
         stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + ring + streaming.current)
+
+    def _install(self, entries: list[tuple[tuple[nn.Module, str, nn.Parameter, torch.dtype], torch.dtype | None]],
+                 views: list[torch.Tensor]) -> int:
+        """The packed weights' views of their slot in their modules, as they compute; the device bytes
+        their casts take.
+
+        A scaled weight comes as its ``q`` and scale: on a CPU it reads as a weight kept whole
+        does (its products scale the sums); on an accelerator it is widened on the device into
+        the plain weight (:func:`~torchsurgery.compact.scaled.dequantize`, bit for bit), as a
+        scaled checkpoint's weight is everywhere.
+        """
+        assert self.packed is not None
+        values, scales = self.packed.split(views)
+        host = self.streaming.device.host_compute
+        fresh = 0
+        for ((owner, pname, p, dtype), narrow), (view, file_scale) in zip(entries, self._on_device(values), strict=False):
+            kept_scale, through = scales.get(id(p)), _through(narrow)  # (the packed ones)
+            scale = kept_scale if kept_scale is not None else file_scale  # (a scaled checkpoint's: values q * scale)
+            if kept_scale is not None and host:
+                view = OffloadedTensor(view, dtype, scale=kept_scale)
+            elif scale is not None:
+                view = dequantize(view, scale, dtype)
+                fresh += view.nbytes
+            else:
+                view = view if through is None else view.to(through)
+                if view.dtype != dtype:
+                    view = view.to(dtype)
+                    fresh += view.nbytes
+            owner._parameters[pname] = view  # type: ignore[assignment]
+        return fresh
 
     @torch.compiler.disable
     def release(self) -> None:
@@ -679,7 +721,9 @@ class _StreamedGroup(Patch, nn.Module):
             # the group computes with plain weights, as its eager forward does
             entries = streamer.packed_entries + streamer.other_entries
             device = streamer.streaming.device.device
-            for (owner, pname, p, dtype), narrow in zip(entries, streamer.narrow, strict=True):
+            for (owner, pname, p, dtype), narrow, as_kept in zip(entries, streamer.narrow, streamer.as_kept, strict=True):
+                if as_kept:
+                    continue
                 through = _through(narrow)
                 value = torch.ops.aten._to_copy.default(p, device=device, dtype=through or dtype)
                 owner._parameters[pname] = value if through is None else torch.ops.aten._to_copy.default(value, dtype=dtype)
