@@ -3,7 +3,9 @@
 #   1. the test suite's accelerator tests (`pytest -m accelerator`), on the GPU instead of tardy;
 #   2. benchmarks/offload_cuda.py: streaming against the link floor and the peers;
 #   3. benchmarks/generate_cuda.py: generate() and a 128-token forward under a quarter-model
-#      budget against the link floor, tokens against the resident model.
+#      budget against the link floor, tokens against the resident model;
+#   4. benchmarks/scaled_cuda.py: every storage format (bf16, fp8 unscaled, fp8 and int8 with
+#      scales) streamed under a quarter budget: link bytes, time, logits against the resident model.
 # Then a summary. Logs go to $OUT (or out/gpu_check). Packages the machine lacks (diffusers,
 # for the tests that use it) install from wheels in .whl/ when it is there; without them
 # those tests skip.
@@ -38,6 +40,11 @@ timeout 120 "$PY" benchmarks/generate_cuda.py --layers 16 --hidden 2048 --tokens
 generate=${PIPESTATUS[0]}
 [ "$generate" -eq 0 ] || status=1
 
+timeout 150 "$PY" benchmarks/scaled_cuda.py --layers 16 --hidden 2048 --repeats 3 2>&1 \
+    | grep -v '^\[transformers\]' | tee "$LOGS/scaled_cuda.txt"
+scaled=${PIPESTATUS[0]}
+[ "$scaled" -eq 0 ] || status=1
+
 echo
 echo "=== summary ($(date -u +%FT%TZ)) ==="
 echo "accelerator tests: exit $tests; $(grep -E '(passed|failed)' "$LOGS/accelerator_tests.txt" | tail -1)"
@@ -45,4 +52,6 @@ echo "offload_cuda.py: exit $bench"
 grep -E '^(floor|torchsurgery|diffusers|accelerate|access)' "$LOGS/offload_cuda.txt" || true
 echo "generate_cuda.py: exit $generate"
 grep -E '^summary' "$LOGS/generate_cuda.txt" || true
+echo "scaled_cuda.py: exit $scaled"
+grep -E -A6 '^format' "$LOGS/scaled_cuda.txt" || true
 exit $status
