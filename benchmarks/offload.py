@@ -476,7 +476,7 @@ def main() -> None:
     bandwidth = Bandwidth()
     samples = [bandwidth.measure() for _ in range(5)]
     print(f"memory read bandwidth: median {statistics.median(samples) / 1e9:.1f} GB/s "
-          f"[{min(samples) / 1e9:.1f}-{max(samples) / 1e9:.1f}] (sum over a 256 MiB buffer)")
+          f"[{min(samples) / 1e9:.1f}-{max(samples) / 1e9:.1f}] (sum over a 1 GiB buffer)")
     for kind in args.models.split(","):
         if kind == "shapes12":
             bench_steps(kind, [1, 2, 3, 4], args.rounds, bandwidth, args.steps)

@@ -73,6 +73,17 @@ def accelerator() -> torch.device:
 
 
 @pytest.fixture
+def exact_on_tardy(accelerator: torch.device) -> dict[str, float]:
+    """``assert_close`` tolerances for two computations of the same values by different calls.
+
+    On tardy both run the CPU's kernels: bit for bit. On a GPU, cuBLAS may pick another
+    algorithm for another call (a weight dequantised per product against a parameter): one
+    rounding of fp32 apart.
+    """
+    return {"rtol": 0.0, "atol": 0.0} if accelerator.type == "tardy" else {"rtol": 2e-6, "atol": 1e-7}
+
+
+@pytest.fixture
 def allocation_bytes(accelerator: torch.device) -> Callable[[int], int]:
     """The bytes the accelerator's allocator counts for one allocation of ``n`` bytes.
 

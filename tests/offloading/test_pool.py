@@ -110,6 +110,8 @@ def test_a_model_pooled_in_a_scaled_format_loads_and_goes_back_with_the_dequanti
     where: str, request: pytest.FixtureRequest
 ) -> None:
     device = torch.device("cpu") if where == "cpu" else request.getfixturevalue("accelerator")
+    # bit for bit where the CPU's kernels run; on a GPU a slot and a kept weight may take two cuBLAS algorithms
+    tol = request.getfixturevalue("exact_on_tardy") if where != "cpu" else {"rtol": 0.0, "atol": 0.0}
     kwargs: dict[str, Any] = {"storage_dtype": Scaled(torch.float8_e4m3fn), "dtype": torch.float32}
     model = blocks(8)
     with torch.no_grad():
@@ -133,7 +135,7 @@ def test_a_model_pooled_in_a_scaled_format_loads_and_goes_back_with_the_dequanti
         assert pool.stats()["m"].state == state and pool.stats()["m"].total_bytes == whole  # the scales counted
         with torch.no_grad():
             for _ in range(2):  # the second after what the first forward measured
-                torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+                torch.testing.assert_close(model(x), expected, **tol)
         if put_back == "unload":
             pool.unload(model)
         elif put_back == "shrink":
