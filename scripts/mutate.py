@@ -238,6 +238,12 @@ MUTATIONS = [
         ("tests/compact/test_narrow_matvec.py::test_an_e4m3fn_nan_at_every_place_of_a_row_makes_its_outputs_nan",),
     ),
     Mutation(
+        "undo: an installation under an offload made since is not removed (its forwards would mix devices)",
+        "src/torchsurgery/offloading/dynamic_swap.py",
+        '        _check_not_under_an_offload(model, "uninstall_model")\n', "",
+        ("tests/offloading/test_dynamic_swap.py::test_an_installation_under_an_offload_made_since_is_not_removed",),
+    ),
+    Mutation(
         "kernel (issue 35): the scale multiplies each sum",
         "src/torchsurgery/compact/narrow_matvec.cpp",
         "    if (scale) sum *= scale[o * scale_step];\n", "",

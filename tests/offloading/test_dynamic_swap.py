@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _offload_models import least_budget
 from torch import nn
 
 import torchsurgery
@@ -235,6 +236,29 @@ def test_uninstall_and_reinstall_refused_while_an_offload_holds_the_converted_we
     torchsurgery.restore(model)  # the offload first, newest first
     assert [type(m) for m in model.modules()] == [type(m) for m in reference.modules()]
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values(), strict=True))
+
+
+@pytest.mark.accelerator
+def test_an_installation_under_an_offload_made_since_is_not_removed(accelerator: torch.device) -> None:
+    # offloaded, installed over the offload, the offload made again over the installation: the
+    # new offload planned the weights as the installation reads them (fp64); uninstalling under
+    # it left its forwards mixing the device and the host (found by the stateful test)
+    model = model_().eval()
+    reference = copy.deepcopy(model).to(accelerator)
+    options: dict[str, Any] = {"dtype": torch.float32, "groups": "leaves"}
+    handle = torchsurgery.offload(model, accelerator, budget=least_budget(model, accelerator, **options), **options)
+    DynamicSwapInstaller.install_model(model, dtype=torch.float64)
+    handle.remove()
+    handle = torchsurgery.offload(model, accelerator, budget=least_budget(model, accelerator, **options), **options)
+    before = _installs(model)
+    with pytest.raises(ValueError, match="uninstall_model: .* under an active offload made since"):
+        DynamicSwapInstaller.uninstall_model(model)
+    assert _installs(model) == before
+    handle.remove()  # in the order the fix names
+    DynamicSwapInstaller.uninstall_model(model)
+    x = torch.randn(3, 4, device=accelerator)
+    with torch.no_grad():
+        torch.testing.assert_close(model.to(accelerator)(x), reference(x), rtol=0, atol=0)
 
 
 def test_over_weights_an_offload_streams_from_a_file_a_dtype_is_refused_and_a_device_reads_them_as_meta(

@@ -102,7 +102,9 @@ class Scaled:
             largest = magnitude.amax()
         else:
             largest = magnitude.amax(dim=tuple(range(1, values.dim())), keepdim=True)
-        scale = largest / _LARGEST[self.dtype]
+        # a tensor over a tensor: a GPU divides by a Python number through its reciprocal (one
+        # rounding off the CPU's quotient), so a weight quantised on the device would differ
+        scale = largest / torch.full_like(largest, _LARGEST[self.dtype])
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero channel
         return quantize_with(values, scale, self.dtype), scale
 

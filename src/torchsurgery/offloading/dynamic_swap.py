@@ -266,22 +266,23 @@ class _DynamicSwap(Patch, nn.Module):
                 d.pop(_CACHE, None)
 
 
-def _check_not_under_an_offload(model: nn.Module) -> None:
-    """Refuse to replace an installation that an offload made since was planned over.
+def _check_not_under_an_offload(model: nn.Module, verb: str) -> None:
+    """Refuse to replace or remove an installation that an offload made since was planned over.
 
     The offload took the installed weights as they read then (the ones it streams, the ones
-    it converts at each run); replacing the installation under it would change them behind
-    its back (its forwards then mix devices).
+    it converts at each run); replacing or removing the installation under it would change
+    them behind its back (its forwards then mix devices).
     """
     found = list(_undo.walk(model))
     offloads = [r.seq for _, _, r in found if r.kind == "offload"]
     installed = [(name, r.seq) for name, _, r in found if isinstance(r, PatchRecord) and r.patch is _DynamicSwap]
     under = [name for name, seq in installed if any(o > seq for o in offloads)]
     if under:
+        fix = "install again" if verb == "install_model" else "uninstall"
         raise ValueError(
-            f"{_WHAT}.install_model: the installation on {under[0] or '<root>'!r} is under an active offload made "
-            "since, which planned its weights as they read now; remove the offload first (handle.remove()), "
-            "install again, and offload again; nothing was changed"
+            f"{_WHAT}.{verb}: the installation on {under[0] or '<root>'!r} is under an active offload made "
+            f"since, which planned its weights as they read now; remove the offload first (handle.remove()), "
+            f"{fix}, and offload again; nothing was changed"
         )
 
 
@@ -353,7 +354,7 @@ class DynamicSwapInstaller:
         _undo.check_module(model, "torchsurgery.DynamicSwapInstaller.install_model")
         for module in model.modules():
             _check_install(module, kwargs)  # a refusal comes before the first module changes
-        _check_not_under_an_offload(model)
+        _check_not_under_an_offload(model, "install_model")
         # what cannot be checked for beforehand (a class that refuses subclasses, an interrupt):
         # every module goes back to what it was, a replaced installation as it was made
         with _undo.all_or_nothing(model):
@@ -365,11 +366,13 @@ class DynamicSwapInstaller:
         """Remove the installation from every module of ``model``; all or nothing.
 
         Raises:
-            ValueError: an offload holds weights the installation converted; nothing changed.
+            ValueError: an offload holds weights the installation converted, or was made over
+                the installation since; nothing changed.
         """
         _undo.check_module(model, "torchsurgery.DynamicSwapInstaller.uninstall_model")
         installed = [m for m in model.modules() if is_patched(m, _DynamicSwap)]
         for module in installed:
             check_unpatch(module, _DynamicSwap)  # a refusal comes before the first module changes
+        _check_not_under_an_offload(model, "uninstall_model")
         for module in installed:
             unpatch(module, _DynamicSwap)
