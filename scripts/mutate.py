@@ -53,7 +53,7 @@ MUTATIONS = [
     Mutation(
         "undo: an installation under an offload made since is not replaced",
         "src/torchsurgery/offloading/dynamic_swap.py",
-        "        _check_not_under_an_offload(model)\n",
+        '        _check_not_under_an_offload(model, "install_model")\n',
         "        pass\n",
         ("tests/offloading/test_dynamic_swap.py::test_an_installation_under_an_offload_made_since_is_not_replaced",),
     ),
@@ -186,7 +186,7 @@ MUTATIONS = [
     Mutation(
         "weight.data = t writes t's values into the weight",
         "src/torchsurgery/compact/tensor.py",
-        "        stored.copy_(values)\n        _written_in_place(t)\n        return\n",
+        "        _store(t, values)\n        _written_in_place(t)\n        return\n",
         "        return\n",
         ("tests/compact/test_tensor_api.py::test_data_assignment_writes_the_values_rounded_as_stored",),
     ),
@@ -338,7 +338,7 @@ MUTATIONS = [
     Mutation(
         "streams: a group's version counts writes through .data and views (its stored values' counters)",
         "src/torchsurgery/offloading/streams.py",
-        "sum(v._version for v in map(stored_values, self.tensors) if", "sum(v._version for v in self.tensors if",
+        "sum(v._version for v in self.slot_values() if", "sum(v._version for v in self.tensors if",
         ("tests/offloading/test_device.py::test_writes_through_data_or_a_view_reach_the_groups_kept_in_the_ring",),
     ),
     # speed only (results stay exact): the test device's copy log shows where copies run and
@@ -367,7 +367,7 @@ MUTATIONS = [
     Mutation(
         "load_ counts the bytes it writes straight into memory as an in-place write",
         "src/torchsurgery/tensors.py",
-        "                torch.autograd.graph.increment_version(t)\n", "",
+        "            torch.autograd.graph.increment_version(t)\n", "",
         ("tests/offloading/test_device.py::test_groups_kept_in_the_ring_are_copied_again_when_their_host_weights_change",),
     ),
     Mutation(
@@ -379,7 +379,7 @@ MUTATIONS = [
     Mutation(
         "load_(undoable=False) keeps nothing aside",
         "src/torchsurgery/tensors.py",
-        "stash = Stash([t for t, _ in in_place]) if undoable else None", "stash = Stash([t for t, _ in in_place])",
+        "stash = Stash(written) if undoable else None", "stash = Stash(written)",
         ("tests/test_tensors.py::test_a_read_failing_without_undo_says_the_module_is_partly_loaded",),
     ),
     Mutation(
@@ -405,8 +405,8 @@ MUTATIONS = [
     Mutation(
         "weights stored narrow read as the compute dtype",
         "src/torchsurgery/offloading/engine.py",
-        "for p in filter(self._wrapped, self.plan.params):\n            tensor = _param(self._modules, p)\n            self._remember",
-        "for p in []:\n            tensor = _param(self._modules, p)\n            self._remember",
+        "for p in filter(self._wrapped, self.plan.params):\n            tensor = _param(self._modules, p)\n",
+        "for p in []:\n            tensor = _param(self._modules, p)\n",
         ("tests/test_invisible_surgery.py::test_stable_diffusion_with_an_offloaded_unet_equals_diffusers_layerwise_casting",
          "tests/test_invisible_surgery.py::test_generate_and_what_programs_read_are_those_of_the_plain_model[t5-offload]"),
     ),
@@ -534,7 +534,7 @@ MUTATIONS = [
     Mutation(
         "resident weights are stored in the storage dtype, as streamed ones",
         "src/torchsurgery/offloading/engine.py",
-        "                    moves.append((p, tensor, target, p.storage_dtype, False))\n",
+        "                    moves.append((p, tensor, target, dtype, False))\n",
         "                    moves.append((p, tensor, target, p.compute_dtype, False))\n",
         ("tests/offloading/test_engine.py::test_storage_dtype_computes_and_holds_the_same_whatever_the_budget[cpu-mlp-bf16]",
          "tests/offloading/test_pool.py::test_a_model_loaded_with_a_storage_dtype_computes_as_offloaded_whole_or_partly[cpu]"),
