@@ -57,11 +57,17 @@ template <int K>
 constexpr int kBytes = K == kBF16 || K == kF16 ? 2 : 1;  // one weight element
 
 // how far ahead of the weight row being summed its bytes are asked for (0: none): the
-// caller's choice, measured on this machine (see narrow_matvec.py); one cache line each
+// caller's choice, measured on this machine (see narrow_matvec.py); each cache line twice:
+// into the second-level cache 4x as far ahead, then into the first (measured on an Intel Xeon,
+// 2 threads: 20 GB/s with the first alone, 27 GB/s with both, where a plain read gets 21)
 inline void prefetch_ahead(const void* p, int64_t byte, int64_t span, int64_t distance) {
   if (distance <= 0) return;
-  const char* at = static_cast<const char*>(p) + byte + distance;
-  for (int64_t b = 0; b < span; b += 64) __builtin_prefetch(at + b, 0, 3);
+  const char* near = static_cast<const char*>(p) + byte + distance;
+  const char* far = near + 3 * distance;
+  for (int64_t b = 0; b < span; b += 64) {
+    __builtin_prefetch(far + b, 0, 2);
+    __builtin_prefetch(near + b, 0, 3);
+  }
 }
 
 inline float bits_to_float(uint32_t bits) {
