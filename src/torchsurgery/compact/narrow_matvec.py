@@ -50,9 +50,9 @@ environment variable ``TORCHSURGERY_NARROW_GENERIC=1`` at import) sends every ca
 generic path, so that the tests reach it on every CPU, as a machine without VBMI runs.
 
 Reading at the memory's speed: each thread reads its weight rows front to back and asks
-for the bytes :attr:`_NarrowMatvec.ahead` ahead of the sums (software prefetch; measured on
-an Intel Xeon with AVX-512, one stream per thread otherwise reads at two thirds of the
-memory's speed). ``TORCHSURGERY_NARROW_AHEAD`` sets the distance at import (0: none);
+for the bytes :attr:`_NarrowMatvec.ahead` ahead of the sums, and four times as far into the
+second-level cache (software prefetch; measured on an Intel Xeon with AVX-512, one stream per
+thread otherwise reads at two thirds of the memory's speed). ``TORCHSURGERY_NARROW_AHEAD`` sets the distance at import (0: none);
 ``benchmarks/narrow_kernel.py`` sweeps it on the host at hand.
 
 Threads: the output columns are split over torch's thread count (OpenMP: the runtime torch
@@ -80,9 +80,10 @@ _ARGTYPES: list[Any] = [
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
 ]
-# Bytes of a weight row asked for ahead of the sums. Measured on an Intel Xeon (AVX-512, 2
-# threads, weights out of cache): 14 GB/s without, 21-24 GB/s at 2-4 KiB, against 21.6 GB/s for
-# torch's own fp32 matmul; ``benchmarks/narrow_kernel.py`` sweeps it on the host at hand. It is
+# Bytes of a weight row asked for ahead of the sums (into the first-level cache; four times as
+# far into the second). Measured on an Intel Xeon (AVX-512, 2 threads, 2048x2048 bf16 weights out
+# of cache): 0.67x the memory's read bandwidth without, 0.97x at 3 KiB, where torch's own fp32
+# matmul reads at 1.00x; ``benchmarks/narrow_kernel.py`` sweeps it on the host at hand. It is
 # not measured at start-up: the sweep must read more than the last-level cache (300 MiB on that
 # host) to mean anything.
 _AHEAD = 3072
