@@ -92,15 +92,19 @@ def run(model: nn.Module, device: torch.device, prompt: torch.Tensor, long: torc
     return {"token": (total - prefill) / (tokens - 1), "forward": forward, "tokens": out}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_arguments(doc: str | None) -> argparse.ArgumentParser:
+    """The options the accelerator benchmarks share: the model's size, repeats, the device."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda")
-    args = parser.parse_args()
+    return parser
+
+
+def set_up(args: argparse.Namespace, script: str) -> tuple[torch.device, nn.Module, int, float]:
+    """The device (tardy registered when named), the bf16 model, its size and the pinned bandwidth, printed."""
     if args.device == "tardy":
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
         import tardy
@@ -108,18 +112,26 @@ def main() -> None:
         tardy.register()
     device = torch.device(args.device)
     if device.type != "tardy" and not torch.accelerator.is_available():
-        sys.exit("benchmarks/generate_cuda.py: no accelerator here; run it on a machine with a GPU")
+        sys.exit(f"benchmarks/{script}: no accelerator here; run it on a machine with a GPU")
     reference = make(args.layers, args.hidden, args.vocab)
     size = size_of(reference)
-    budget = size // 4
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, args.vocab, (1, 16), generator=g).to(device)
-    long = torch.randint(0, args.vocab, (1, 128), generator=g).to(device)
     bandwidth = pinned_bandwidth(device, min(size, 1 << 30))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     print(f"device: {name}; host CPU: {cpu_name()}; torch {torch.__version__}")
     print(f"model: {size / 2**30:.2f} GiB bf16 (Llama-shaped, {args.layers} layers, hidden {args.hidden}); "
-          f"budget {budget / 2**30:.2f} GiB; pinned H2D {bandwidth / 1e9:.1f} GB/s")
+          f"budget {size / 4 / 2**30:.2f} GiB; pinned H2D {bandwidth / 1e9:.1f} GB/s")
+    return device, reference, size, bandwidth
+
+
+def main() -> None:
+    parser = model_arguments(__doc__)
+    parser.add_argument("--tokens", type=int, default=32)
+    args = parser.parse_args()
+    device, reference, size, bandwidth = set_up(args, "generate_cuda.py")
+    budget = size // 4
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, args.vocab, (1, 16), generator=g).to(device)
+    long = torch.randint(0, args.vocab, (1, 128), generator=g).to(device)
 
     resident = copy.deepcopy(reference).to(device)
     want = run(resident, device, prompt, long, args.tokens, args.repeats, warm_forward=True)

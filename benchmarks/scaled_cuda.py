@@ -20,18 +20,14 @@ Run: .venv/bin/python benchmarks/scaled_cuda.py [--layers 16] [--hidden 2048] [-
 
 from __future__ import annotations
 
-import argparse
 import copy
 import gc
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
 import torchsurgery
-from _machine import cpu_name
-from generate_cuda import make, pinned_bandwidth, size_of, timed
+from generate_cuda import model_arguments, set_up, timed
 from torchsurgery.compact import Scaled
 
 
@@ -46,32 +42,12 @@ def formats() -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--device", default="cuda")
-    args = parser.parse_args()
-    if args.device == "tardy":
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-        import tardy
-
-        tardy.register()
-    device = torch.device(args.device)
-    if device.type != "tardy" and not torch.accelerator.is_available():
-        sys.exit("benchmarks/scaled_cuda.py: no accelerator here; run it on a machine with a GPU")
-    reference = make(args.layers, args.hidden, args.vocab)
-    size = size_of(reference)
+    args = model_arguments(__doc__).parse_args()
+    device, reference, size, bandwidth = set_up(args, "scaled_cuda.py")
     budget = size // 4
     g = torch.Generator().manual_seed(0)
     long = torch.randint(0, args.vocab, (1, 128), generator=g).to(device)
     sequence = torch.randint(0, args.vocab, (1, 256), generator=g).to(device)
-    bandwidth = pinned_bandwidth(device, min(size, 1 << 30))
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
-    print(f"device: {name}; host CPU: {cpu_name()}; torch {torch.__version__}")
-    print(f"model: {size / 2**30:.2f} GiB bf16 (Llama-shaped, {args.layers} layers, hidden {args.hidden}); "
-          f"budget {budget / 2**30:.2f} GiB; pinned H2D {bandwidth / 1e9:.1f} GB/s")
     resident = copy.deepcopy(reference).to(device)
     with torch.inference_mode():
         want = resident(sequence).logits.float()
