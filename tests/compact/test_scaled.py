@@ -15,17 +15,10 @@ import torch
 from torch import nn
 
 import torchsurgery
+from _scaled_formats import FORMATS, IDS
 from torchsurgery import OffloadedTensor, offload
 from torchsurgery.compact import Scaled, own_scale
 from torchsurgery.compact.scaled import dequantize, scaled_product
-
-FORMATS = [
-    Scaled(torch.float8_e4m3fn, per="channel"),
-    Scaled(torch.float8_e4m3fn, per="tensor"),
-    Scaled(torch.float8_e5m2, per="channel"),
-    Scaled(torch.int8, per="channel"),
-]
-IDS = [f"{str(f.dtype).removeprefix('torch.')}-{f.per}" for f in FORMATS]
 
 
 def mlp() -> nn.Sequential:

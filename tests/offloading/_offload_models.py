@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -67,3 +68,13 @@ def identity_map(model: nn.Module) -> dict[str, tuple[int, torch.device, torch.d
 
 
 IDS = torch.tensor([[3, 7, 1, 9]])
+
+
+def peak_of(run: Callable[[], Any]) -> int:
+    """Device bytes allocated at the peak of ``run()`` above what was allocated before it."""
+    torch.accelerator.synchronize()
+    torch.accelerator.reset_peak_memory_stats()
+    before = torch.accelerator.memory_allocated()
+    run()
+    torch.accelerator.synchronize()
+    return torch.accelerator.max_memory_allocated() - before

@@ -19,6 +19,7 @@ from _offload_models import (
     identity_map,
     least_budget,
     mlp,
+    peak_of,
     rounded_reference,
     tiny_clip_text,
     tiny_gpt2,
@@ -447,16 +448,6 @@ def _weight_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _peak_of(run: Any) -> int:
-    """Device bytes allocated at the peak of ``run()`` above what was allocated before it."""
-    torch.accelerator.synchronize()
-    torch.accelerator.reset_peak_memory_stats()
-    before = torch.accelerator.memory_allocated()
-    run()
-    torch.accelerator.synchronize()
-    return torch.accelerator.max_memory_allocated() - before
-
-
 def _group_budget(model: nn.Module, blocks: int) -> int:
     sizes = [sum(p.numel() * 4 for p in model.get_submodule(g).parameters()) for g in find_groups(model, "blocks")]
     return blocks * max(sizes)
@@ -474,7 +465,7 @@ def test_streaming_on_the_accelerator_matches_the_resident_model_within_the_budg
     assert budget < _weight_bytes(model)
     with torch.no_grad():
         expected = resident(ids).logits
-        activations = _peak_of(functools.partial(resident, ids))  # what a forward allocates besides the weights
+        activations = peak_of(functools.partial(resident, ids))  # what a forward allocates besides the weights
         del resident
         handle = offload(model, accelerator, budget=budget)
         for _ in range(3):  # the first forward records the order; later ones prefetch along it
@@ -485,7 +476,7 @@ def test_streaming_on_the_accelerator_matches_the_resident_model_within_the_budg
         # once (resident, or in one of the ring's two slots), each allocation rounded up by
         # less than one granule (none on the test device, 511 bytes at most on CUDA)
         rounding = 2 * len(list(model.parameters())) * (allocation_bytes(1) - 1)
-        assert _peak_of(lambda: model(ids)) <= budget + activations + rounding
+        assert peak_of(lambda: model(ids)) <= budget + activations + rounding
     s = handle.stats()
     assert s.transfers > 0 and s.prefetch_hits > 0
     # the peak counts the ring's two slots (prefetch=1), each at least the largest group, and stays in the budget

@@ -13,14 +13,14 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from _offload_models import least_budget
+from _offload_models import least_budget, peak_of
 from torch import nn
 
+from _scaled_formats import FORMATS, IDS
 from torchsurgery import OffloadedTensor, offload
 from torchsurgery.compact import Scaled, own_scale, stored_values
 from torchsurgery.compact.scaled import dequantize, quantize_with
@@ -28,13 +28,6 @@ from torchsurgery.offloading import Residency
 from torchsurgery.offloading import engine as engine_module
 from torchsurgery.offloading.plan import streaming_bytes
 
-FORMATS = [
-    Scaled(torch.float8_e4m3fn, per="channel"),
-    Scaled(torch.float8_e4m3fn, per="tensor"),
-    Scaled(torch.float8_e5m2, per="channel"),
-    Scaled(torch.int8, per="channel"),
-]
-IDS = [f"{str(f.dtype).removeprefix('torch.')}-{f.per}" for f in FORMATS]
 D = 32
 
 
@@ -95,16 +88,6 @@ def kept_bytes(weights: Iterable[torch.Tensor]) -> int:
     return sum(v.nbytes + (0 if s is None else s.nbytes) for v, s in kept)
 
 
-def _peak_of(run: Callable[[], Any]) -> int:
-    """Device bytes allocated at the peak of ``run()`` above what was allocated before it."""
-    torch.accelerator.synchronize()
-    torch.accelerator.reset_peak_memory_stats()
-    before = torch.accelerator.memory_allocated()
-    run()
-    torch.accelerator.synchronize()
-    return torch.accelerator.max_memory_allocated() - before
-
-
 # ---------------------------------------------------------------------- through the ring on an accelerator
 
 
@@ -123,7 +106,7 @@ def test_streamed_through_the_ring_a_scaled_weight_is_the_dequantised_weight_bit
     budget = least_budget(model, accelerator, storage_dtype=fmt, dtype=dtype)  # every group streams
     with torch.no_grad():
         expected = reference(x)
-        activations = _peak_of(functools.partial(reference, x))
+        activations = peak_of(functools.partial(reference, x))
         del reference
         handle = offload(model, accelerator, storage_dtype=fmt, dtype=dtype, budget=budget)
         assert {p.residency for p in handle.plan.params} == {Residency.STREAMED}
@@ -134,7 +117,7 @@ def test_streamed_through_the_ring_a_scaled_weight_is_the_dequantised_weight_bit
         granule = handle.plan.offload_device.allocation_granule
         per_run = max(streaming_bytes(g, granule)[1] for g in handle.plan.groups)
         rounding = 2 * len(list(model.parameters())) * (allocation_bytes(1) - 1)
-        assert _peak_of(lambda: model(x)) <= per_run + activations + rounding
+        assert peak_of(lambda: model(x)) <= per_run + activations + rounding
     s = handle.stats()
     assert s.streamed_groups == ["0", "1", "2", "3"] and s.peak_device_bytes <= budget
     # each run carries what the model keeps: the weights narrow (one byte a value, a quarter of
