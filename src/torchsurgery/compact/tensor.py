@@ -86,14 +86,25 @@ class ReadContext:
     scratch: Scratch
 
     def count(self, weight: torch.Tensor, compute: torch.dtype, scale: torch.Tensor | None = None) -> None:
-        """One read of ``weight`` (narrow; a scaled one with its ``scale``) for a product in ``compute``
-        (eager forwards only)."""
+        """One read of ``weight`` (narrow; a scaled one with its ``scale``, broadcast as a weight keeps it)
+        for a product in ``compute`` (eager forwards only)."""
         stats = self.stats
-        stats.bytes_moved += weight.numel() * weight.element_size() + (0 if scale is None else scale.nbytes)
+        stats.bytes_moved += weight.numel() * weight.element_size() + (0 if scale is None else _distinct_nbytes(scale))
         stats.transfers += 1
         wide = stats.resident_bytes + weight.numel() * compute.itemsize
         if wide > stats.peak_device_bytes:
             stats.peak_device_bytes = wide
+
+
+def _distinct_nbytes(t: torch.Tensor) -> int:
+    """The bytes of ``t``'s distinct elements: those along the dimensions it is not broadcast along
+    (a per-channel scale expanded to its weight's shape: one per channel), read from its strides
+    alone (a forward counts every scaled read: no view is made for it, as :func:`own_scale` makes)."""
+    n = t.element_size()
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        if stride:
+            n *= size
+    return n
 
 
 class Shadow:
@@ -501,7 +512,7 @@ def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor |
     whole = not fits or (grad and (shadow is not None or _needs_graph(x, weight, bias)))
     values = stored if whole or shadow is None else shadow.current()
     if reads is not None:
-        reads.count(values, dtype, own_scale(weight))
+        reads.count(values, dtype, d[_SCALE])
     if whole:
         w, b = _whole(weight), None if bias is None else _whole(bias)
         if transposed:
