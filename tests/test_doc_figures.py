@@ -40,7 +40,9 @@ MEASURED = {f for page in TABLES for f in _figures(page.read_text(encoding="utf-
 def test_quoted_figures_are_the_benchmark_pages_own(path: Path) -> None:
     lines = path.read_text(encoding="utf-8").splitlines()
     stray = [(n, f) for n, line in enumerate(lines, 1) for f in _figures(line) if f not in MEASURED]
-    assert stray == [], f"{path.name}: figures that docs/benchmarks.md and docs/hardware.md do not give: {stray}"
+    assert stray == [], (
+        f"{path.name}: figures that docs/benchmarks.md and docs/hardware.md do not give: {stray}"
+    )
 
 
 @pytest.mark.parametrize(
