@@ -151,8 +151,8 @@ MUTATIONS = [
     Mutation(
         "a forward that raised does not make groups resident",
         "src/torchsurgery/offloading/engine.py",
-        "self._hooks.append(model.register_forward_hook(_AfterFirst(streaming, self._plan_from_measurements)))",
-        "self._hooks.append(model.register_forward_hook(_AfterFirst(streaming, self._plan_from_measurements), always_call=True))",
+        "self._hooks.append(model.register_forward_hook(AfterFirst(streaming, self._plan_from_measurements)))",
+        "self._hooks.append(model.register_forward_hook(AfterFirst(streaming, self._plan_from_measurements), always_call=True))",
         ("tests/offloading/test_engine_edges.py::test_out_of_memory_in_the_first_forward_leaves_the_offload_working",),
     ),
     Mutation(
@@ -405,8 +405,8 @@ MUTATIONS = [
     Mutation(
         "weights stored narrow read as the compute dtype",
         "src/torchsurgery/offloading/engine.py",
-        "for p in filter(self._wrapped, self.plan.params):\n            tensor = _param(self._modules, p)\n",
-        "for p in []:\n            tensor = _param(self._modules, p)\n",
+        "for p in filter(self._wrapped, self.plan.params):\n            tensor = param_in(self._modules, p)\n",
+        "for p in []:\n            tensor = param_in(self._modules, p)\n",
         ("tests/test_invisible_surgery.py::test_stable_diffusion_with_an_offloaded_unet_equals_diffusers_layerwise_casting",
          "tests/test_invisible_surgery.py::test_generate_and_what_programs_read_are_those_of_the_plain_model[t5-offload]"),
     ),
@@ -700,9 +700,9 @@ MUTATIONS = [
     ),
     Mutation(
         "planning: plan_residency's own account leaves room for prefetch + 1 of the largest streamed group",
-        "src/torchsurgery/offloading/planner.py",
+        "src/torchsurgery/offloading/residency.py",
         "(prefetch + 1) * max(rest, default=0) <= budget", "max(rest, default=0) <= budget",
-        ("tests/offloading/test_planner.py::test_planner_beats_filling_in_order_and_is_near_the_best_choice",),
+        ("tests/offloading/test_residency.py::test_planner_beats_filling_in_order_and_is_near_the_best_choice",),
     ),
     Mutation(
         "planning: a streamed weight's cast to the compute dtype is counted in the budget",

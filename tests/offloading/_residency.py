@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from torchsurgery.offloading.planner import GroupCost, simulate
+from torchsurgery.offloading.residency import GroupCost, simulate
 
 
 def in_order(groups: list[GroupCost], budget: int, prefetch: int) -> list[str]:

@@ -23,7 +23,7 @@ import tardy
 import torchsurgery
 from torchsurgery import Residency, offload
 from torchsurgery.offloading.device import AcceleratorDevice, resolve_device
-from torchsurgery.offloading.planner import plan_residency, simulate
+from torchsurgery.offloading.residency import plan_residency, simulate
 
 
 class Blocks(nn.Module):

@@ -47,7 +47,7 @@ from torchsurgery.offloading.grouping import find_groups
 
 __all__ = [
     "plan_offload", "OffloadPlan", "GroupPlan", "ParamPlan", "Residency", "DEFAULT_SKIP", "reads_as_computed", "reads_elsewhere",
-    "device_bytes",
+    "device_bytes", "param_in",
 ]
 
 _WHAT = "torchsurgery.offload"
@@ -149,8 +149,19 @@ class ParamPlan:
         return param
 
 
-def _param(named: dict[str, nn.Module], p: ParamPlan) -> nn.Parameter:
-    """``p``'s parameter, from the model's modules by qualified name."""
+def param_in(named: Mapping[str, nn.Module], p: ParamPlan) -> nn.Parameter:
+    """``p``'s parameter, from the model's modules by qualified name (``dict(model.named_modules())``).
+
+    :meth:`ParamPlan.lookup` without walking the model again, for code that looks up many.
+
+    Example:
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> model = nn.Sequential(nn.Linear(2, 2))
+        >>> p = torchsurgery.plan_offload(model).params[0]
+        >>> param_in(dict(model.named_modules()), p) is model[0].weight
+        True
+    """
     param = named[p.module]._parameters[p.attr]
     assert param is not None
     return param
@@ -534,7 +545,7 @@ def _route(named: dict[str, nn.Module], groups: list[GroupPlan], options: _Optio
             host = options.device.host_compute
             # an installer's weight reading as another device is taken as its host values (the
             # engine swaps them in before it moves anything)
-            t = _param(named, p)
+            t = param_in(named, p)
             plain = type(t) in (torch.Tensor, nn.Parameter) or reads_elsewhere_only(t)
             if group.resident or (first is not None and first[0] is Residency.RESIDENT):
                 p.residency = Residency.RESIDENT  # in its storage dtype, as when it streams
@@ -562,7 +573,7 @@ def _check_scaled_plain(named: dict[str, nn.Module], groups: list[GroupPlan]) ->
     for g in groups:
         for p in g.params:
             if p.scaled is not None and p.residency is Residency.CONVERTED and p.tied_to is None:
-                kind = type(_param(named, p)).__name__
+                kind = type(param_in(named, p)).__name__
                 raise ArgumentValueError(
                     _WHAT, "storage_dtype", p.scaled,
                     f"keeps plain weights only, but {p.name!r} is a {kind} (a tensor subclass, converted at each run): "
@@ -598,7 +609,7 @@ def reads_elsewhere(p: ParamPlan, device: torch.device) -> bool:
 
 def _check_plain_readers(named: dict[str, nn.Module], groups: list[GroupPlan]) -> None:
     """Refuse to keep narrow the weights of a module whose patch reads weight memory directly."""
-    wrapped = {id(_param(named, p)): p.name for g in groups for p in g.params if reads_as_computed(p)}
+    wrapped = {id(param_in(named, p)): p.name for g in groups for p in g.params if reads_as_computed(p)}
     for qual, module in named.items():
         reader = plain_reader(module)
         found = next((wrapped[id(t)] for t in module.parameters() if id(t) in wrapped), None) if reader else None
@@ -612,7 +623,7 @@ def _check_plain_readers(named: dict[str, nn.Module], groups: list[GroupPlan]) -
 
 def _check_values(named: dict[str, nn.Module], groups: list[GroupPlan]) -> None:
     """Refuse weights without values (on the meta device) when there is no checkpoint to read them from."""
-    empty = [p.name for g in groups for p in g.params if _param(named, p).is_meta]
+    empty = [p.name for g in groups for p in g.params if param_in(named, p).is_meta]
     if empty:
         raise ValueError(
             f"{_WHAT}: {len(empty)} weights are on the meta device (no values), e.g. {empty[:3]}; "
@@ -780,7 +791,7 @@ def _file_keys(model: nn.Module, named: dict[str, nn.Module], groups: list[Group
         raise ValueError(f"{_WHAT}: {storage!r} holds scales that cannot be read:\n  " + "\n  ".join(scaled.problems))
     problems = []
     for p in (p for g in groups for p in g.params):
-        tensor = _param(named, p)
+        tensor = param_in(named, p)
         if p.residency is Residency.RESIDENT and not tensor.is_meta:
             continue  # a resident group reads from the file only what has no values
         found = [k for k in state_names.get(id(tensor), []) if k in stored]

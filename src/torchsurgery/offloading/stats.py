@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchsurgery.offloading.planner import GroupCost
+from torchsurgery.offloading.residency import GroupCost
 
 
 @dataclass

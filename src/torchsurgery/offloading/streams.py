@@ -41,7 +41,7 @@ from torchsurgery.offloading.packing import (
     run_bytes,
     unpack,
 )
-from torchsurgery.offloading.planner import GroupCost, stall_hint
+from torchsurgery.offloading.residency import GroupCost, stall_hint
 from torchsurgery.offloading.stats import OffloadStats
 from torchsurgery.patching import Patch
 
@@ -331,7 +331,7 @@ class _Timing:
     compute_s: float
 
 
-class _Streaming:
+class Streaming:
     """What a handle's streamed groups share: the device, bytes in flight, execution order, measured costs."""
 
     _SETTLE_EVERY = 1024  # pending measurements before they are read anyway (bounds their events)
@@ -417,6 +417,31 @@ class _Streaming:
         bandwidth = moved / seconds if seconds > 0 else float("inf")
         return [GroupCost(n, self.timings[n].nbytes, self.timings[n].compute_s) for n in known], bandwidth
 
+    def snapshot(self, widened_bytes: int) -> OffloadStats:
+        """The statistics so far, with the groups' measured costs (waits for the timing events of
+        the groups that ran) and ``widened_bytes`` held now by the narrow weights' widening buffers."""
+        hint = self.hint()
+        s, ring = self.stats, self.ring
+        order = self.order.recorded
+        costs, bandwidth = self.measured(list(dict.fromkeys(order)))
+        return OffloadStats(
+            bytes_moved=s.bytes_moved,
+            transfers=s.transfers,
+            seconds_waiting=s.seconds_waiting,
+            peak_device_bytes=s.peak_device_bytes,
+            resident_bytes=s.resident_bytes,
+            resident_groups=list(s.resident_groups),
+            streamed_groups=list(s.streamed_groups),
+            hint=hint,
+            seconds_transferring=s.seconds_transferring,
+            prefetch_hits=s.prefetch_hits + (ring.prefetched if ring is not None else 0),
+            prefetch_misses=s.prefetch_misses + (ring.misses if ring is not None else 0),
+            execution_order=order,
+            group_costs=costs,
+            link_bytes_per_s=bandwidth if costs else 0.0,
+            widened_bytes=widened_bytes,
+        )
+
     def hint(self) -> str:
         groups, bandwidth = self.measured(self.order.recorded)
         if not groups:
@@ -482,10 +507,10 @@ def _inside_twice(model: nn.Module) -> bool:
     return found > 1
 
 
-class _StartForward:
+class StartForward:
     """A forward pre-hook on the model: the forward runs alone (see :class:`_ForwardLock`; picklable)."""
 
-    def __init__(self, streaming: _Streaming) -> None:
+    def __init__(self, streaming: Streaming) -> None:
         self.streaming = streaming
 
     def __call__(self, module: nn.Module, args: Any) -> None:
@@ -493,11 +518,11 @@ class _StartForward:
             self.streaming.lock.begin_forward(module)
 
 
-class _EndForward:
+class EndForward:
     """A forward hook on the model (also called when the forward raised): closes the recorded
     execution order and lets the next forward in (picklable)."""
 
-    def __init__(self, streaming: _Streaming) -> None:
+    def __init__(self, streaming: Streaming) -> None:
         self.streaming = streaming
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -509,17 +534,17 @@ class _EndForward:
             self.streaming.lock.release()
 
 
-class _AfterFirst:
+class AfterFirst:
     """A forward hook on the model running ``after`` once, at the end of the first forward
     without gradients that completed (picklable); a forward that raised does not call it.
 
     It closes the recorded order first (``after`` reads it). If ``after`` raises, it runs
     again after the next such forward: it must leave the model as it found it when it fails
     (an out-of-memory error while making groups resident). Registered before
-    :class:`_EndForward`, so it runs while the forward still holds the lock.
+    :class:`EndForward`, so it runs while the forward still holds the lock.
     """
 
-    def __init__(self, streaming: _Streaming, after: Callable[[], None]) -> None:
+    def __init__(self, streaming: Streaming, after: Callable[[], None]) -> None:
         self.streaming = streaming
         self.after: Callable[[], None] | None = after
 
@@ -546,7 +571,7 @@ def _through(narrow: torch.dtype | None) -> torch.dtype | None:
     return narrow if narrow is not None and not torch.is_grad_enabled() else None
 
 
-class _GroupStreamer:
+class GroupStreamer:
     """Brings one group's weights in for its forward and puts the stored ones back after.
 
     ``narrow`` gives, for each entry of ``packed_entries + other_entries``, the dtype of its
@@ -561,7 +586,7 @@ class _GroupStreamer:
         packed_entries: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]],
         other_entries: list[tuple[nn.Module, str, nn.Parameter, torch.dtype]],
         packed: PackedGroup | None,
-        streaming: _Streaming,
+        streaming: Streaming,
         narrow: list[torch.dtype | None] | None = None,
     ) -> None:
         self.name = name
@@ -703,14 +728,21 @@ class _GroupStreamer:
         self.fresh = 0
 
 
-class _StreamedGroup(Patch, nn.Module):
-    """The root module of a streamed group: its weights are in only while it runs."""
+class StreamedGroup(Patch, nn.Module):
+    """The root module of a streamed group: its weights are in only while it runs.
 
-    def __patch_init__(self, streamer: _GroupStreamer) -> None:
-        self.__dict__["_offload_streamer"] = streamer
+    Attributes:
+        offload_streamer: what brings the group's weights in (the offload's handle keeps
+            its own reference to it; this one serves the patched ``forward``).
+    """
+
+    offload_streamer: GroupStreamer
+
+    def __patch_init__(self, streamer: GroupStreamer) -> None:
+        self.offload_streamer = streamer
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        streamer: _GroupStreamer = self.__dict__["_offload_streamer"]
+        streamer = self.offload_streamer
         if streamer.resident:
             return super().forward(*args, **kwargs)
         if torch.compiler.is_compiling() and streamer.traceable:

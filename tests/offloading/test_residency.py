@@ -7,7 +7,7 @@ import random
 import pytest
 from _residency import best_stall, in_order
 
-from torchsurgery.offloading.planner import GroupCost, plan_residency, simulate, stall_hint
+from torchsurgery.offloading.residency import GroupCost, plan_residency, simulate, stall_hint
 
 
 def test_simulation_matches_hand_computed_timelines() -> None:

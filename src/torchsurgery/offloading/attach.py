@@ -1,0 +1,112 @@
+"""Where an offload attaches behaviour to the model's modules, and takes it off again.
+
+Each kind of behaviour is attached by the one means that reaches it:
+
+* a streamed group's root module gets the :class:`~torchsurgery.offloading.streams.StreamedGroup`
+  patch (a class swap, recorded in its undo log): its ``forward`` brings the group's weights in;
+* the model gets forward hooks around every forward (the lock, the order, the residency
+  chosen after the first forward, the backwards left pending);
+* each module holding a weight read as it computes gets a ``state_dict`` post-hook;
+* every module gets a :class:`~torchsurgery.offloading.conversion.Conversion` as its ``_apply``.
+
+Everything attached here is taken off by :meth:`Attachments.detach` and
+:meth:`Attachments.release_conversions`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import nn
+
+from torchsurgery import _undo
+from torchsurgery.compact import stored_state
+from torchsurgery.offloading.conversion import Conversion, ConvertSubtree
+from torchsurgery.offloading.streams import AfterFirst, EndForward, GroupStreamer, StartForward, StreamedGroup, Streaming
+from torchsurgery.patching import is_patched, patch, unpatch
+
+__all__ = ["Attachments"]
+
+
+class Attachments:
+    """What one offload attached to a model's modules.
+
+    Attributes:
+        streamers: each streamed group's streamer, by the group's name.
+
+    Example:
+        >>> from torch import nn
+        >>> attached = Attachments()
+        >>> attached.show_stored_state(nn.Linear(2, 2))
+        >>> len(attached.hooks)
+        1
+        >>> attached.detach()
+        >>> len(attached.hooks)
+        0
+    """
+
+    def __init__(self) -> None:
+        self.hooks: list[Any] = []
+        self.patched: list[nn.Module] = []
+        self.streamers: dict[str, GroupStreamer] = {}
+
+    def stream(self, name: str, module: nn.Module, streamer: GroupStreamer) -> None:
+        """Patch ``module``, the root of the group ``name``, to bring its weights in with ``streamer``."""
+        # a patch: the group's forward itself must bring the weights in and put them back in a
+        # finally (also on KeyboardInterrupt, which skips hooks), and compile with the group
+        patch(module, StreamedGroup, streamer)
+        _undo.records(module)[-1].internal = True
+        self.patched.append(module)
+        self.streamers[name] = streamer
+
+    def show_stored_state(self, owner: nn.Module) -> None:
+        """``owner.state_dict()`` shows the stored values of its weights read as they compute."""
+        # a hook: state_dict() runs on any module holding such a weight, patched or not, and
+        # patching every owner would show in their classes (patches(), type()) for this alone
+        self.hooks.append(owner.register_state_dict_post_hook(stored_state))
+
+    def hook_forwards(
+        self, model: nn.Module, streaming: Streaming, after_first: Callable[[], None] | None, watch: Any
+    ) -> None:
+        """Hooks around every forward of ``model``: the lock and the order of the streamed groups (if
+        any), ``after_first`` after the first forward without gradients, ``watch`` after every forward."""
+        # hooks: the lock must be held from before the user's own pre-hooks to after every forward
+        # hook, also when the forward raised (always_call); the model's class stays the user's
+        if self.patched:
+            # one thread at a time runs the model; the order streamed groups ran in is closed at
+            # the end of every forward, after the first one's measurements chose residency
+            self.hooks.append(model.register_forward_pre_hook(StartForward(streaming), prepend=True))
+            if after_first is not None:
+                self.hooks.append(model.register_forward_hook(AfterFirst(streaming, after_first)))
+            self.hooks.append(model.register_forward_hook(EndForward(streaming), always_call=True))
+        # forwards that record gradients: the backward each leaves pending through the weights
+        self.hooks.append(model.register_forward_hook(watch, always_call=True))
+
+    def guard_conversions(self, modules: Mapping[str, nn.Module], convert: weakref.WeakMethod[ConvertSubtree]) -> None:
+        """``.to()``, ``.half()``, ``.cuda()``... of any of ``modules`` go through ``convert``."""
+        for name, module in modules.items():
+            # .to(), .half(), .cuda()... would change weights whose values live in this offload
+            # behind its back: refused, before anything changes. An instance attribute (it wins
+            # over the class method): every module needs it, and a class swap of each would show
+            # in the classes of modules the offload otherwise leaves alone
+            if "_apply" not in module.__dict__:
+                module.__dict__["_apply"] = Conversion(module, name, convert)
+
+    def detach(self) -> None:
+        """Take the hooks and the patches off."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
+        for module in reversed(self.patched):
+            if is_patched(module, StreamedGroup):
+                unpatch(module, StreamedGroup, _internal=True)
+        self.patched.clear()
+        self.streamers.clear()
+
+    def release_conversions(self, model: nn.Module) -> None:
+        """``.to()`` and its kin are the modules' own again."""
+        for module in model.modules():
+            if isinstance(module.__dict__.get("_apply"), Conversion):
+                del module.__dict__["_apply"]

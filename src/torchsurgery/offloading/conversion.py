@@ -1,0 +1,156 @@
+"""``.to(dtype)``, ``.half()``, ``.cuda()``... on an offloaded model: taken through the offload, or refused.
+
+Every module of an offloaded model routes ``Module._apply`` (what ``.to()`` and its kin
+call) to :class:`Conversion`. A conversion that changes no tensor (``.to("cpu")`` of a
+model offloaded on the CPU, ``.to(device)`` to the device the model computes on) does
+nothing; a move to another device is refused; a dtype conversion is taken as the plain
+module takes it: each parameter is shown to ``fn`` as it reads (its compute dtype, on the
+device it computes on), the offload is planned again with the converted parameters
+computing in their new dtype (sizes, residency, ring slots, casts follow; a model kept
+whole stays whole), and their values are those of the plain module converted the same way:
+read as they computed, then converted (widening is exact, a narrower storage dtype is
+kept, narrowing rounds). The conversion is the user's: removing the offload gives the
+module back in the dtypes it was converted to.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchsurgery._swap import swap_in, wrap_like
+from torchsurgery.compact import OffloadedTensor, converted_by
+from torchsurgery.offloading.plan import OffloadPlan, sizes
+from torchsurgery.offloading.streams import GroupStreamer
+
+__all__ = ["Conversion", "Changes", "dtype_changes", "check_convertible", "grown_budget", "convert_values"]
+
+_WHAT = "torchsurgery.offload"
+
+Changes = dict[int, tuple[torch.Tensor, torch.dtype, torch.dtype]]
+"""What a conversion changes, by ``id``: (the tensor, the dtype it reads as, the dtype it is converted to)."""
+
+ConvertSubtree = Callable[[nn.Module, str, Callable[[torch.Tensor], torch.Tensor]], bool]
+"""Takes ``module.to(...)`` of the subtree ``(module, name)`` with ``fn`` through an active offload
+(``False``: the offload is no longer active)."""
+
+
+class Conversion:
+    """Stands in for ``Module._apply`` on an offloaded module (see the module's docstring).
+
+    A copy of the model (``deepcopy``, ``pickle``) carries no offload: its copy refuses
+    conversions that would change a tensor.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> model = nn.Sequential(nn.Linear(2, 2))
+        >>> with torchsurgery.offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32):
+        ...     isinstance(model.__dict__["_apply"], Conversion), model.to(torch.float64)[0].weight.dtype
+        (True, torch.float64)
+    """
+
+    def __init__(self, module: nn.Module, name: str, convert: weakref.WeakMethod[ConvertSubtree] | None = None) -> None:
+        self.module = module
+        self.name = name
+        self.convert = convert
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"module": self.module, "name": self.name, "convert": None}
+
+    def __call__(self, fn: Any, recurse: bool = True) -> nn.Module:
+        changed = converted_by(self.module, fn)
+        if changed is None:  # nothing changes (share_memory_, .to() where it already is): as on the plain module
+            return nn.Module._apply(self.module, fn, recurse)
+        convert = self.convert() if self.convert is not None else None
+        if convert is not None and convert(self.module, self.name, fn):
+            return self.module
+        where = f"{self.name}.{changed}" if self.name else changed
+        raise RuntimeError(
+            f"{_WHAT}: cannot convert {self.name or '<root>'} ({type(self.module).__name__}) with .to(), .half() "
+            f"or the like ({where!r} would change): it is a copy of an offloaded module, whose weights live in "
+            "the original's offload. Remove the offload before copying (handle.remove() or torchsurgery.restore(model))"
+        )
+
+
+def dtype_changes(
+    module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device, label: str
+) -> Changes:
+    """What ``fn`` changes in ``module``'s subtree, each parameter shown as it reads (on ``device``).
+
+    Raises:
+        RuntimeError: ``fn`` moves a tensor to another device, or gives one new values of the
+            same dtype (``to_empty``).
+    """
+    changes: Changes = {}
+    with torch.no_grad():
+        for qual, t in [*module.named_parameters(), *module.named_buffers()]:
+            shown = torch.empty(0, dtype=t.dtype, device=device if isinstance(t, nn.Parameter) else t.device)
+            after = fn(shown)
+            if after.device != shown.device:
+                raise RuntimeError(
+                    f"{_WHAT}: cannot move {label} to {after.device} while it is offloaded to {device} "
+                    f"({qual!r} computes there; its weights live in the offload's storage): remove the offload "
+                    "first (handle.remove() or torchsurgery.restore(model)) and offload to the new device; "
+                    ".to(dtype) alone is taken while offloaded"
+                )
+            if after.dtype != t.dtype:
+                changes[id(t)] = (t, t.dtype, after.dtype)
+            elif after is not shown:  # new values of the same dtype (to_empty): none to keep in storage
+                raise RuntimeError(
+                    f"{_WHAT}: cannot convert {label} with a conversion that gives {qual!r} new values while it "
+                    "is offloaded (its weights live in the offload's storage): remove the offload first "
+                    "(handle.remove() or torchsurgery.restore(model))"
+                )
+    return changes
+
+
+def check_convertible(label: str, plan: OffloadPlan, streamers: Mapping[str, GroupStreamer]) -> None:
+    """Refuse a dtype conversion of a model streamed from a file, or while a streamed group runs.
+
+    Raises:
+        RuntimeError: the model is streamed from a checkpoint file; a streamed group runs
+            (inside its forward).
+    """
+    if plan.storage is not None:
+        raise RuntimeError(
+            f"{_WHAT}: cannot convert {label} to another dtype while it is streamed from {plan.storage!r}: "
+            "its weights are read in the file's dtypes. Remove the offload first, or give offload() dtype="
+        )
+    running = [name for name, streamer in streamers.items() if streamer.depth > 0]
+    if running:
+        raise RuntimeError(
+            f"{_WHAT}: cannot convert {label} while the streamed group {running[0] or '<root>'!r} runs (inside its "
+            "forward its weights are in use): convert before or after the group's forward"
+        )
+
+
+def grown_budget(model: nn.Module, plan: OffloadPlan, options: dict[str, Any], converted: Mapping[int, torch.dtype]) -> dict[str, Any]:
+    """``offload()``'s ``options`` for the converted model: a model kept whole stays whole, as the plain
+    module would (its budget grows by what the conversion adds)."""
+    options = dict(options)
+    if all(g.resident for g in plan.groups) and options.get("budget") is not None:
+        o = options
+        grown, _, _ = sizes(model, _WHAT, dtype=o["dtype"], storage_dtype=o["storage_dtype"], groups=o["groups"],
+                            skip=o["skip"], converted=converted, device=plan.offload_device, prefetch=plan.prefetch)
+        options["budget"] = max(int(options["budget"]), grown)
+    return options
+
+
+def convert_values(module: nn.Module, changes: Changes, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Once the offload is removed: the changed tensors converted as the offloaded module read them."""
+    with torch.no_grad():
+        for t, read_as, dtype in changes.values():
+            if not isinstance(t, OffloadedTensor):
+                # as the offloaded module read it (the compute dtype), then converted
+                swap_in(t, wrap_like(t, t.detach().to(read_as).to(dtype)), pending_backward_ok=True)
+        # weights that read as another dtype or device than they keep (an installer's): as
+        # their own modules convert them, so that they go on reading as installed
+        for m in module.modules():
+            if any(isinstance(t, OffloadedTensor) and id(t) in changes for t in [*m._parameters.values(), *m._buffers.values()]):
+                m._apply(fn, recurse=False)
