@@ -59,8 +59,8 @@ MUTATIONS = [
     ),
     Mutation(
         "residency: a weight made resident after the first forward is remembered, so remove() gives it back",
-        "src/torchsurgery/offloading/engine.py",
-        "            self._remember(q.name, p)  # remove() gives it back",
+        "src/torchsurgery/offloading/measured_residency.py",
+        "            self.originals.remember(q.name, p)  # remove() gives it back",
         "            pass  # remove() gives it back",
         ("tests/offloading/test_engine_edges.py::test_weights_made_resident_after_the_first_forward_go_back_to_the_host_on_remove_also_when_pinned_before",),
     ),
@@ -80,7 +80,7 @@ MUTATIONS = [
     ),
     Mutation(
         "residency: a group sharing a weight with a streamed group is not made resident",
-        "src/torchsurgery/offloading/engine.py",
+        "src/torchsurgery/offloading/measured_residency.py",
         "if n in streaming.packed and self._may_stay(n, resident)]",
         "if n in streaming.packed]",
         ("tests/offloading/test_engine_edges.py::test_groups_sharing_a_weight_stay_exact_whatever_the_first_forward_makes_resident",),
@@ -95,13 +95,13 @@ MUTATIONS = [
     Mutation(
         "a conversion is checked against the budget before the offload comes off",
         "src/torchsurgery/offloading/engine.py",
-        "        plan_converted(model, self._seam, converted, offloaded_ok=True, **options)\n",
+        "        plan_converted(model, seam, converted, offloaded_ok=True, **options)\n",
         "",
         ("tests/offloading/test_engine.py::test_a_conversion_the_budget_cannot_hold_is_refused_changing_nothing",),
     ),
     Mutation(
         "an offloaded module's .to(dtype) converts its weights (the offload is planned again)",
-        "src/torchsurgery/offloading/engine.py",
+        "src/torchsurgery/offloading/conversion.py",
         "swap_in(t, wrap_like(t, t.detach().to(read_as).to(dtype)), pending_backward_ok=True)",
         "pass",
         ("tests/offloading/test_engine.py::test_an_offloaded_model_takes_dtype_conversions_as_the_plain_model",),
@@ -122,9 +122,9 @@ MUTATIONS = [
     ),
     Mutation(
         "the device rule: a weight kept on the host reads as the device the offload computes on",
-        "src/torchsurgery/offloading/engine.py",
-        "device = self.device if reads_elsewhere(p, self.device) else None",
-        "device = None",
+        "src/torchsurgery/offloading/install.py",
+        "where = device if reads_elsewhere(p, device) else None",
+        "where = None",
         ("tests/offloading/test_generate_on_device.py::test_the_offloaded_model_reads_as_a_model_on_the_device",),
     ),
     Mutation(
@@ -150,9 +150,9 @@ MUTATIONS = [
     ),
     Mutation(
         "a forward that raised does not make groups resident",
-        "src/torchsurgery/offloading/engine.py",
-        "self._hooks.append(model.register_forward_hook(AfterFirst(streaming, self._plan_from_measurements)))",
-        "self._hooks.append(model.register_forward_hook(AfterFirst(streaming, self._plan_from_measurements), always_call=True))",
+        "src/torchsurgery/offloading/attach.py",
+        "self.hooks.append(model.register_forward_hook(AfterFirst(streaming, after_first)))",
+        "self.hooks.append(model.register_forward_hook(AfterFirst(streaming, after_first), always_call=True))",
         ("tests/offloading/test_engine_edges.py::test_out_of_memory_in_the_first_forward_leaves_the_offload_working",),
     ),
     Mutation(
@@ -164,7 +164,7 @@ MUTATIONS = [
     ),
     Mutation(
         "an offload's remove gives a weight back kept as it was kept (an installer's)",
-        "src/torchsurgery/offloading/engine.py",
+        "src/torchsurgery/offloading/originals.py",
         "tensor, dtype = o.tensor, o.kept or o.dtype",
         "tensor, dtype = o.tensor, o.dtype",
         ("tests/offloading/test_dynamic_swap.py::test_an_offload_over_an_installation_gives_back_the_weights_as_installed",),
@@ -404,9 +404,9 @@ MUTATIONS = [
     ),
     Mutation(
         "weights stored narrow read as the compute dtype",
-        "src/torchsurgery/offloading/engine.py",
-        "for p in filter(self._wrapped, self.plan.params):\n            tensor = param_in(self._modules, p)\n",
-        "for p in []:\n            tensor = param_in(self._modules, p)\n",
+        "src/torchsurgery/offloading/install.py",
+        "for p in filter(self._wrapped, self.plan.params):\n            tensor = param_in(self.named, p)\n",
+        "for p in []:\n            tensor = param_in(self.named, p)\n",
         ("tests/test_invisible_surgery.py::test_stable_diffusion_with_an_offloaded_unet_equals_diffusers_layerwise_casting",
          "tests/test_invisible_surgery.py::test_generate_and_what_programs_read_are_those_of_the_plain_model[t5-offload]"),
     ),
@@ -438,8 +438,8 @@ MUTATIONS = [
     ),
     Mutation(
         "state_dict() holds the stored values",
-        "src/torchsurgery/offloading/engine.py",
-        "            self._hooks.append(owner.register_state_dict_post_hook(stored_state))\n", "",
+        "src/torchsurgery/offloading/attach.py",
+        "        self.hooks.append(owner.register_state_dict_post_hook(stored_state))\n", "",
         ("tests/compact/test_tensor.py::test_state_dict_holds_the_stored_values_and_loads_back_exactly",),
     ),
     Mutation(
@@ -533,7 +533,7 @@ MUTATIONS = [
     ),
     Mutation(
         "resident weights are stored in the storage dtype, as streamed ones",
-        "src/torchsurgery/offloading/engine.py",
+        "src/torchsurgery/offloading/install.py",
         "                    moves.append((p, tensor, target, dtype, False))\n",
         "                    moves.append((p, tensor, target, p.compute_dtype, False))\n",
         ("tests/offloading/test_engine.py::test_storage_dtype_computes_and_holds_the_same_whatever_the_budget[cpu-mlp-bf16]",

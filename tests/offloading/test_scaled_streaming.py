@@ -24,8 +24,7 @@ from _scaled_formats import FORMATS, IDS
 from torchsurgery import OffloadedTensor, offload
 from torchsurgery.compact import Scaled, own_scale, stored_values
 from torchsurgery.compact.scaled import dequantize, quantize_with
-from torchsurgery.offloading import Residency
-from torchsurgery.offloading import engine as engine_module
+from torchsurgery.offloading import Residency, measured_residency
 from torchsurgery.offloading.plan import streaming_bytes
 
 D = 32
@@ -179,7 +178,7 @@ def test_a_group_made_resident_after_the_first_forward_keeps_its_q_and_scale(
     fmt: Scaled, accelerator: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # which groups the measurements keep is timing; which one is kept is not what is tested here
-    monkeypatch.setattr(engine_module, "plan_residency", lambda costs, *args, **kwargs: [costs[0].name])
+    monkeypatch.setattr(measured_residency, "plan_residency", lambda costs, *args, **kwargs: [costs[0].name])
     model = blocks()
     reference = dequantised(model, fmt).to(accelerator)
     x = torch.randn(3, D, device=accelerator)

@@ -24,7 +24,14 @@ from torch import nn
 from torchsurgery import _undo
 from torchsurgery.compact import stored_state
 from torchsurgery.offloading.conversion import Conversion, ConvertSubtree
-from torchsurgery.offloading.streams import AfterFirst, EndForward, GroupStreamer, StartForward, StreamedGroup, Streaming
+from torchsurgery.offloading.streams import (
+    AfterFirst,
+    EndForward,
+    GroupStreamer,
+    StartForward,
+    StreamedGroup,
+    Streaming,
+)
 from torchsurgery.patching import is_patched, patch, unpatch
 
 __all__ = ["Attachments"]
@@ -54,8 +61,7 @@ class Attachments:
 
     def stream(self, name: str, module: nn.Module, streamer: GroupStreamer) -> None:
         """Patch ``module``, the root of the group ``name``, to bring its weights in with ``streamer``."""
-        # a patch: the group's forward itself must bring the weights in and put them back in a
-        # finally (also on KeyboardInterrupt, which skips hooks), and compile with the group
+        # the one mechanism for a group's own behaviour: its forward brings the weights in and puts them back
         patch(module, StreamedGroup, streamer)
         _undo.records(module)[-1].internal = True
         self.patched.append(module)
@@ -63,8 +69,7 @@ class Attachments:
 
     def show_stored_state(self, owner: nn.Module) -> None:
         """``owner.state_dict()`` shows the stored values of its weights read as they compute."""
-        # a hook: state_dict() runs on any module holding such a weight, patched or not, and
-        # patching every owner would show in their classes (patches(), type()) for this alone
+        # a hook stays: owners need not be patched (a class swap would show in patches() and type() for this alone)
         self.hooks.append(owner.register_state_dict_post_hook(stored_state))
 
     def hook_forwards(
@@ -72,8 +77,7 @@ class Attachments:
     ) -> None:
         """Hooks around every forward of ``model``: the lock and the order of the streamed groups (if
         any), ``after_first`` after the first forward without gradients, ``watch`` after every forward."""
-        # hooks: the lock must be held from before the user's own pre-hooks to after every forward
-        # hook, also when the forward raised (always_call); the model's class stays the user's
+        # hooks stay: the lock spans the user's own hooks (prepend, always_call), which a forward cannot
         if self.patched:
             # one thread at a time runs the model; the order streamed groups ran in is closed at
             # the end of every forward, after the first one's measurements chose residency
@@ -88,9 +92,9 @@ class Attachments:
         """``.to()``, ``.half()``, ``.cuda()``... of any of ``modules`` go through ``convert``."""
         for name, module in modules.items():
             # .to(), .half(), .cuda()... would change weights whose values live in this offload
-            # behind its back: refused, before anything changes. An instance attribute (it wins
-            # over the class method): every module needs it, and a class swap of each would show
-            # in the classes of modules the offload otherwise leaves alone
+            # behind its back: refused, before anything changes (the instance attribute wins over
+            # the class method; removed with the offload)
+            # an instance attribute stays: every module needs it, and no hook reaches Module._apply
             if "_apply" not in module.__dict__:
                 module.__dict__["_apply"] = Conversion(module, name, convert)
 

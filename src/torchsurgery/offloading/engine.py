@@ -47,7 +47,12 @@ from torchsurgery._swap import swap_in
 from torchsurgery.compact import ReadContext, Scaled, Scratch
 from torchsurgery.offloading.attach import Attachments
 from torchsurgery.offloading.checkpoint_values import CheckpointValues
-from torchsurgery.offloading.conversion import check_convertible, convert_values, dtype_changes, grown_budget
+from torchsurgery.offloading.conversion import (
+    check_convertible,
+    convert_values,
+    dtype_changes,
+    grown_budget,
+)
 from torchsurgery.offloading.device import OffloadDevice
 from torchsurgery.offloading.install import Installer
 from torchsurgery.offloading.measured_residency import MeasuredResidency
@@ -245,9 +250,10 @@ class OffloadHandle:
                 weight it holds; nothing changed.
         """
         if self._record is None:
-            if self.model is None:
+            model = self.model
+            if model is None:
                 raise RuntimeError(f"{_WHAT}.remove: this offload was removed and its model freed since; nothing to remove")
-            return self.model
+            return model
         model = self._live
         _undo.check_idle(model, f"{_WHAT}.remove")
         self._pending.check(f"{_WHAT}.remove", type(model).__name__)
@@ -257,9 +263,7 @@ class OffloadHandle:
         self._streaming.drop_ring()
         restored = self._originals.restored_values(self._file)
         self._attached.detach()
-        for tensor, replacement in restored:
-            # a graph whose backward ran (or was dropped) may still be referenced by live outputs
-            # without holding the weights: nothing to wait for
+        for tensor, replacement in restored:  # a graph whose backward ran may outlive it: nothing to wait for
             swap_in(tensor, replacement, pending_backward_ok=True)
         # surgery applied after the offload (an installation over a loaded model) gives back
         # these values when it is undone, not the device copies it saw
@@ -281,68 +285,48 @@ class OffloadHandle:
 
 
 def offload(
-    model: nn.Module,
-    device: str | torch.device | OffloadDevice = "cpu",
-    *,
-    dtype: torch.dtype | None = None,
-    storage_dtype: torch.dtype | Scaled | None = None,
-    budget: int | None = None,
-    prefetch: int = 1,
-    pin_memory: bool | None = None,
-    groups: str | Sequence[str] = "blocks",
-    skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP,
-    master_dtype: torch.dtype | None = None,
+    model: nn.Module, device: str | torch.device | OffloadDevice = "cpu", *, dtype: torch.dtype | None = None,
+    storage_dtype: torch.dtype | Scaled | None = None, budget: int | None = None, prefetch: int = 1,
+    pin_memory: bool | None = None, groups: str | Sequence[str] = "blocks",
+    skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP, master_dtype: torch.dtype | None = None,
     storage: str | os.PathLike[str] | None = None,
 ) -> OffloadHandle:
     """Keep ``model``'s weights in storage and bring each group in just before it runs.
 
     Args:
         model: the model (changed in place; nothing is copied).
-        device: where the computation runs: ``"cpu"``, a device of the accelerator this
-            PyTorch reports (``"cuda"``, ``"xpu"``, ``"mps"``, ...) or an ``OffloadDevice``.
+        device: where the computation runs: ``"cpu"``, a device of the accelerator this PyTorch
+            reports (``"cuda"``, ``"xpu"``, ``"mps"``, ...) or an ``OffloadDevice``.
         dtype: the compute dtype of floating weights (default: their current dtype).
-        storage_dtype: the dtype weights are stored in, resident or streamed, whatever the
-            budget (``bfloat16``, ``float16``, ``float8_e4m3fn``, ``float8_e5m2``, ``float32``,
-            ``float64``); modules selected by ``skip`` keep theirs. Or a scaled format,
-            :class:`~torchsurgery.compact.Scaled` (fp8 or int8 values with an fp32 scale per
-            output channel or per tensor) for weights of two or more dimensions, resident or
-            streamed: biases keep the compute dtype.
-        budget: device bytes the weights may take as stored, next to the ``prefetch + 1``
-            largest streamed groups in flight. A model that fits is kept whole. Otherwise the
-            groups that stream through the ring are measured on the first forward and
-            those whose transfers cannot be hidden behind compute are kept resident
-            (:func:`~torchsurgery.offloading.residency.plan_residency`); groups served by the
-            CPU narrow-weight path are filled in execution order. ``None``: nothing is
-            resident on a CPU; on an accelerator, what is free minus a margin.
+        storage_dtype: the dtype weights are stored in, resident or streamed, whatever the budget (``bfloat16``,
+            ``float16``, ``float8_e4m3fn``, ``float8_e5m2``, ``float32``, ``float64``; ``skip`` keeps theirs), or a
+            scaled format, :class:`~torchsurgery.compact.Scaled` (fp8 or int8 values with an fp32 scale per output
+            channel or per tensor) for weights of two or more dimensions: biases keep the compute dtype.
+        budget: device bytes the weights may take as stored, next to the ``prefetch + 1`` largest
+            streamed groups in flight. A model that fits is kept whole. Otherwise the groups that
+            stream through the ring are measured on the first forward and those whose transfers
+            cannot be hidden behind compute are kept resident (:func:`~torchsurgery.offloading.residency.plan_residency`);
+            groups served by the CPU narrow-weight path are filled in execution order. ``None``:
+            nothing is resident on a CPU; on an accelerator, what is free minus a margin.
         prefetch: how many groups ahead to bring in (in the first forward's order).
         pin_memory: pin host storage (default: on an accelerator that can).
         groups: ``"blocks"``, ``"leaves"`` or a list of qualified module names.
         skip: ``(module, name) -> bool``; selected modules keep their own dtype.
-        master_dtype: for training: the parameters themselves stay in this dtype (what
-            the optimizer updates and gradients land in) and the engine keeps a
-            ``storage_dtype`` copy for forwards without gradients, refreshed whenever a
-            parameter changes (a resident weight holds both). It must hold the values
-            exactly, so ``remove()`` gives them back; ``None``: they keep the rounding.
-        storage: a safetensors checkpoint (file, sharded ``*.index.json`` or folder) with
-            the model's weights under its ``state_dict`` names: streamed groups are then
-            read from it on demand instead of being held in memory (for models larger than
-            RAM; inference only). The parameters are ``meta`` while offloaded; a model built
-            with :func:`~torchsurgery.skeleton` can be offloaded straight from its file. The
-            weights are then stored in the file's dtypes (no ``storage_dtype``).
+        master_dtype: for training: the parameters stay in this dtype (what the optimizer updates and gradients
+            land in) and a ``storage_dtype`` copy, refreshed whenever a parameter changes, serves forwards
+            without gradients. It must hold the values exactly (``remove()`` gives them back).
+        storage: a safetensors checkpoint (file, sharded ``*.index.json`` or folder) with the model's
+            weights under their ``state_dict`` names: streamed groups are read from it on demand (for
+            models larger than RAM; inference only), their parameters ``meta`` while offloaded, in the
+            file's dtypes (no ``storage_dtype``); a :func:`~torchsurgery.skeleton` can be offloaded from it.
 
     Returns:
         An :class:`OffloadHandle` (``plan``, ``stats()``, ``remove()``, context manager).
-        :func:`~torchsurgery.plan_offload` with the same arguments shows the plan without
-        installing it.
+        :func:`~torchsurgery.plan_offload` with the same arguments shows the plan.
 
     Raises:
-        TypeError: an argument of the wrong kind; a storage or master dtype weights cannot
-            be kept in (exactly, for the master); or a module to keep in another dtype
-            carries a patch that reads weight memory directly (``__patch_needs_plain_weights__``).
-        ValueError: a device that does not exist, ``pin_memory=True`` where host memory
-            cannot be pinned, a budget below the largest group, an unknown group name, a
-            ``storage_dtype`` with a checkpoint ``storage``.
-        RuntimeError: the model is already offloaded (by torchsurgery, accelerate or diffusers).
+        TypeError, ValueError, RuntimeError: as :func:`~torchsurgery.plan_offload` (a wrong argument, a budget
+            below the largest group, a model offloaded already), before anything changes.
 
     Example:
         >>> import torch

@@ -130,43 +130,51 @@ def find_groups(model: nn.Module, groups: str | Sequence[str], what: str = "torc
     named = dict(model.named_modules())
     if not isinstance(groups, (str, list, tuple)):
         raise ArgumentTypeError(what, "groups", groups, f"must be 'blocks', 'leaves' or a list of module names, got {groups!r}")
-    if isinstance(groups, str):
-        if groups == "leaves":
-            found = [n for n, m in named.items() if _holds_weights(m, False)]
-        elif groups == "blocks":
-            container, blocks = repeated_blocks(model)
-            if not blocks:
-                found = [n for n, m in model.named_children() if _holds_weights(m, True)]
-            else:
-                found = blocks + _outside_groups(model, set(blocks), container)
-            if _holds_weights(model, False):
-                found.append("")
-        else:
-            raise ArgumentValueError(
-                what, "groups", groups, f"must be 'blocks', 'leaves' or a list of module names, got {groups!r}"
-            )
-        found = _split_uncalled(named, found)
-    else:
-        found = list(groups)
-        if not found:
-            raise ArgumentValueError(
-                what, "groups", groups,
-                "is an empty list: it names no module to offload; give module names, or 'blocks' or 'leaves'",
-            )
-        for name in found:
-            if not isinstance(name, str) or name not in named:
-                raise no_match(what, str(name), [n for n in named if n], arg="groups")
-        for a in found:
-            for b in found:
-                if a != b and (a == "" or b.startswith(f"{a}.")):
-                    raise ArgumentValueError(what, "groups", groups, f"{a!r} and {b!r} overlap", "give disjoint subtrees")
-        for name in found:
-            module = named[name]
-            if name and _never_called(module) and _holds_weights(module, True):
-                raise ArgumentValueError(
-                    what, "groups", groups,
-                    f"{name!r} is a {type(module).__name__}, whose forward is never called (its weights would never come in)",
-                    f"name its children instead: {_children_with_weights(module, name)}",
-                )
+    found = _by_mode(model, named, groups, what) if isinstance(groups, str) else _checked_names(named, groups, what)
     order = {n: i for i, n in enumerate(named)}
     return sorted(dict.fromkeys(found), key=lambda n: order[n])
+
+
+def _by_mode(model: nn.Module, named: dict[str, nn.Module], groups: str, what: str) -> list[str]:
+    """The groups ``"leaves"`` or ``"blocks"`` name, modules never called split into their children."""
+    if groups == "leaves":
+        found = [n for n, m in named.items() if _holds_weights(m, False)]
+    elif groups == "blocks":
+        container, blocks = repeated_blocks(model)
+        if not blocks:
+            found = [n for n, m in model.named_children() if _holds_weights(m, True)]
+        else:
+            found = blocks + _outside_groups(model, set(blocks), container)
+        if _holds_weights(model, False):
+            found.append("")
+    else:
+        raise ArgumentValueError(
+            what, "groups", groups, f"must be 'blocks', 'leaves' or a list of module names, got {groups!r}"
+        )
+    return _split_uncalled(named, found)
+
+
+def _checked_names(named: dict[str, nn.Module], groups: list[str] | tuple[str, ...], what: str) -> list[str]:
+    """The groups the user named, refused where unknown, overlapping or never called."""
+    found = list(groups)
+    if not found:
+        raise ArgumentValueError(
+            what, "groups", groups,
+            "is an empty list: it names no module to offload; give module names, or 'blocks' or 'leaves'",
+        )
+    for name in found:
+        if not isinstance(name, str) or name not in named:
+            raise no_match(what, str(name), [n for n in named if n], arg="groups")
+    for a in found:
+        for b in found:
+            if a != b and (a == "" or b.startswith(f"{a}.")):
+                raise ArgumentValueError(what, "groups", groups, f"{a!r} and {b!r} overlap", "give disjoint subtrees")
+    for name in found:
+        module = named[name]
+        if name and _never_called(module) and _holds_weights(module, True):
+            raise ArgumentValueError(
+                what, "groups", groups,
+                f"{name!r} is a {type(module).__name__}, whose forward is never called (its weights would never come in)",
+                f"name its children instead: {_children_with_weights(module, name)}",
+            )
+    return found

@@ -106,7 +106,7 @@ class MeasuredResidency:
             views = [v if s is None else dequantize(v, s, torch.float32) for v, s in packed.scaled_views(unpack(buffer, packed.layout))]
             values = {id(p): v for (_, _, p, _), v in zip(streamer.packed_entries, views, strict=True)}
         planned = {id(param_in(self.named, p)): p for p in self.plan.params if p.tied_to is None}
-        swaps = []
+        swaps: list[tuple[torch.Tensor, torch.Tensor]] = []
         for _, _, p, dtype in streamer.packed_entries + streamer.other_entries:
             q = planned[id(p)]
             self.originals.remember(q.name, p)  # remove() gives it back (one that needed no move to start streaming too)

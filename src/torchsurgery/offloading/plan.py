@@ -807,17 +807,10 @@ def _file_keys(model: nn.Module, named: dict[str, nn.Module], groups: list[Group
 
 
 def plan_offload(
-    model: nn.Module,
-    device: str | torch.device | OffloadDevice = "cpu",
-    *,
-    dtype: torch.dtype | None = None,
-    storage_dtype: torch.dtype | Scaled | None = None,
-    budget: int | None = None,
-    prefetch: int = 1,
-    pin_memory: bool | None = None,
-    groups: str | Sequence[str] = "blocks",
-    skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP,
-    master_dtype: torch.dtype | None = None,
+    model: nn.Module, device: str | torch.device | OffloadDevice = "cpu", *, dtype: torch.dtype | None = None,
+    storage_dtype: torch.dtype | Scaled | None = None, budget: int | None = None, prefetch: int = 1,
+    pin_memory: bool | None = None, groups: str | Sequence[str] = "blocks",
+    skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP, master_dtype: torch.dtype | None = None,
     storage: str | os.PathLike[str] | None = None,
 ) -> OffloadPlan:
     """What :func:`~torchsurgery.offload` with these arguments would do, without doing it.
