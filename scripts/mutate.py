@@ -123,7 +123,7 @@ MUTATIONS = [
     Mutation(
         "the device rule: a weight kept on the host reads as the device the offload computes on",
         "src/torchsurgery/offloading/install.py",
-        "where = device if reads_elsewhere(p, device) else None",
+        "where = device if p.reads_elsewhere(device) else None",
         "where = None",
         ("tests/offloading/test_generate_on_device.py::test_the_offloaded_model_reads_as_a_model_on_the_device",),
     ),
@@ -405,8 +405,8 @@ MUTATIONS = [
     Mutation(
         "weights stored narrow read as the compute dtype",
         "src/torchsurgery/offloading/install.py",
-        "for p in filter(self._wrapped, self.plan.params):\n            tensor = param_in(self.named, p)\n",
-        "for p in []:\n            tensor = param_in(self.named, p)\n",
+        "for p in filter(self._wrapped, self.plan.params):\n            tensor = p.lookup_in(self.named)\n",
+        "for p in []:\n            tensor = p.lookup_in(self.named)\n",
         ("tests/test_invisible_surgery.py::test_stable_diffusion_with_an_offloaded_unet_equals_diffusers_layerwise_casting",
          "tests/test_invisible_surgery.py::test_generate_and_what_programs_read_are_those_of_the_plain_model[t5-offload]"),
     ),

@@ -14,7 +14,7 @@ from torch import nn
 
 from torchsurgery._checkpoint import SafetensorsSource, open_source
 from torchsurgery.compact.scaled import dequantize
-from torchsurgery.offloading.plan import OffloadPlan, ParamPlan, Residency, param_in
+from torchsurgery.offloading.plan import OffloadPlan, ParamPlan, Residency
 
 __all__ = ["CheckpointValues"]
 
@@ -78,7 +78,7 @@ class CheckpointValues:
         what the model holds.
         """
         for p in plan.params:
-            param = param_in(named, p)
+            param = p.lookup_in(named)
             if p.residency is not Residency.FILE or p.tied_to is not None or param.is_meta:
                 continue
             stored = self.read(str(p.file_key)).to(param.dtype)

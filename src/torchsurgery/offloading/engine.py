@@ -58,7 +58,7 @@ from torchsurgery.offloading.install import Installer
 from torchsurgery.offloading.measured_residency import MeasuredResidency
 from torchsurgery.offloading.originals import Originals
 from torchsurgery.offloading.pending import PendingBackwards, WatchBackward
-from torchsurgery.offloading.plan import DEFAULT_SKIP, OffloadPlan, param_in, plan_converted
+from torchsurgery.offloading.plan import DEFAULT_SKIP, OffloadPlan, plan_converted
 from torchsurgery.offloading.stats import OffloadStats
 from torchsurgery.offloading.streams import Streaming
 
@@ -188,7 +188,7 @@ class OffloadHandle:
         measured = MeasuredResidency(plan, named, self._streaming, self._attached.streamers, self._originals, self._reads)
         after_first = measured if plan.measured_budget is not None else None
         self._attached.hook_forwards(model, self._streaming, after_first, WatchBackward(self._pending, self._originals))
-        self._hold = _undo.hold([param_in(named, p) for p in plan.params], "an active offload")
+        self._hold = _undo.hold([p.lookup_in(named) for p in plan.params], "an active offload")
         self._attached.guard_conversions(named, weakref.WeakMethod(self._convert_subtree))
         self._record = OffloadRecord(self)
         _undo.push(model, self._record)

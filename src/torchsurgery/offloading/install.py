@@ -37,9 +37,6 @@ from torchsurgery.offloading.plan import (
     OffloadPlan,
     ParamPlan,
     Residency,
-    param_in,
-    reads_as_computed,
-    reads_elsewhere,
 )
 from torchsurgery.offloading.streams import GroupStreamer, PackedGroup, Streaming
 
@@ -93,7 +90,7 @@ def as_computed(
         >>> view.dtype, view.stored.dtype
         (torch.float32, torch.float16)
     """
-    where = device if reads_elsewhere(p, device) else None
+    where = device if p.reads_elsewhere(device) else None
     if p.scaled is not None and scale is None:  # ``stored`` holds the values to quantise (compact/scaled.py)
         stored, scale = p.scaled.quantize(stored)
     return offloaded_like(tensor, stored, p.compute_dtype, reads=reads, shadow_dtype=p.shadow_dtype, device=where, scale=scale)
@@ -167,7 +164,7 @@ class Installer:
             for p in group.params:
                 if p.tied_to is not None or p.residency is Residency.FILE:
                     continue  # converted under its first name; or the file has its values
-                tensor = param_in(self.named, p)
+                tensor = p.lookup_in(self.named)
                 # a scaled weight moves in its own dtype: it is quantised when it is wrapped (or
                 # packed, into host buffers pinned then)
                 dtype = tensor.dtype if p.scaled is not None else p.storage_dtype
@@ -189,9 +186,9 @@ class Installer:
                     seen.add(id(b))
                     moves.append((bname, b, target, b.dtype, False))
         swapped = [(name, t) for name, t, to, dtype, _ in moves if t.device != to or t.dtype != dtype]
-        swapped += [(p.name, param_in(self.named, p)) for p in self.plan.params if self._wrapped(p)]
+        swapped += [(p.name, p.lookup_in(self.named)) for p in self.plan.params if self._wrapped(p)]
         if self.file is not None:
-            files = [(p, param_in(self.named, p)) for p in self.plan.params if p.residency is Residency.FILE]
+            files = [(p, p.lookup_in(self.named)) for p in self.plan.params if p.residency is Residency.FILE]
             swapped += [(p.name, t) for p, t in files if _made_meta(t, p)]
         for name, tensor in swapped:
             problem = swap_blocker(name, tensor, None, _WHAT, weak_references_ok=True)
@@ -212,7 +209,7 @@ class Installer:
 
         The plan took them as those values; ``remove()`` makes them read as they did again.
         """
-        lowered = [(p.name, t) for p in self.plan.params if reads_elsewhere_only(t := param_in(self.named, p))]
+        lowered = [(p.name, t) for p in self.plan.params if reads_elsewhere_only(t := p.lookup_in(self.named))]
         for name, tensor in lowered:
             problem = swap_blocker(name, tensor, None, _WHAT, weak_references_ok=True)
             if problem:
@@ -226,7 +223,7 @@ class Installer:
         packable: list[tuple[Entry, ParamPlan]] = []
         others: list[tuple[Entry, ParamPlan]] = []
         for p in group.params:
-            entry = (self.named[p.module], p.attr, param_in(self.named, p), p.compute_dtype)
+            entry = (self.named[p.module], p.attr, p.lookup_in(self.named), p.compute_dtype)
             if p.residency in (Residency.STREAMED, Residency.FILE):
                 packable.append((entry, p))
             elif p.residency is Residency.CONVERTED:
@@ -243,7 +240,7 @@ class Installer:
 
     def _wrapped(self, p: ParamPlan) -> bool:
         """Whether ``p`` becomes an OffloadedTensor: kept in another dtype, or away from the device it computes on."""
-        return reads_as_computed(p) or reads_elsewhere(p, self.plan.device)
+        return p.reads_as_computed() or p.reads_elsewhere(self.plan.device)
 
     def _read_as_computed(self) -> None:
         """Weights kept in another dtype or place than they compute in become OffloadedTensors (same objects).
@@ -254,7 +251,7 @@ class Installer:
         """
         owners: dict[int, nn.Module] = {}
         for p in filter(self._wrapped, self.plan.params):
-            tensor = param_in(self.named, p)
+            tensor = p.lookup_in(self.named)
             if not _packed_scaled(p):  # those were wrapped as they were packed
                 self.originals.remember(p.name, tensor)
                 swap_in(tensor, as_computed(tensor, p, tensor.detach(), self.plan.device, self.reads))

@@ -18,7 +18,7 @@ from torchsurgery.compact.scaled import dequantize
 from torchsurgery.offloading.install import as_computed, moved
 from torchsurgery.offloading.originals import Originals
 from torchsurgery.offloading.packing import unpack
-from torchsurgery.offloading.plan import OffloadPlan, param_in, reads_as_computed
+from torchsurgery.offloading.plan import OffloadPlan
 from torchsurgery.offloading.residency import plan_residency
 from torchsurgery.offloading.streams import GroupStreamer, Streaming
 
@@ -105,12 +105,12 @@ class MeasuredResidency:
             packed.fill(buffer)
             views = [v if s is None else dequantize(v, s, torch.float32) for v, s in packed.scaled_views(unpack(buffer, packed.layout))]
             values = {id(p): v for (_, _, p, _), v in zip(streamer.packed_entries, views, strict=True)}
-        planned = {id(param_in(self.named, p)): p for p in self.plan.params if p.tied_to is None}
+        planned = {id(p.lookup_in(self.named)): p for p in self.plan.params if p.tied_to is None}
         swaps: list[tuple[torch.Tensor, torch.Tensor]] = []
         for _, _, p, dtype in streamer.packed_entries + streamer.other_entries:
             q = planned[id(p)]
             self.originals.remember(q.name, p)  # remove() gives it back (one that needed no move to start streaming too)
-            if reads_as_computed(q):
+            if q.reads_as_computed():
                 scale = own_scale(p)  # a scaled weight's moves with it
                 kept = stored_values(p).detach().to(device, q.storage_dtype, copy=True)
                 on_device = None if scale is None else scale.to(device, copy=True)

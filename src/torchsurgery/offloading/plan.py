@@ -46,8 +46,7 @@ from torchsurgery.offloading.device import OffloadDevice, resolve_device
 from torchsurgery.offloading.grouping import find_groups
 
 __all__ = [
-    "plan_offload", "OffloadPlan", "GroupPlan", "ParamPlan", "Residency", "DEFAULT_SKIP", "reads_as_computed", "reads_elsewhere",
-    "device_bytes", "param_in",
+    "plan_offload", "OffloadPlan", "GroupPlan", "ParamPlan", "Residency", "DEFAULT_SKIP", "device_bytes",
 ]
 
 _WHAT = "torchsurgery.offload"
@@ -148,23 +147,35 @@ class ParamPlan:
         assert param is not None
         return param
 
+    def lookup_in(self, named: Mapping[str, nn.Module]) -> nn.Parameter:
+        """The parameter among the model's modules by qualified name (``dict(model.named_modules())``):
+        :meth:`lookup` without walking the model again, for code that looks up many."""
+        param = named[self.module]._parameters[self.attr]
+        assert param is not None
+        return param
 
-def param_in(named: Mapping[str, nn.Module], p: ParamPlan) -> nn.Parameter:
-    """``p``'s parameter, from the model's modules by qualified name (``dict(model.named_modules())``).
+    def reads_as_computed(self) -> bool:
+        """Whether it becomes an :class:`~torchsurgery.compact.tensor.OffloadedTensor` (under its first name).
 
-    :meth:`ParamPlan.lookup` without walking the model again, for code that looks up many.
+        Weights kept in another dtype than they compute in (or next to a narrow shadow), in host
+        memory or resident on the device, do, so that they read as the compute dtype and their
+        values are those of the storage dtype wherever they live; the others already do.
+        """
+        return (
+            self.tied_to is None
+            and self.residency in (Residency.NARROW, Residency.STREAMED, Residency.RESIDENT)
+            and (self.storage_dtype != self.compute_dtype or self.shadow_dtype is not None)
+        )
 
-    Example:
-        >>> from torch import nn
-        >>> import torchsurgery
-        >>> model = nn.Sequential(nn.Linear(2, 2))
-        >>> p = torchsurgery.plan_offload(model).params[0]
-        >>> param_in(dict(model.named_modules()), p) is model[0].weight
-        True
-    """
-    param = named[p.module]._parameters[p.attr]
-    assert param is not None
-    return param
+    def reads_elsewhere(self, device: torch.device) -> bool:
+        """Whether it keeps its values in host memory (or its file) while it computes on the accelerator ``device``.
+
+        It then becomes an :class:`~torchsurgery.compact.tensor.OffloadedTensor` reading as a
+        tensor on ``device`` (under its first name): the model reads as a model there
+        (``model.device``, ``next(model.parameters()).device``), as the dtype rule makes it read
+        as its compute dtype.
+        """
+        return self.tied_to is None and device.type != "cpu" and self.residency in (Residency.STREAMED, Residency.FILE)
 
 
 @dataclass
@@ -545,7 +556,7 @@ def _route(named: dict[str, nn.Module], groups: list[GroupPlan], options: _Optio
             host = options.device.host_compute
             # an installer's weight reading as another device is taken as its host values (the
             # engine swaps them in before it moves anything)
-            t = param_in(named, p)
+            t = p.lookup_in(named)
             plain = type(t) in (torch.Tensor, nn.Parameter) or reads_elsewhere_only(t)
             if group.resident or (first is not None and first[0] is Residency.RESIDENT):
                 p.residency = Residency.RESIDENT  # in its storage dtype, as when it streams
@@ -573,7 +584,7 @@ def _check_scaled_plain(named: dict[str, nn.Module], groups: list[GroupPlan]) ->
     for g in groups:
         for p in g.params:
             if p.scaled is not None and p.residency is Residency.CONVERTED and p.tied_to is None:
-                kind = type(param_in(named, p)).__name__
+                kind = type(p.lookup_in(named)).__name__
                 raise ArgumentValueError(
                     _WHAT, "storage_dtype", p.scaled,
                     f"keeps plain weights only, but {p.name!r} is a {kind} (a tensor subclass, converted at each run): "
@@ -582,34 +593,9 @@ def _check_scaled_plain(named: dict[str, nn.Module], groups: list[GroupPlan]) ->
                 )
 
 
-def reads_as_computed(p: ParamPlan) -> bool:
-    """Whether ``p`` becomes an :class:`~torchsurgery.compact.tensor.OffloadedTensor` (under its first name).
-
-    Weights kept in another dtype than they compute in (or next to a narrow shadow), in host
-    memory or resident on the device, do, so that they read as the compute dtype and their
-    values are those of the storage dtype wherever they live; the others already do.
-    """
-    return (
-        p.tied_to is None
-        and p.residency in (Residency.NARROW, Residency.STREAMED, Residency.RESIDENT)
-        and (p.storage_dtype != p.compute_dtype or p.shadow_dtype is not None)
-    )
-
-
-def reads_elsewhere(p: ParamPlan, device: torch.device) -> bool:
-    """Whether ``p`` keeps its values in host memory (or its file) while it computes on an accelerator.
-
-    It then becomes an :class:`~torchsurgery.compact.tensor.OffloadedTensor` reading as a
-    tensor on ``device`` (under its first name): the model reads as a model there
-    (``model.device``, ``next(model.parameters()).device``), as the dtype rule makes it read
-    as its compute dtype.
-    """
-    return p.tied_to is None and device.type != "cpu" and p.residency in (Residency.STREAMED, Residency.FILE)
-
-
 def _check_plain_readers(named: dict[str, nn.Module], groups: list[GroupPlan]) -> None:
     """Refuse to keep narrow the weights of a module whose patch reads weight memory directly."""
-    wrapped = {id(param_in(named, p)): p.name for g in groups for p in g.params if reads_as_computed(p)}
+    wrapped = {id(p.lookup_in(named)): p.name for g in groups for p in g.params if p.reads_as_computed()}
     for qual, module in named.items():
         reader = plain_reader(module)
         found = next((wrapped[id(t)] for t in module.parameters() if id(t) in wrapped), None) if reader else None
@@ -623,7 +609,7 @@ def _check_plain_readers(named: dict[str, nn.Module], groups: list[GroupPlan]) -
 
 def _check_values(named: dict[str, nn.Module], groups: list[GroupPlan]) -> None:
     """Refuse weights without values (on the meta device) when there is no checkpoint to read them from."""
-    empty = [p.name for g in groups for p in g.params if param_in(named, p).is_meta]
+    empty = [p.name for g in groups for p in g.params if p.lookup_in(named).is_meta]
     if empty:
         raise ValueError(
             f"{_WHAT}: {len(empty)} weights are on the meta device (no values), e.g. {empty[:3]}; "
@@ -791,7 +777,7 @@ def _file_keys(model: nn.Module, named: dict[str, nn.Module], groups: list[Group
         raise ValueError(f"{_WHAT}: {storage!r} holds scales that cannot be read:\n  " + "\n  ".join(scaled.problems))
     problems = []
     for p in (p for g in groups for p in g.params):
-        tensor = param_in(named, p)
+        tensor = p.lookup_in(named)
         if p.residency is Residency.RESIDENT and not tensor.is_meta:
             continue  # a resident group reads from the file only what has no values
         found = [k for k in state_names.get(id(tensor), []) if k in stored]
