@@ -10,7 +10,7 @@ live; this package decides how they are read.
 """
 
 from torchsurgery.compact.narrow import Scratch, is_matmul_layer, prepare_kernel
-from torchsurgery.compact.scaled import Scaled
+from torchsurgery.compact.scaled import Scaled, dequantize
 from torchsurgery.compact.tensor import (
     OffloadedTensor,
     ReadContext,
@@ -20,6 +20,7 @@ from torchsurgery.compact.tensor import (
     own_scale,
     plain_reader,
     reads_elsewhere_only,
+    rehome,
     stored_state,
     stored_values,
 )
@@ -33,8 +34,10 @@ __all__ = [
     "stored_state",
     "converted_by",
     "plain_reader",
+    "rehome",
     # scaled formats
     "Scaled",
+    "dequantize",
     "own_scale",
     "load_scaled",
     # its reads

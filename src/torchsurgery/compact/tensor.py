@@ -55,7 +55,7 @@ from torchsurgery.compact.narrow import (
 from torchsurgery.compact.scaled import Scaled, dequantize, quantize_with, scaled_product
 from torchsurgery.patching import Patch, patches
 
-__all__ = ["OffloadedTensor", "stored_values", "reads_elsewhere_only"]
+__all__ = ["OffloadedTensor", "stored_values", "reads_elsewhere_only", "rehome"]
 
 # keys of an OffloadedTensor's __dict__ that belong to it; the prefix keeps them out of the
 # user's attributes, which swaps carry along (torchsurgery._swap.user_attributes)
@@ -913,6 +913,27 @@ def stored_values(tensor: torch.Tensor) -> torch.Tensor:
         torch.float32
     """
     return tensor.stored if isinstance(tensor, OffloadedTensor) else tensor
+
+
+def rehome(weight: OffloadedTensor, stored: torch.Tensor | None, scale: torch.Tensor | None = None) -> None:
+    """Keep ``weight``'s values in ``stored`` (and a scaled weight's scale in ``scale``) from now on.
+
+    The values are the same, in new memory (a packed group's flat host copy, a slot): every
+    view, version counter and master's narrow copy follows them.
+
+    Example:
+        >>> import torch
+        >>> from torchsurgery.compact import OffloadedTensor, rehome
+        >>> w = OffloadedTensor(torch.ones(2, dtype=torch.bfloat16), torch.float32)
+        >>> home = torch.full((2,), 3.0, dtype=torch.bfloat16)
+        >>> rehome(w, home)
+        >>> w.stored.data_ptr() == home.data_ptr(), w.tolist()
+        (True, [3.0, 3.0])
+    """
+    if stored is not None:
+        weight._rehome(stored)
+    if scale is not None:
+        weight._rehome_scale(scale)
 
 
 def own_scale(tensor: torch.Tensor) -> torch.Tensor | None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from torchsurgery._checkpoint import SafetensorsSource, open_source
-from torchsurgery.compact.scaled import dequantize
+from torchsurgery.compact import dequantize
 from torchsurgery.offloading.plan import OffloadPlan, ParamPlan, Residency
 
 __all__ = ["CheckpointValues"]

@@ -25,6 +25,7 @@ from torchsurgery.compact import (
     offloaded_like,
     own_scale,
     reads_elsewhere_only,
+    rehome,
     stored_values,
 )
 from torchsurgery.offloading.attach import Attachments
@@ -300,9 +301,9 @@ class Installer:
         views = pack_runs(values + scales, layout, allocate)
         for param, view in zip(params, views, strict=False):  # the scales' views follow
             if isinstance(param, OffloadedTensor):
-                param._rehome(view)
+                rehome(param, view)
             else:
                 param.data = view
         for param, view in zip(scaled, views[len(values):], strict=True):
-            param._rehome_scale(view)
+            rehome(param, None, scale=view)
         return PackedGroup(name, layout, tensors=tuple(params), pinned=pinned, scaled=tuple(scaled))

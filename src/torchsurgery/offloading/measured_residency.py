@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from torchsurgery._swap import swap_in
-from torchsurgery.compact import ReadContext, own_scale, stored_values
-from torchsurgery.compact.scaled import dequantize
+from torchsurgery.compact import ReadContext, dequantize, own_scale, stored_values
 from torchsurgery.offloading.install import as_computed, moved
 from torchsurgery.offloading.originals import Originals
 from torchsurgery.offloading.packing import unpack

@@ -29,8 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchsurgery.compact import OffloadedTensor, own_scale, stored_values
-from torchsurgery.compact.scaled import dequantize
+from torchsurgery.compact import OffloadedTensor, dequantize, own_scale, rehome, stored_values
 from torchsurgery.offloading.device import OffloadDevice
 from torchsurgery.offloading.order import OrderRecorder
 from torchsurgery.offloading.packing import (
@@ -131,9 +130,9 @@ class PackedGroup:
         for i, view in enumerate(pack_runs(self.slot_values()[first:end], run, allocate), start=first):
             t = self.tensors[i] if i < n else self.scaled[i - n]
             if i >= n:
-                t._rehome_scale(view)  # type: ignore[attr-defined]  # a scaled weight: an OffloadedTensor
+                rehome(t, None, scale=view)  # type: ignore[arg-type]  # a scaled weight: an OffloadedTensor
             elif isinstance(t, OffloadedTensor):
-                t._rehome(view)
+                rehome(t, view)
             else:
                 t.data = view
 
