@@ -79,3 +79,31 @@ def test_a_hold_mark_stays_on_the_object_through_a_swap() -> None:
     assert _undo.holder_of_any([layer.weight]) == "an example"
     _undo.release(held)
     assert _undo.holder_of_any([layer.weight]) is None
+
+
+class Slotted(nn.Parameter):
+    """A Parameter subclass keeping its state in ``__slots__``."""
+
+    __slots__ = ("tag", "spare")
+
+
+def _slotted(tag: str, value: float) -> Slotted:
+    t = Slotted(torch.full((2,), value))
+    t.tag = tag
+    return t
+
+
+@pytest.mark.parametrize("held_weakly", [False, True])
+def test_swap_in_swaps_slots_as_swap_tensors_does(held_weakly: bool) -> None:
+    # the reference: torch's own swap of two objects nothing refers to weakly
+    ref_a, ref_b = _slotted("a", 1.0), _slotted("b", 2.0)
+    ref_b.spare = "only b"
+    swap_tensors(ref_a, ref_b)
+    a, b = _slotted("a", 1.0), _slotted("b", 2.0)
+    b.spare = "only b"
+    ref = weakref.ref(a) if held_weakly else None  # swap_tensors refuses this one; swap_in does not
+    swap_in(a, b)
+    for got, want in ((a, ref_a), (b, ref_b)):
+        assert got.tag == want.tag and getattr(got, "spare", None) == getattr(want, "spare", None)
+        assert torch.equal(got, want)
+    assert ref is None or ref() is a

@@ -143,7 +143,7 @@ def swap_in(tensor: torch.Tensor, replacement: torch.Tensor, *, pending_backward
     held = tensor.__dict__.get(HELD_KEY)
     if not pending_backward_ok and not weakref.getweakrefs(tensor):
         torch.utils.swap_tensors(tensor, replacement)
-    else:
+    else:  # swap_tensors refuses weak references (torch.compile's caches hold them) and a saved leaf, both of which we must swap
         _swap_holding(tensor, replacement, pending_backward_ok)
     if held is not None:  # the __dict__ went with the content
         tensor.__dict__[HELD_KEY] = held
@@ -152,7 +152,9 @@ def swap_in(tensor: torch.Tensor, replacement: torch.Tensor, *, pending_backward
 
 def _swap_holding(tensor: torch.Tensor, replacement: torch.Tensor, pending_backward_ok: bool) -> None:
     """``swap_tensors`` where it would refuse: weak references, and (an undo) holders in a live graph."""
-    if set(copyreg._slotnames(type(tensor))) != set(copyreg._slotnames(type(replacement))):  # type: ignore[attr-defined]
+    # torch.utils.swap_tensors has no switch for either refusal, so its three steps are taken here
+    slots = set(copyreg._slotnames(type(tensor)))  # type: ignore[attr-defined]
+    if slots != set(copyreg._slotnames(type(replacement))):  # type: ignore[attr-defined]
         raise RuntimeError(f"cannot swap a {type(tensor).__name__} and a {type(replacement).__name__}: their __slots__ differ")
     for t in (tensor, replacement):
         if t._use_count() > 1 and not pending_backward_ok:  # type: ignore[attr-defined]
@@ -164,6 +166,13 @@ def _swap_holding(tensor: torch.Tensor, replacement: torch.Tensor, pending_backw
         # the node would accumulate into ``replacement``, which gets the old content; a graph that
         # holds the replacement's content accumulates into ``tensor`` from now on, rightly
         torch.autograd.graph.get_gradient_edge(tensor).node.register_prehook(_poisoned)
+    values = [{name: getattr(t, name) for name in slots if hasattr(t, name)} for t in (tensor, replacement)]
     tensor.__class__, replacement.__class__ = replacement.__class__, tensor.__class__
     tensor.__dict__, replacement.__dict__ = replacement.__dict__, tensor.__dict__
+    for t, mine, theirs in ((tensor, *values), (replacement, *reversed(values))):
+        for name in slots:
+            if name in theirs:
+                setattr(t, name, theirs[name])
+            elif name in mine:
+                delattr(t, name)
     torch._C._swap_tensor_impl(tensor, replacement)
