@@ -4,6 +4,10 @@ Modules return tensors, tuples, lists, dicts, namedtuples, dataclasses and
 ``transformers`` ``ModelOutput`` objects, nested. :func:`flatten` lists the tensor
 leaves in a stable order (depth first, dict order) and gives back a function that
 rebuilds the same structure, of the same types, from a list of replacement leaves.
+
+The walk is ``torch.utils._pytree``'s (``transformers`` registers ``ModelOutput`` with it).
+This wrapper stays for two rules it lacks: only tensors are leaves, and a dataclass (a leaf
+to ``_pytree`` unless registered, which would change torch's global registry) is walked too.
 """
 
 from __future__ import annotations
@@ -13,66 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 Rebuild = Callable[[list[torch.Tensor]], Any]
-
-
-def _identity(leaves: list[torch.Tensor]) -> Any:
-    return leaves[0]
-
-
-def _walk(obj: Any, leaves: list[torch.Tensor]) -> Callable[[list[torch.Tensor], int], tuple[Any, int]]:
-    """Collect tensor leaves of ``obj``; return ``build(new_leaves, start) -> (obj, next)``."""
-    if isinstance(obj, torch.Tensor):
-        leaves.append(obj)
-        return lambda new, i: (new[i], i + 1)
-    if isinstance(obj, dict):
-        # dict, OrderedDict, and transformers' ModelOutput (an OrderedDict subclass)
-        keys = list(obj.keys())
-        parts = [_walk(obj[k], leaves) for k in keys]
-        cls = type(obj)
-
-        def build_dict(new: list[torch.Tensor], i: int) -> tuple[Any, int]:
-            values = []
-            for part in parts:
-                value, i = part(new, i)
-                values.append(value)
-            items = dict(zip(keys, values, strict=True))
-            if cls is dict:
-                return items, i
-            try:
-                return cls(**items), i
-            except TypeError:
-                return cls(items), i
-
-        return build_dict
-    if isinstance(obj, (tuple, list)):
-        parts = [_walk(item, leaves) for item in obj]
-        seq_cls = type(obj)
-        is_namedtuple = isinstance(obj, tuple) and hasattr(obj, "_fields")
-
-        def build_seq(new: list[torch.Tensor], i: int) -> tuple[Any, int]:
-            values = []
-            for part in parts:
-                value, i = part(new, i)
-                values.append(value)
-            if is_namedtuple:
-                return seq_cls(*values), i
-            return seq_cls(values), i
-
-        return build_seq
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = [f.name for f in dataclasses.fields(obj)]
-        parts = [_walk(getattr(obj, name), leaves) for name in fields]
-
-        def build_dataclass(new: list[torch.Tensor], i: int) -> tuple[Any, int]:
-            changes = {}
-            for name, part in zip(fields, parts, strict=True):
-                changes[name], i = part(new, i)
-            return dataclasses.replace(obj, **changes), i
-
-        return build_dataclass
-    return lambda new, i: (obj, i)
 
 
 def flatten(obj: Any) -> tuple[list[torch.Tensor], Rebuild]:
@@ -86,8 +33,34 @@ def flatten(obj: Any) -> tuple[list[torch.Tensor], Rebuild]:
         >>> rebuild([torch.full((1,), 5.0), leaves[1]])["a"]
         tensor([5.])
     """
-    if isinstance(obj, torch.Tensor):
-        return [obj], _identity
+    items, spec = tree_flatten(obj)
     leaves: list[torch.Tensor] = []
-    build = _walk(obj, leaves)
-    return leaves, lambda new: build(new, 0)[0]
+    parts: list[tuple[int, Rebuild]] = []  # per pytree leaf: how many tensors it holds, how to rebuild it
+    for item in items:
+        inner, build = _flatten_leaf(item)
+        leaves.extend(inner)
+        parts.append((len(inner), build))
+
+    def rebuild(new: list[torch.Tensor]) -> Any:
+        rebuilt, start = [], 0
+        for count, build in parts:
+            rebuilt.append(build(new[start : start + count]))
+            start += count
+        return tree_unflatten(rebuilt, spec)
+
+    return leaves, rebuild
+
+
+def _flatten_leaf(item: Any) -> tuple[list[torch.Tensor], Rebuild]:
+    """The tensors of one ``_pytree`` leaf: itself (a tensor), a dataclass's fields', or none."""
+    if isinstance(item, torch.Tensor):
+        return [item], _first
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        names = [f.name for f in dataclasses.fields(item)]
+        leaves, rebuild_fields = flatten([getattr(item, name) for name in names])
+        return leaves, lambda new: dataclasses.replace(item, **dict(zip(names, rebuild_fields(new), strict=True)))
+    return [], lambda new: item
+
+
+def _first(leaves: list[torch.Tensor]) -> Any:
+    return leaves[0]
