@@ -493,6 +493,17 @@ def remove(module: nn.Module, record: Record) -> None:
         module.__dict__.pop(_LOG_KEY, None)
 
 
+
+def with_own_log(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (a copy of a module's ``__dict__``, as pickled) given a log of its own.
+
+    A module rebuilt from it (a shallow copy) records and unwinds surgery in that log,
+    leaving the original module's log alone. ``state`` is changed in place and returned.
+    """
+    if _LOG_KEY in state:
+        state[_LOG_KEY] = list(state[_LOG_KEY])
+    return state
+
 @contextlib.contextmanager
 def all_or_nothing(model: nn.Module) -> Iterator[None]:
     """Within the block, surgery on ``model``'s subtree is done whole, or undone exactly.

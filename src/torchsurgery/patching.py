@@ -166,10 +166,8 @@ class Patch(nn.Module):
         # The class may be built at run time, so pickle names how to rebuild it
         # instead of the class itself; the state (with the undo log) goes as usual.
         stack = tuple(patches(self))
-        state = dict(self.__getstate__())
         # a shallow copy gets its own log, so unpatching it leaves this module's log alone
-        if _undo._LOG_KEY in state:
-            state[_undo._LOG_KEY] = list(state[_undo._LOG_KEY])
+        state = _undo.with_own_log(dict(self.__getstate__()))
         return (_rebuild, (original_class(self), stack), state)
 
 
@@ -376,13 +374,23 @@ def patch(module: M, patch_cls: type[Patch], /, *args: Any, **kwargs: Any) -> M:
     _undo.check_idle(module, "torchsurgery.patch")
     records = _patch_records(module)
     _check_class_intact(module, records, "patch")
+    _check_applicable(module, patch_cls, records)
     before = type(module)
-    missing = [c for c in _targets(patch_cls) if not issubclass(before, c)]
+    new_cls = _compose(patch_cls, before)  # may raise TypeError (MRO) before any change
+    changes = _apply(module, patch_cls, new_cls, args, kwargs)
+    original = records[0].original if records else before
+    _undo.push(module, PatchRecord(patch_cls, original, changes))
+    return module
+
+
+def _check_applicable(module: nn.Module, patch_cls: type[Patch], records: list[PatchRecord]) -> None:
+    """Refuse ``patch_cls`` where ``module`` is of another class, already carries it, or lacks weight memory it reads."""
+    missing = [c for c in _targets(patch_cls) if not issubclass(type(module), c)]
     if missing:
         raise TypeError(
             f"torchsurgery.patch: {patch_cls.__qualname__} is declared for "
             f"{', '.join(c.__qualname__ for c in missing)}, but the module is a "
-            f"{(records[0].original if records else before).__qualname__}; "
+            f"{(records[0].original if records else type(module)).__qualname__}; "
             "patch an instance of that class, or declare the patch for a base both share"
         )
     if any(r.patch is patch_cls for r in records):
@@ -391,10 +399,16 @@ def patch(module: M, patch_cls: type[Patch], /, *args: Any, **kwargs: Any) -> M:
             "unpatch it first to apply it again"
         )
     _check_plain_weights(module, patch_cls)
-    new_cls = _compose(patch_cls, before)  # may raise TypeError (MRO) before any change
+
+
+def _apply(
+    module: nn.Module, patch_cls: type[Patch], new_cls: type[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> _undo.ChangeSet:
+    """Give ``module`` the class ``new_cls`` and run ``__patch_init__``; what changed, or all put back and raise."""
+    before = type(module)
     state = _undo.snapshot(module)
     logs = [(m, _undo.records(m)) for m, _ in state.modules]
-    module.__class__ = new_cls  # type: ignore[assignment]
+    module.__class__ = new_cls
     try:
         with _undo.tracking_writes(state):
             patch_cls.__patch_init__(module, *args, **kwargs)  # type: ignore[arg-type]
@@ -409,9 +423,7 @@ def patch(module: M, patch_cls: type[Patch], /, *args: Any, **kwargs: Any) -> M:
     if problem:
         _put_back(module, before, state, logs)
         raise RuntimeError(f"torchsurgery.patch: {patch_cls.__qualname__}.__patch_init__ {problem}")
-    original = records[0].original if records else before
-    _undo.push(module, PatchRecord(patch_cls, original, changes))
-    return module
+    return changes
 
 
 def _record_to_remove(records: list[PatchRecord], patch_cls: type[Patch] | None, internal: bool) -> int:
@@ -607,6 +619,21 @@ def patched(
         False
     """
     _undo.check_module(model, "torchsurgery.patched")
+    plan = _plan(model, targets)
+    applied: list[tuple[nn.Module, type[Patch]]] = []
+    try:
+        for module, patch_cls in plan:
+            patch(module, patch_cls, *args, **kwargs)
+            applied.append((module, patch_cls))
+        yield model
+    finally:
+        for module, patch_cls in reversed(applied):
+            if is_patched(module, patch_cls):
+                unpatch(module, patch_cls)
+
+
+def _plan(model: nn.Module, targets: Mapping[str | ModuleFilter, type[Patch]]) -> list[tuple[nn.Module, type[Patch]]]:
+    """Each submodule :func:`patched` patches, with its patch: every selector resolved and checked."""
     if not isinstance(targets, Mapping):
         raise TypeError(
             f"torchsurgery.patched: targets must map selectors to patch classes, e.g. "
@@ -624,13 +651,4 @@ def patched(
                     f"{', '.join(c.__qualname__ for c in wanted)}; narrow the selector {selector!r}"
                 )
             plan.append((module, patch_cls))
-    applied: list[tuple[nn.Module, type[Patch]]] = []
-    try:
-        for module, patch_cls in plan:
-            patch(module, patch_cls, *args, **kwargs)
-            applied.append((module, patch_cls))
-        yield model
-    finally:
-        for module, patch_cls in reversed(applied):
-            if is_patched(module, patch_cls):
-                unpatch(module, patch_cls)
+    return plan
