@@ -373,7 +373,7 @@ MUTATIONS = [
     Mutation(
         "a load that fails half-way puts back the values it had overwritten",
         "src/torchsurgery/tensors.py",
-        "            stash.restore()\n", "            pass\n",
+        "        stash.restore()\n", "        pass\n",
         ("tests/test_tensors.py::test_a_read_failing_at_any_point_leaves_every_tensor_as_it_was",),
     ),
     Mutation(
@@ -385,7 +385,7 @@ MUTATIONS = [
     Mutation(
         "load_(undoable=False) failing after its first write says the module is partly loaded",
         "src/torchsurgery/tensors.py",
-        "        elif in_place and isinstance(exc, Exception):", "        elif False:",
+        "    elif in_place and isinstance(exc, Exception):", "    elif False:",
         ("tests/test_tensors.py::test_a_read_failing_without_undo_says_the_module_is_partly_loaded",),
     ),
     Mutation(

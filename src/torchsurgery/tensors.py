@@ -325,26 +325,19 @@ def _check_conversion(
 
 
 def convert_(
-    module: M,
-    device: str | torch.device | None = None,
-    dtype: torch.dtype | None = None,
-    *,
-    optimizer: torch.optim.Optimizer | None = None,
-    non_blocking: bool = False,
-    undoable: bool = True,
+    module: M, device: str | torch.device | None = None, dtype: torch.dtype | None = None, *,
+    optimizer: torch.optim.Optimizer | None = None, non_blocking: bool = False, undoable: bool = True,
 ) -> M:
     """Move and/or cast ``module``'s parameters and buffers in place, keeping every object.
 
-    Each parameter and buffer keeps its ``id`` (buffers too, unlike ``module.to()``),
-    tied parameters stay one object, ``.grad`` is converted with its parameter, and with
-    ``optimizer`` the state tensors of the module's parameters (Adam's ``exp_avg``...)
-    follow, so training goes on. Only floating point and complex tensors change dtype, as
-    with ``module.to(dtype)``. ``meta`` tensors moved to a real device are allocated
+    Each parameter and buffer keeps its ``id`` (buffers too, unlike ``module.to()``), tied
+    parameters stay one object, ``.grad`` and (with ``optimizer``) the state of the module's
+    parameters (Adam's ``exp_avg``...) follow. Only floating point and complex tensors change
+    dtype, as with ``module.to(dtype)``; ``meta`` tensors moved to a real device are allocated
     uninitialised, as ``module.to_empty(device=...)`` does (fill them with :func:`load_`).
     All or nothing: every swap is checked first (weak references, extra holders such as a
     pending backward, slot mismatches), and a failure half-way swaps back what was done.
-    ``torchsurgery.restore`` converts back exactly (see the module's documentation: where
-    the conversion loses information, the original values are kept in host memory).
+    ``torchsurgery.restore`` converts back exactly (see the module's documentation).
 
     Args:
         module: the module to convert.
@@ -383,19 +376,20 @@ def convert_(
         plan = _plan_conversion(module, target_device, target_dtype, non_blocking, what)
         before = [(item.tensor.device, item.tensor.dtype, _loses(item.tensor, item.new)) for item in plan]
         _swap_all(plan, non_blocking, what)
-    moved: list[_StateMoved] = []
-    if optimizer is not None:
-        params = [t for _, t, is_param in _named_tensors(module) if is_param]
-        moved = _move_state(optimizer, params, target_dtype is not None, non_blocking)
+    moved = [] if optimizer is None else _move_state(optimizer, module, target_dtype is not None, non_blocking)
     if undoable and (plan or moved):
-        # after the swap, plan[i].new holds the old content: keep it where values were lost
-        converted = [
-            _Converted(item.name, item.tensor, device, dtype, item.new.detach().to("cpu") if lossy else None)
-            for item, (device, dtype, lossy) in zip(plan, before, strict=True)
-        ]
         target = ", ".join(str(x) for x in (target_device, target_dtype) if x is not None)
-        _undo.push(module, ConvertRecord(target, converted, optimizer, moved))
+        _undo.push(module, ConvertRecord(target, _kept(plan, before), optimizer, moved))
     return module
+
+
+def _kept(plan: list[_Swap], before: list[tuple[torch.device, torch.dtype, bool]]) -> list[_Converted]:
+    """What the undo of a conversion needs of each swapped tensor: where it was, and its values where lost."""
+    # after the swap, plan[i].new holds the old content: keep it where values were lost
+    return [
+        _Converted(item.name, item.tensor, device, dtype, item.new.detach().to("cpu") if lossy else None)
+        for item, (device, dtype, lossy) in zip(plan, before, strict=True)
+    ]
 
 
 def _plan_conversion(
@@ -421,12 +415,10 @@ def _plan_conversion(
     return plan
 
 
-def _move_state(
-    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], cast: bool, non_blocking: bool
-) -> list[_StateMoved]:
-    """Put the optimizer state of ``params`` on their device (in their dtype when ``cast``)."""
+def _move_state(optimizer: torch.optim.Optimizer, module: nn.Module, cast: bool, non_blocking: bool) -> list[_StateMoved]:
+    """Put the optimizer state of ``module``'s parameters on their device (in their dtype when ``cast``)."""
     moved: list[_StateMoved] = []
-    for param in params:
+    for param in [t for _, t, is_param in _named_tensors(module) if is_param]:
         state = optimizer.state.get(param, {})
         for key, value in state.items():
             if not isinstance(value, torch.Tensor) or key == "step":
@@ -484,30 +476,19 @@ def _load_errors(
 
 
 def load_(
-    module: nn.Module,
-    source: Any,
-    *,
-    strict: bool = True,
-    assign: bool = False,
-    device: str | torch.device | None = None,
-    dtype: torch.dtype | None = None,
-    copy: bool = False,
+    module: nn.Module, source: Any, *, strict: bool = True, assign: bool = False,
+    device: str | torch.device | None = None, dtype: torch.dtype | None = None, copy: bool = False,
     undoable: bool = True,
 ) -> LoadResult:
     """Load a checkpoint into ``module`` in place, keeping every object.
 
-    Parameters and buffers keep their ``id`` (optimizers built before loading keep
-    working); real tensors receive the values in place (``data_ptr`` unchanged unless
-    the device or dtype changes); ``meta`` tensors (from :func:`skeleton`) are
-    materialised on ``device``, as views of the file where they can be (see the module's
-    documentation: file-backed tensors). Tied weights stay tied whether the checkpoint
-    names one or both of their names. Tensor subclasses are honoured through
-    ``Tensor.module_load``: with ``assign=False`` the module's subclass decides, with
-    ``assign=True`` the checkpoint's tensor (and class) is taken. ``torchsurgery.restore``
-    gives every tensor back what it held before: the values overwritten in place are kept
-    in host memory (an in-memory file, outside the resident size), and a load that fails
-    half-way puts them back. ``undoable=False`` keeps and records nothing: a load in place
-    is then the reads alone, and one failing after the checks says so (``RuntimeError``).
+    Parameters and buffers keep their ``id`` (optimizers built before loading keep working);
+    real tensors receive the values in place (``data_ptr`` unchanged unless the device or
+    dtype changes); ``meta`` tensors (from :func:`skeleton`) are materialised on ``device``,
+    as views of the file where they can be. Tied weights stay tied whether the checkpoint
+    names one or both of their names. Tensor subclasses decide through ``Tensor.module_load``
+    (with ``assign=True``, the checkpoint's tensor and class are taken). The module's
+    documentation says what ``torchsurgery.restore`` and a load failing half-way give back.
 
     Args:
         module: the module to load into.
@@ -546,6 +527,18 @@ def load_(
         True
     """
     what = "torchsurgery.load_"
+    target_device, target_dtype = _check_load(module, device, dtype, copy, undoable, what)
+    with contextlib.closing(open_source(source, what)) as reader, _own_weakrefs_released(module):
+        result, record = _load(module, reader, strict, assign, target_device, target_dtype, copy, undoable, what)
+    if record is not None:
+        _record_load(module, record, source)
+    return result
+
+
+def _check_load(
+    module: nn.Module, device: Any, dtype: Any, copy: Any, undoable: Any, what: str
+) -> tuple[torch.device | None, torch.dtype | None]:
+    """``load_``'s options checked, and the module free to load into; the target device and dtype."""
     _undo.check_not_compiling("load_")
     _undo.check_module(module, what)
     target_device = check_device(device, what)
@@ -553,15 +546,7 @@ def load_(
     for name, flag in (("copy", copy), ("undoable", undoable)):
         if not isinstance(flag, bool):
             raise TypeError(f"{what}: {name} must be True or False, got {flag!r}")
-    reader = open_source(source, what)
-    try:
-        with _own_weakrefs_released(module):
-            result, record = _load(module, reader, strict, assign, target_device, target_dtype, copy, undoable, what)
-    finally:
-        reader.close()
-    if record is not None:
-        _record_load(module, record, source)
-    return result
+    return target_device, target_dtype
 
 
 def _record_load(module: nn.Module, record: LoadRecord, source: Any) -> None:
@@ -718,33 +703,9 @@ def _load(
 ) -> tuple[LoadResult, LoadRecord | None]:
     stored: dict[str, Entry] = reader.entries()
     scaled = scaled_keys(stored, module.state_dict(keep_vars=True).keys())
-    plan, missing, unexpected = _match(module, stored, strict, scaled)
-    for name, t, _ in plan:
-        problem = swap_blocker(name, t, None, what)
-        if problem:
-            raise RuntimeError(problem)
-        holder = _undo.holder_of_any([t])
-        if t.is_meta and holder:
-            raise RuntimeError(
-                f"{what}: {name!r} is streamed by {holder} from its checkpoint file (storage=), which is what its "
-                "forwards read: a load here would not reach them. Remove the offload, load, and offload again "
-                "(from a file holding the new values)"
-            )
-    in_place: list[tuple[torch.Tensor, str]] = []
-    fresh: list[_Fresh] = []
-    for name, t, key in plan:
-        floating = t.is_floating_point() or t.is_complex()
-        target_device = device or (torch.device("cpu") if t.is_meta else t.device)
-        target_dtype = dtype if dtype is not None and floating else t.dtype
-        # plain tensors, and offloaded weights (written through copy_ into their stored values,
-        # which is where their forwards read)
-        in_place_kind = type(t) in (torch.Tensor, nn.Parameter, OffloadedTensor)
-        if in_place_kind and not assign and not t.is_meta and t.device == target_device and t.dtype == target_dtype:
-            in_place.append((t, key))
-        else:
-            # assign=True without a dtype keeps the checkpoint's dtype (a scaled weight's values: the module's)
-            kept = stored[key].dtype if assign and dtype is None and key not in scaled.scales else target_dtype
-            fresh.append(_Fresh(name, t, key, target_device, kept))
+    matched, missing, unexpected = _match(module, stored, strict, scaled)
+    _check_loadable(matched, what)
+    in_place, fresh = _plan_load(matched, stored, scaled.scales, assign, device, dtype)
     # first everything that can fail and changes nothing in the module: the new values
     # read or mapped, and (for an undoable load) the values about to be overwritten kept
     # aside, which both the undo and a load failing half-way give back. Without undo nothing
@@ -762,25 +723,68 @@ def _load(
         ]
         _swap_all(swaps, False, what)
     except BaseException as exc:
-        if stash is not None:
-            stash.restore()
-        elif in_place and isinstance(exc, Exception):
-            raise RuntimeError(
-                f"{what}: the load failed after it began writing into the module's tensors ({type(exc).__name__}: "
-                f"{exc}); with undoable=False nothing was kept to put back, so some tensors may now hold the "
-                "checkpoint's values and others their old ones: load again, or load with undoable=True, which "
-                "leaves every tensor as it was when a load fails"
-            ) from exc
+        _failed(stash, bool(in_place), exc, what)
         raise
     finally:
         if stash is not None:
             stash.close()
     result = LoadResult(missing, unexpected)
-    if not undoable or not plan:
+    if not undoable or not matched:
         return result, None
     # after the swap, each swap's .new holds what its tensor held before
     overwritten = list(zip(written, previous, strict=True))
     return result, LoadRecord(overwritten, [(s.name, s.tensor, s.new, (s.tensor.device, s.tensor.dtype)) for s in swaps])
+
+
+def _check_loadable(matched: list[tuple[str, torch.Tensor, str]], what: str) -> None:
+    """Refuse a load into a tensor that cannot be swapped, or that an offload streams from its file."""
+    for name, t, _ in matched:
+        problem = swap_blocker(name, t, None, what)
+        if problem:
+            raise RuntimeError(problem)
+        holder = _undo.holder_of_any([t])
+        if t.is_meta and holder:
+            raise RuntimeError(
+                f"{what}: {name!r} is streamed by {holder} from its checkpoint file (storage=), which is what its "
+                "forwards read: a load here would not reach them. Remove the offload, load, and offload again "
+                "(from a file holding the new values)"
+            )
+
+
+def _plan_load(
+    matched: list[tuple[str, torch.Tensor, str]], stored: dict[str, Entry], scales: dict[str, str],
+    assign: bool, device: torch.device | None, dtype: torch.dtype | None,
+) -> tuple[list[tuple[torch.Tensor, str]], list[_Fresh]]:
+    """The tensors filled in place (with their keys), and those that get new memory."""
+    in_place: list[tuple[torch.Tensor, str]] = []
+    fresh: list[_Fresh] = []
+    for name, t, key in matched:
+        floating = t.is_floating_point() or t.is_complex()
+        target_device = device or (torch.device("cpu") if t.is_meta else t.device)
+        target_dtype = dtype if dtype is not None and floating else t.dtype
+        # plain tensors, and offloaded weights (written through copy_ into their stored values,
+        # which is where their forwards read)
+        in_place_kind = type(t) in (torch.Tensor, nn.Parameter, OffloadedTensor)
+        if in_place_kind and not assign and not t.is_meta and t.device == target_device and t.dtype == target_dtype:
+            in_place.append((t, key))
+        else:
+            # assign=True without a dtype keeps the checkpoint's dtype (a scaled weight's values: the module's)
+            kept = stored[key].dtype if assign and dtype is None and key not in scales else target_dtype
+            fresh.append(_Fresh(name, t, key, target_device, kept))
+    return in_place, fresh
+
+
+def _failed(stash: Stash | None, in_place: bool, exc: BaseException, what: str) -> None:
+    """After a load failed half-way: put back what it overwrote, or say that nothing was kept to."""
+    if stash is not None:
+        stash.restore()
+    elif in_place and isinstance(exc, Exception):
+        raise RuntimeError(
+            f"{what}: the load failed after it began writing into the module's tensors ({type(exc).__name__}: "
+            f"{exc}); with undoable=False nothing was kept to put back, so some tensors may now hold the "
+            "checkpoint's values and others their old ones: load again, or load with undoable=True, which "
+            "leaves every tensor as it was when a load fails"
+        ) from exc
 
 
 def _written_by(t: torch.Tensor, scaled: bool) -> list[torch.Tensor]:
