@@ -76,6 +76,7 @@ class StreamingWriter:
         try:
             for f in self._files.values():
                 f.close()
+            # by hand: safetensors' save_file wants every tensor in memory at once, and captures stream
             header: dict[str, object] = {"__metadata__": self.metadata}
             offset = 0
             for key, shape in self._shapes.items():

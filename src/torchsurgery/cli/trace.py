@@ -223,24 +223,8 @@ def trace(
     captures: dict[str, list[torch.Tensor]] = {}
     flex = FlexModel(loaded.model, captures)
     try:
-        for pattern in hooks:
-            try:
-                flex.register_forward_hook(HookFunction(pattern))
-            except NoMatchError as exc:
-                raise CliError(exc.render("--hook")) from exc
-            except ValueError as exc:
-                raise CliError(f"--hook {pattern}: {exc}") from exc
-        short = sum(len(t) for t in texts) <= 65536
-        metadata = {
-            "model": loaded.name,
-            "modules": json.dumps(sorted({name for pattern in hooks for name, _ in select(loaded.model, pattern)})),
-            "max_length": str(max_length),
-            "layout": "one row per input, in order, padded to max_length; see attention_mask",
-            ("texts" if short else "text_sha256"): json.dumps(
-                texts if short else [hashlib.sha256(t.encode()).hexdigest() for t in texts]
-            ),
-        }
-        writer = StreamingWriter(out, metadata)
+        _register(flex, hooks)
+        writer = StreamingWriter(out, _metadata(loaded, hooks, texts, max_length))
         stats: dict[str, _Running] = {}
         start = time.perf_counter()
         try:
@@ -267,6 +251,31 @@ def trace(
     finally:
         flex.restore()
     return shapes, {k: v.summary() for k, v in stats.items()}, {k: v.dtype for k, v in stats.items()}, seconds
+
+
+def _register(flex: FlexModel, hooks: list[str]) -> None:
+    """A capture hook on ``flex`` for each ``--hook`` pattern; a pattern that fits nothing is the user's error."""
+    for pattern in hooks:
+        try:
+            flex.register_forward_hook(HookFunction(pattern))
+        except NoMatchError as exc:
+            raise CliError(exc.render("--hook")) from exc
+        except ValueError as exc:
+            raise CliError(f"--hook {pattern}: {exc}") from exc
+
+
+def _metadata(loaded: LoadedModel, hooks: list[str], texts: list[str], max_length: int) -> dict[str, str]:
+    """What the captures file says of itself: the model, the modules, the layout and the inputs (or their hashes)."""
+    short = sum(len(t) for t in texts) <= 65536
+    return {
+        "model": loaded.name,
+        "modules": json.dumps(sorted({name for pattern in hooks for name, _ in select(loaded.model, pattern)})),
+        "max_length": str(max_length),
+        "layout": "one row per input, in order, padded to max_length; see attention_mask",
+        ("texts" if short else "text_sha256"): json.dumps(
+            texts if short else [hashlib.sha256(t.encode()).hexdigest() for t in texts]
+        ),
+    }
 
 
 def table(document: dict[str, Any]) -> Table:
