@@ -137,6 +137,7 @@ class _Located:
 
 
 def _parse_header(path: Path, f: BinaryIO) -> dict[str, _Located]:
+    # our own parse: preadv needs each tensor's byte offset, which safe_open does not expose
     size = os.fstat(f.fileno()).st_size
     raw = f.read(8)
     if len(raw) < 8:
@@ -404,6 +405,8 @@ class SafetensorsSource(Source):
         return new
 
     def read_many(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        # preadv, not safe_open: the bytes go straight into the model's own tensors, no copy between
+        # (safe_open's get_tensor + copy_ took 10-17x as long: benchmarks/checkpoint_read.py)
         spans: list[tuple[str, _Located, memoryview]] = []
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, its bytes as stored)
         for key, out in items:
@@ -458,6 +461,8 @@ class SafetensorsSource(Source):
         base = self._maps.get(loc.path)
         if base is None:
             try:
+                # our map, not safe_open's: one map (one storage) per file, from the file whose header was
+                # checked; safe_open gives each tensor a storage of its own and opens the path again
                 # ACCESS_COPY is MAP_PRIVATE: writes land in private pages, never in the file
                 view = mmap.mmap(self._files[loc.path].fileno(), 0, access=mmap.ACCESS_COPY)
             except (OSError, ValueError) as exc:
