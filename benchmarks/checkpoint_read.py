@@ -22,10 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _machine import cpu_name
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from _machine import cpu_name
 from torchsurgery._checkpoint import SafetensorsSource
 
 
