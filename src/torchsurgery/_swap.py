@@ -166,13 +166,17 @@ def _swap_holding(tensor: torch.Tensor, replacement: torch.Tensor, pending_backw
         # the node would accumulate into ``replacement``, which gets the old content; a graph that
         # holds the replacement's content accumulates into ``tensor`` from now on, rightly
         torch.autograd.graph.get_gradient_edge(tensor).node.register_prehook(_poisoned)
-    values = [{name: getattr(t, name) for name in slots if hasattr(t, name)} for t in (tensor, replacement)]
+    mine, theirs = ({name: getattr(t, name) for name in slots if hasattr(t, name)} for t in (tensor, replacement))
     tensor.__class__, replacement.__class__ = replacement.__class__, tensor.__class__
     tensor.__dict__, replacement.__dict__ = replacement.__dict__, tensor.__dict__
-    for t, mine, theirs in ((tensor, *values), (replacement, *reversed(values))):
-        for name in slots:
-            if name in theirs:
-                setattr(t, name, theirs[name])
-            elif name in mine:
-                delattr(t, name)
+    _give_slots(tensor, theirs, mine)
+    _give_slots(replacement, mine, theirs)
     torch._C._swap_tensor_impl(tensor, replacement)
+
+
+def _give_slots(t: torch.Tensor, values: dict[str, object], had: dict[str, object]) -> None:
+    """Set ``t``'s slots to ``values``, emptying those it ``had`` that ``values`` lacks."""
+    for name in had.keys() - values.keys():
+        delattr(t, name)
+    for name, value in values.items():
+        setattr(t, name, value)
