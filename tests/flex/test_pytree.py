@@ -14,6 +14,14 @@ from torchsurgery.flex.pytree import flatten
 Pair = namedtuple("Pair", ["first", "second"])
 
 
+class Batch(dict):  # a dict subclass nobody registers with torch.utils._pytree
+    pass
+
+
+class Row(list):
+    pass
+
+
 @dataclasses.dataclass
 class Hidden:
     states: torch.Tensor
@@ -33,6 +41,7 @@ def _structures() -> dict[str, tuple[Any, list[torch.Tensor]]]:
         "dataclass": (Hidden(a, None), [a]),
         "nested": ((Pair(a, [b]), {"k": Hidden(c, b)}), [a, b, c, b]),
         "none": ((None, "no tensor"), []),
+        "dict subclass": (Batch(x=a, y=Row([b, c])), [a, b, c]),
     }
 
 

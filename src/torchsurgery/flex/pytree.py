@@ -6,8 +6,9 @@ leaves in a stable order (depth first, dict order) and gives back a function tha
 rebuilds the same structure, of the same types, from a list of replacement leaves.
 
 The walk is ``torch.utils._pytree``'s (``transformers`` registers ``ModelOutput`` with it).
-This wrapper stays for two rules it lacks: only tensors are leaves, and a dataclass (a leaf
-to ``_pytree`` unless registered, which would change torch's global registry) is walked too.
+This wrapper stays for the rules it lacks, each of which would otherwise need a change to
+torch's global registry: only tensors are leaves, and a dataclass or a subclass of
+``dict``, ``list`` or ``tuple`` that nobody registered (a leaf to ``_pytree``) is walked too.
 """
 
 from __future__ import annotations
@@ -59,7 +60,28 @@ def _flatten_leaf(item: Any) -> tuple[list[torch.Tensor], Rebuild]:
         names = [f.name for f in dataclasses.fields(item)]
         leaves, rebuild_fields = flatten([getattr(item, name) for name in names])
         return leaves, lambda new: dataclasses.replace(item, **dict(zip(names, rebuild_fields(new), strict=True)))
+    if isinstance(item, (dict, list, tuple)):
+        return _flatten_container(item)
     return [], lambda new: item
+
+
+def _flatten_container(item: dict[Any, Any] | list[Any] | tuple[Any, ...]) -> tuple[list[torch.Tensor], Rebuild]:
+    """An unregistered subclass of ``dict``, ``list`` or ``tuple``, walked as its base and rebuilt as itself."""
+    cls = type(item)
+    if isinstance(item, dict):
+        keys = list(item)
+        leaves, rebuild_values = flatten([item[k] for k in keys])
+
+        def rebuild_dict(new: list[torch.Tensor]) -> Any:
+            entries = dict(zip(keys, rebuild_values(new), strict=True))
+            try:
+                return cls(**entries)
+            except TypeError:  # keys that are not names, or a constructor without keywords
+                return cls(entries)
+
+        return leaves, rebuild_dict
+    leaves, rebuild_items = flatten(list(item))
+    return leaves, lambda new: cls(rebuild_items(new))
 
 
 def _first(leaves: list[torch.Tensor]) -> Any:
