@@ -115,7 +115,7 @@ def test_a_wrapper_in_one_process_never_asks_the_registered_routing(counting: li
 
 def test_registering_something_not_callable_is_refused() -> None:
     with pytest.raises(TypeError, match="register_parallel_routing: expected a callable"):
-        register_parallel_routing("torchsurgery.distributed")  # type: ignore[arg-type]
+        register_parallel_routing("torchsurgery.flex.parallel")  # type: ignore[arg-type]
 
 
 def test_local_routing_captures_before_the_edit_and_returns_the_edit() -> None:

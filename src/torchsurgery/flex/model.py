@@ -149,7 +149,7 @@ class FlexModel(SharedSurface, ModelAndTrainables, HookMethods):
             data_parallel_size=data_parallel_size, process_group=process_group, device_mesh=device_mesh,
             captures_on=captures_on, what=what,
         )
-        super().__init__()
+        super().__init__(module)  # not a child: the wrapper's module surface *is* the wrapped model's
         routing = routing_for(request, what)
         runtime = HookRuntime(Captures(output_ptr), routing)
         hooks = HookRegistry(module, runtime)
@@ -159,7 +159,6 @@ class FlexModel(SharedSurface, ModelAndTrainables, HookMethods):
         # a device mesh gives the sizes
         d["tp_size"], d["pp_size"], d["dp_size"] = routing.sizes.tensor, routing.sizes.pipeline, routing.sizes.data
         d["process_group"] = process_group
-        self.share(module)  # not a child: the wrapper's module surface *is* the wrapped model's
         self.training = module.training
         _undo.push(module, hooks.record)
         d["_finalizer"] = hooks.finalizer(self)

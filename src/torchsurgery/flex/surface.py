@@ -21,10 +21,13 @@ __all__ = ["SharedSurface"]
 class SharedSurface(nn.Module):
     """An ``nn.Module`` sharing ``module``'s parameters, buffers and children.
 
+    Args:
+        module: the model whose dictionaries become this module's (held as ``module``, not
+            as a child).
+
     Example:
         >>> model = nn.Linear(2, 2)
-        >>> wrapper = SharedSurface()
-        >>> wrapper.share(model)
+        >>> wrapper = SharedSurface(model)
         >>> [name for name, _ in wrapper.named_parameters()], wrapper.in_features
         (['weight', 'bias'], 2)
         >>> wrapper.probe = nn.Linear(1, 1)
@@ -35,8 +38,8 @@ class SharedSurface(nn.Module):
 
     module: nn.Module
 
-    def share(self, module: nn.Module) -> None:
-        """Make ``module``'s dictionaries this wrapper's, and ``module`` its ``module``."""
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
         d = self.__dict__
         d["module"] = module
         d["_modules"] = module._modules
