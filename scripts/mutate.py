@@ -641,7 +641,7 @@ MUTATIONS = [
     ),
     Mutation(
         "flex: state_dict() holds the trainable modules, under flex_model's keys",
-        "src/torchsurgery/flex/model.py",
+        "src/torchsurgery/flex/state.py",
         "        return self._layout().state_dict(*args, **kwargs)\n",
         "        return self.module.state_dict(*args, **kwargs)\n",
         ("tests/flex/test_model.py::test_a_trained_module_saved_and_loaded_comes_back_bit_for_bit_as_under_flex_model",),

@@ -23,7 +23,7 @@ echo "$(nproc) cores, load before: $(cut -d' ' -f1-3 /proc/loadavg), $busy busy 
 log=$(mktemp)
 for i in $(seq "$runs"); do
     start=$SECONDS
-    if PYTHONPATH=src "$python" -m pytest -q -p no:cacheprovider --timeout=600 -m "not slow" tests/distributed >"$log" 2>&1; then
+    if PYTHONPATH=src "$python" -m pytest -q -p no:cacheprovider --timeout=600 -m "not slow" tests/flex/parallel >"$log" 2>&1; then
         echo "run $i/$runs: $(tail -n 1 "$log") (wall $((SECONDS - start)) s, load $(cut -d' ' -f1 /proc/loadavg))"
     else
         echo "run $i/$runs: FAILED"

@@ -85,7 +85,7 @@ def test_mismatches_are_refused() -> None:
 
 
 def test_offload_and_wire_use_this_layout() -> None:
-    from torchsurgery.distributed import _wire
+    from torchsurgery.flex.parallel import _wire
     from torchsurgery.offloading import packing
 
     tensors = [torch.randn(3), torch.arange(5, dtype=torch.int16), torch.tensor([True, False])]

@@ -32,8 +32,6 @@ from torchsurgery.errors import (
     Setting,
 )
 from torchsurgery.flex import DummyModule, FlexModel, HookFunction, ShapeHintWarning
-from torchsurgery.flex.parallel import ParallelRequest
-from torchsurgery.flex.routing import Routing, register_parallel_routing
 from torchsurgery.offloading import (
     DEFAULT_SKIP,
     DevicePool,
@@ -69,16 +67,6 @@ from torchsurgery.tensors import (
 )
 
 __version__ = "0.1.0"
-
-
-def _distributed_routing(request: ParallelRequest) -> Routing:
-    # imported by the first distributed wrapper: torch.distributed.tensor is slow to import
-    from torchsurgery.distributed import distributed_routing
-
-    return distributed_routing(request)
-
-
-register_parallel_routing(_distributed_routing)
 
 __all__ = [
     # undo: one log for every kind of surgery

@@ -1,5 +1,5 @@
 """Routing: one process moves nothing; a routing registered for parallel arguments is the
-one a FlexModel uses; flex itself imports nothing of torchsurgery.distributed."""
+one a FlexModel uses, else flex's own parallel backend, imported only then."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import torchsurgery
@@ -26,7 +27,7 @@ from torchsurgery.flex import (
 )
 from torchsurgery.flex.captures import Captures
 from torchsurgery.flex.hook_function import Shape
-from torchsurgery.flex.routing import Edit
+from torchsurgery.flex.routing import Edit, routing_for
 
 FLEX = Path(torchsurgery.__file__).parent / "flex"
 
@@ -83,8 +84,7 @@ def counting() -> Iterator[list[CountingRouting]]:
     try:
         yield made
     finally:
-        if previous is not None:
-            register_parallel_routing(previous)
+        register_parallel_routing(previous)  # None: flex's own routing again
 
 
 def test_a_registered_routing_serves_wrappers_given_parallel_sizes(counting: list[CountingRouting]) -> None:
@@ -115,7 +115,7 @@ def test_a_wrapper_in_one_process_never_asks_the_registered_routing(counting: li
 
 def test_registering_something_not_callable_is_refused() -> None:
     with pytest.raises(TypeError, match="register_parallel_routing: expected a callable"):
-        register_parallel_routing("torchsurgery.distributed")  # type: ignore[arg-type]
+        register_parallel_routing("torchsurgery.flex.parallel")  # type: ignore[arg-type]
 
 
 def test_local_routing_captures_before_the_edit_and_returns_the_edit() -> None:
@@ -132,9 +132,9 @@ def test_local_routing_captures_before_the_edit_and_returns_the_edit() -> None:
     assert out["fc"][-1].shape == (3,)
 
 
-def _imported_modules(path: Path) -> set[str]:
+def _imported_modules(tree: ast.AST) -> set[str]:
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -142,21 +142,54 @@ def _imported_modules(path: Path) -> set[str]:
     return names
 
 
-def test_flex_imports_nothing_of_torchsurgery_distributed() -> None:
-    found = {
-        path.name: sorted(n for n in _imported_modules(path) if n.startswith("torchsurgery.distributed"))
-        for path in sorted(FLEX.glob("*.py"))
-    }
-    assert {name: mods for name, mods in found.items() if mods} == {}
+def _backend(names: set[str]) -> list[str]:
+    """The modules of flex's parallel backend among ``names`` (the request types are light)."""
+    light = {"torchsurgery.flex.parallel", "torchsurgery.flex.parallel.request"}
+    return sorted(n for n in names if n.startswith("torchsurgery.flex.parallel") and n not in light)
 
 
-def test_importing_torchsurgery_and_wrapping_in_one_process_loads_no_distributed_routing() -> None:
+def test_flex_imports_its_parallel_backend_only_inside_routing_for() -> None:
+    trees = {path.name: ast.parse(path.read_text()) for path in sorted(FLEX.glob("*.py"))}
+    found = {name: _backend(_imported_modules(tree)) for name, tree in trees.items()}
+    assert {name: mods for name, mods in found.items() if mods} == {"routing.py": ["torchsurgery.flex.parallel.routing"]}
+    (routing_for,) = (
+        node for node in trees["routing.py"].body if isinstance(node, ast.FunctionDef) and node.name == "routing_for"
+    )
+    assert _backend(_imported_modules(routing_for)) == ["torchsurgery.flex.parallel.routing"]
+    package = ast.parse((FLEX / "parallel" / "__init__.py").read_text())
+    eager = (node for node in package.body if isinstance(node, (ast.Import, ast.ImportFrom)))  # not TYPE_CHECKING's
+    assert _backend({n for node in eager for n in _imported_modules(node)}) == []
+
+
+def test_importing_torchsurgery_and_wrapping_in_one_process_loads_no_parallel_backend() -> None:
     code = (
         "import sys, torch, torchsurgery\n"
         "flex = torchsurgery.FlexModel(torch.nn.Sequential(torch.nn.Linear(2, 2)), {})\n"
         "flex.register_forward_hook(torchsurgery.HookFunction('*'))\n"
         "flex(torch.ones(1, 2)); flex.restore()\n"
-        "print(sorted(m for m in sys.modules if m.startswith('torchsurgery.distributed')))\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torchsurgery.flex.parallel')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
-    assert out.strip() == "[]"
+    assert out.strip() == "['torchsurgery.flex.parallel', 'torchsurgery.flex.parallel.request']"
+
+
+def test_with_no_factory_registered_a_parallel_wrapper_gets_flex_own_distributed_routing(tmp_path: Path) -> None:
+    from torchsurgery.flex.parallel import DistributedRouting
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)  # a file, not a port another run may take
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert register_parallel_routing(None) is None  # none was registered
+        routing = routing_for(ParallelRequest.of(process_group=dist.group.WORLD))
+        assert isinstance(routing, DistributedRouting) and routing.sizes == ParallelSizes()
+        routing.close()
+        model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+        x = torch.randn(4, 2)
+        out: dict[str, list[torch.Tensor]] = {}
+        flex = FlexModel(model, out, process_group=dist.group.WORLD)
+        flex.register_forward_hook(HookFunction("0"))
+        torch.testing.assert_close(flex(x), model(x))
+        torch.testing.assert_close(out["0"][0], model[0](x))
+        flex.restore()
+    finally:
+        dist.destroy_process_group()

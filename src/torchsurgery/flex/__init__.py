@@ -1,7 +1,9 @@
 """Hook surgery: capture and edit what flows through a model (flex_model compatible).
 
-flex owns the hook runtime. A routing over ``torch.distributed`` ranks plugs in through
-:func:`register_parallel_routing`; flex itself imports nothing of it.
+flex owns the hook runtime and its parallel backend, :mod:`torchsurgery.flex.parallel`: a
+wrapper given parallel sizes, a process group or a device mesh routes its hooks over
+``torch.distributed`` ranks, imported when the first such wrapper is built. Another
+routing plugs in through :func:`register_parallel_routing`.
 """
 
 from torchsurgery.flex.dummy import DummyModule

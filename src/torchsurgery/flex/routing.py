@@ -6,9 +6,10 @@ model must get back a local tensor again; captures must reach the process that h
 ``output_ptr``. A :class:`Routing` does all of it, and runs the model (pipeline stages
 pass activations on). In one process nothing moves: :class:`LocalRouting`.
 
-flex knows no routing over ``torch.distributed`` ranks: one is plugged in with
-:func:`register_parallel_routing`, and :func:`routing_for` asks it for every wrapper
-given parallel sizes, a process group or a device mesh.
+For a wrapper given parallel sizes, a process group or a device mesh, :func:`routing_for`
+builds flex's own routing over ``torch.distributed`` ranks
+(:class:`~torchsurgery.flex.parallel.routing.DistributedRouting`, imported then: it is slow
+to import), or the one a factory registered with :func:`register_parallel_routing` builds.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 
 from torchsurgery.flex.captures import Captures
 from torchsurgery.flex.hook_function import Binding, HookType, Shape
-from torchsurgery.flex.parallel import ParallelRequest, ParallelSizes
+from torchsurgery.flex.parallel.request import ParallelRequest, ParallelSizes
 from torchsurgery.flex.shape_hints import HintCheck
 
 __all__ = [
@@ -86,14 +87,17 @@ RoutingFactory = Callable[[ParallelRequest], Routing]
 _PARALLEL: list[RoutingFactory] = []
 
 
-def register_parallel_routing(factory: RoutingFactory) -> RoutingFactory | None:
+def register_parallel_routing(factory: RoutingFactory | None) -> RoutingFactory | None:
     """Make ``factory`` build the routing of every wrapper given parallel arguments.
 
-    ``torchsurgery`` registers its ``torch.distributed`` routing when imported; a later
-    registration replaces it.
+    Without one, such a wrapper gets flex's own
+    :class:`~torchsurgery.flex.parallel.routing.DistributedRouting`; ``None`` puts that back.
 
     Returns:
         The factory registered before (``None`` if there was none), to put back later.
+
+    Raises:
+        TypeError: ``factory`` is neither callable nor ``None``.
 
     Example:
         >>> previous = register_parallel_routing(lambda request: LocalRouting())
@@ -101,22 +105,22 @@ def register_parallel_routing(factory: RoutingFactory) -> RoutingFactory | None:
         ParallelSizes(tensor=1, pipeline=1, data=1)
         >>> _ = register_parallel_routing(previous)
     """
-    if not callable(factory):
+    if factory is not None and not callable(factory):
         raise TypeError(
             f"torchsurgery.flex.register_parallel_routing: expected a callable taking a ParallelRequest "
-            f"and returning a Routing, got {factory!r}"
+            f"and returning a Routing (or None for flex's own routing), got {factory!r}"
         )
     previous = _PARALLEL[0] if _PARALLEL else None
-    _PARALLEL[:] = [factory]
+    _PARALLEL[:] = [] if factory is None else [factory]
     return previous
 
 
 def routing_for(request: ParallelRequest, what: str = "torchsurgery.FlexModel") -> Routing:
-    """:class:`LocalRouting` for a request in one process, else the registered parallel routing.
+    """:class:`LocalRouting` for a request in one process, else the registered factory's
+    routing, else flex's own routing over ``torch.distributed`` ranks.
 
     Raises:
-        RuntimeError: parallel arguments, but torch was built without distributed
-            support or no parallel routing is registered.
+        RuntimeError: parallel arguments, but torch was built without distributed support.
 
     Example:
         >>> type(routing_for(ParallelRequest.of())).__name__
@@ -129,12 +133,12 @@ def routing_for(request: ParallelRequest, what: str = "torchsurgery.FlexModel") 
             f"{what}: {request.sizes} with process_group={request.process_group!r} need torch.distributed, "
             "which this build of torch does not include; run in one process (all sizes 1)"
         )
-    if not _PARALLEL:
-        raise RuntimeError(
-            f"{what}: no parallel routing is registered for {request.sizes}; import torchsurgery "
-            "(it registers its torch.distributed routing) or call register_parallel_routing first"
-        )
-    return _PARALLEL[0](request)
+    if _PARALLEL:
+        return _PARALLEL[0](request)
+    # imported by the first parallel wrapper: torch.distributed.tensor is slow to import
+    from torchsurgery.flex.parallel.routing import distributed_routing
+
+    return distributed_routing(request)
 
 
 class LocalRouting:

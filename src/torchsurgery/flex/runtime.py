@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from torchsurgery.flex.captures import Captures
-from torchsurgery.flex.hook_function import Binding
+from torchsurgery.flex.hook_function import Binding, HookFunction
 from torchsurgery.flex.pytree import flatten
 from torchsurgery.flex.routing import Routing
 
@@ -55,6 +55,45 @@ class HookRuntime:
         self.routing = routing
         self.save_ctx = Namespace()
         self.trainable_modules = nn.ModuleDict()
+
+    def forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], active: set[HookFunction] | None
+    ) -> Any:
+        """Run ``module`` (through the routing) with only the ``active`` hooks on (``None``: all).
+
+        The captures of this call reach ``output_ptr`` together when it returns; those of a
+        failed call are dropped (other threads' are untouched) and the error propagates.
+        """
+        captures, routing = self.captures, self.routing
+        call, token = captures.begin(active)
+        try:
+            outputs = routing.forward(module, args, kwargs)
+        except BaseException:
+            routing.end_forward(captures, failed=True)
+            raise
+        finally:
+            captures.end(call, token)
+        captures.publish(call)
+        routing.end_forward(captures)
+        return outputs
+
+    def add_trainable(self, name: str, module: nn.Module) -> None:
+        """Give every editing function ``module`` as ``modules[name]``.
+
+        Raises:
+            TypeError: ``module`` is not a module.
+            ValueError: ``name`` is empty, not a string or holds a ``.``.
+        """
+        what = "torchsurgery.FlexModel.register_trainable_module"
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{what}: expected an nn.Module, got {module!r}")
+        if not isinstance(name, str) or not name or "." in name:
+            raise ValueError(
+                f"{what}: the name is the key editing functions read (modules[name]) and must be a "
+                f"non-empty string without '.', got {name!r}; e.g. {str(name).replace('.', '_') or 'probe'!r}"
+            )
+        self.routing.prepare_trainable(module)
+        self.trainable_modules[name] = module
 
     def run(self, binding: Binding, module: nn.Module | None, obj: Any) -> Any:
         """Capture and edit the chosen tensor of ``obj``; ``None`` when nothing changed."""

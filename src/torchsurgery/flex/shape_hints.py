@@ -7,7 +7,7 @@ under flex_model with a hint that does not match its activations. Such a program
 too: the hint is compared with the activation and a mismatch is reported once per hook
 (or parameter) and wrapper, as a :class:`ShapeHintWarning`, instead of stopping the run.
 Where the hint is needed to gather a sharded activation, a hint that cannot be right stays
-an error (:func:`torchsurgery.distributed.sharding.dim_from_expected_shape`).
+an error (:func:`torchsurgery.flex.parallel.sharding.dim_from_expected_shape`).
 """
 
 from __future__ import annotations

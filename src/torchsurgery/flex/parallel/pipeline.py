@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchsurgery.distributed import _wire
-from torchsurgery.distributed.layout import Layout
+from torchsurgery.flex.parallel import _wire
+from torchsurgery.flex.parallel.layout import Layout
 from torchsurgery.flex.pytree import flatten
 
 __all__ = ["Pipeline"]

@@ -11,7 +11,7 @@ once, in one buffer per sender:
   all-gathers one frame per rank, a fixed head (failed?, size) and as many capture bytes
   as the frames hold; a sender whose captures do not fit broadcasts them next. Every rank
   sees every size and adopts the same next capacity
-  (:func:`~torchsurgery.distributed._wire.next_capacity`), so after the first pass one
+  (:func:`~torchsurgery.flex.parallel._wire.next_capacity`), so after the first pass one
   all-gather carries a pass. Every rank merges the same pieces the same way, so every
   ``output_ptr`` ends up with the same captures.
 - ``captures_on="first_rank"``: each sender sends rank 0 one frame, its capacity grown
@@ -25,7 +25,7 @@ gradient (``register_hook``) has no batch dimension: the replicas' gradients are
 averaged, as DDP averages them; each capture travels under a name that says which
 (``cat:`` or ``mean:``), since a rank of another stage cannot know which keys name
 parameters. Activation gradients are divided by the data-parallel size (see
-:func:`~torchsurgery.distributed.edits.replica_scale`).
+:func:`~torchsurgery.flex.parallel.edits.replica_scale`).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchsurgery.distributed import _wire
-from torchsurgery.distributed.edits import replica_scale
-from torchsurgery.distributed.layout import Layout
 from torchsurgery.flex.captures import Captures, OutputPtr
 from torchsurgery.flex.hook_function import Binding
+from torchsurgery.flex.parallel import _wire
+from torchsurgery.flex.parallel.edits import replica_scale
+from torchsurgery.flex.parallel.layout import Layout
 
 __all__ = ["CaptureShipping"]
 

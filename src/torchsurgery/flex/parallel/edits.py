@@ -20,14 +20,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from torchsurgery.distributed.collectives import (
+from torchsurgery.flex.hook_function import Binding, HookType
+from torchsurgery.flex.parallel.collectives import (
     agree_on_failure,
     broadcast_from_root,
     gather_along,
     piece_sizes,
 )
-from torchsurgery.distributed.layout import Layout
-from torchsurgery.flex.hook_function import Binding, HookType
+from torchsurgery.flex.parallel.layout import Layout
 from torchsurgery.flex.routing import Edit
 
 __all__ = ["replica_scale", "StageEdits"]

@@ -5,7 +5,7 @@ Every rank holds its own copy of a module registered with
 layout's first rank), and each parameter's gradient is summed over the ranks of the
 pipeline stage, because each rank's gradient covers only its tensor-parallel shard and
 its own batch rows, then divided by the data-parallel size, as DDP averages the model's
-own gradients (see :func:`~torchsurgery.distributed.edits.replica_scale`). Every rank then
+own gradients (see :func:`~torchsurgery.flex.parallel.edits.replica_scale`). Every rank then
 holds the gradient one process would compute.
 """
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from torchsurgery.distributed.layout import Layout
+from torchsurgery.flex.parallel.layout import Layout
 
 __all__ = ["TrainableGradients"]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchsurgery.distributed.sharding import dim_from_expected_shape, dim_from_plan
+from torchsurgery.flex.parallel.sharding import dim_from_expected_shape, dim_from_plan
 
 
 def test_expected_shape_names_the_one_sharded_dimension() -> None:

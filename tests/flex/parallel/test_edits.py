@@ -11,9 +11,9 @@ import torch
 from _faults import outcome
 from _spawn import spawn
 
-from torchsurgery.distributed import make_layout
-from torchsurgery.distributed.edits import StageEdits, replica_scale
 from torchsurgery.flex import Binding, HookFunction, HookType
+from torchsurgery.flex.parallel import make_layout
+from torchsurgery.flex.parallel.edits import StageEdits, replica_scale
 
 pytestmark = pytest.mark.distributed
 

@@ -40,7 +40,7 @@ pytestmark = [
 ]
 
 WORLDS = (1, 2, 4)
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "flex.md"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "flex.md"
 _RUNS: dict[tuple[str, int], list[dict[str, dict[str, Any]]] | AssertionError] = {}
 
 

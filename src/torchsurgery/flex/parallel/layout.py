@@ -155,6 +155,39 @@ def _world() -> dist.ProcessGroup:
     return world
 
 
+def _mesh_ranks(
+    device_mesh: DeviceMesh, sizes: dict[str, int], process_group: dist.ProcessGroup | None
+) -> tuple[tuple[int, ...], dist.ProcessGroup]:
+    """The mesh's ranks in ``pp, dp, tp`` order and the group they form; ``sizes`` updated
+    from the mesh's dimensions (a size given above 1 must agree)."""
+    names = device_mesh.mesh_dim_names
+    if not names or any(n not in AXES for n in names):
+        raise ValueError(
+            f"{_WHAT}: device_mesh dimensions must be named among {AXES}, got {names!r}; "
+            "build it with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+        )
+    for name in names:
+        size = device_mesh.size(names.index(name))
+        if sizes[name] not in (1, size):
+            raise ValueError(
+                f"{_WHAT}: {name} size {sizes[name]} disagrees with the device mesh's {name} "
+                f"dimension of size {size}; pass the mesh alone"
+            )
+        sizes[name] = size
+    # put the mesh in pp, dp, tp order; missing axes have size 1
+    order = [n for n in AXES if n in names]
+    mesh = device_mesh.mesh.permute([names.index(n) for n in order])
+    ranks = tuple(int(r) for r in mesh.flatten().tolist())
+    me = dist.get_rank()
+    if me not in ranks:
+        raise ValueError(f"{_WHAT}: rank {me} is not in the device mesh {ranks}")
+    if process_group is not None:
+        return ranks, process_group
+    if len(ranks) == dist.get_world_size():
+        return ranks, _world()
+    return ranks, dist.new_group(list(ranks), use_local_synchronization=True)
+
+
 def make_layout(
     *,
     tensor_parallel_size: int = 1,
@@ -187,33 +220,7 @@ def make_layout(
     _ensure_initialized()
     sizes = {"tp": tensor_parallel_size, "dp": data_parallel_size, "pp": pipeline_parallel_size}
     if device_mesh is not None:
-        names = device_mesh.mesh_dim_names
-        if not names or any(n not in AXES for n in names):
-            raise ValueError(
-                f"{_WHAT}: device_mesh dimensions must be named among {AXES}, got {names!r}; "
-                "build it with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
-            )
-        for name in names:
-            size = device_mesh.size(names.index(name))
-            if sizes[name] not in (1, size):
-                raise ValueError(
-                    f"{_WHAT}: {name} size {sizes[name]} disagrees with the device mesh's {name} "
-                    f"dimension of size {size}; pass the mesh alone"
-                )
-            sizes[name] = size
-        # put the mesh in pp, dp, tp order; missing axes have size 1
-        order = [n for n in AXES if n in names]
-        mesh = device_mesh.mesh.permute([names.index(n) for n in order])
-        ranks = tuple(int(r) for r in mesh.flatten().tolist())
-        me = dist.get_rank()
-        if me not in ranks:
-            raise ValueError(f"{_WHAT}: rank {me} is not in the device mesh {ranks}")
-        if process_group is not None:
-            group = process_group
-        elif len(ranks) == dist.get_world_size():
-            group = _world()
-        else:
-            group = dist.new_group(list(ranks), use_local_synchronization=True)
+        ranks, group = _mesh_ranks(device_mesh, sizes, process_group)
     else:
         group = process_group or _world()
         ranks = tuple(dist.get_process_group_ranks(group))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchsurgery.distributed._wire import pack, unpack
+from torchsurgery.flex.parallel._wire import pack, unpack
 
 CPU = torch.device("cpu")
 
@@ -39,7 +39,7 @@ def test_an_unsupported_dtype_is_refused_by_name() -> None:
 
 
 def test_frames_carry_data_that_fits_and_signal_what_does_not() -> None:
-    from torchsurgery.distributed._wire import FRAME_HEAD, frame, next_capacity, read_head
+    from torchsurgery.flex.parallel._wire import FRAME_HEAD, frame, next_capacity, read_head
 
     data = torch.arange(10, dtype=torch.uint8)
     first, rest = frame(data, status=0, capacity=16, device=CPU)

@@ -15,7 +15,7 @@ from _spawn import spawn
 from torch import nn
 
 from torchsurgery import FlexModel, HookFunction
-from torchsurgery.distributed import make_layout
+from torchsurgery.flex.parallel import make_layout
 
 pytestmark = pytest.mark.distributed
 ROWS = [3, 2]  # unequal data-parallel batches

@@ -12,10 +12,10 @@ from _captures import assert_captured
 from _faults import outcome
 from _spawn import spawn
 
-from torchsurgery.distributed import make_layout
-from torchsurgery.distributed.shipping import CaptureShipping
 from torchsurgery.flex import Binding, HookFunction, HookType
 from torchsurgery.flex.captures import Captures
+from torchsurgery.flex.parallel import make_layout
+from torchsurgery.flex.parallel.shipping import CaptureShipping
 
 pytestmark = pytest.mark.distributed
 

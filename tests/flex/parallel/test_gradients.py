@@ -10,8 +10,8 @@ import torch
 from _spawn import spawn
 from torch import nn
 
-from torchsurgery.distributed import make_layout
-from torchsurgery.distributed.gradients import TrainableGradients
+from torchsurgery.flex.parallel import make_layout
+from torchsurgery.flex.parallel.gradients import TrainableGradients
 
 pytestmark = pytest.mark.distributed
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from _spawn import spawn
 
-from torchsurgery.distributed.collectives import (
+from torchsurgery.flex.parallel.collectives import (
     agree_on_failure,
     broadcast_from_root,
     gather_along,

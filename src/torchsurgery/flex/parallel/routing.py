@@ -2,19 +2,19 @@
 
 For each hook call on each rank:
 
-1. **tensor parallel** (:mod:`~torchsurgery.distributed.tensor_parallel`): the local
+1. **tensor parallel** (:mod:`~torchsurgery.flex.parallel.tensor_parallel`): the local
    shard becomes the full tensor;
-2. **capture** (:mod:`~torchsurgery.distributed.shipping`): the first tensor-parallel
+2. **capture** (:mod:`~torchsurgery.flex.parallel.shipping`): the first tensor-parallel
    rank keeps a copy, shipped at the end of the pass to every rank (or to the first);
    with one replica and one stage, each tensor-parallel rank keeps its own instead;
-3. **edit** (:mod:`~torchsurgery.distributed.edits`): the ranks of the stage run the
+3. **edit** (:mod:`~torchsurgery.flex.parallel.edits`): the ranks of the stage run the
    editing function and agree on whether it failed;
 4. **scatter**: each rank keeps its own batch rows and its own shard of the edited
    tensor. Gathers are differentiable, so gradients reach every rank's activations.
 
-Trainable modules are kept in step by :mod:`~torchsurgery.distributed.gradients`, and
+Trainable modules are kept in step by :mod:`~torchsurgery.flex.parallel.gradients`, and
 pipeline stages, forward and backward, are driven by
-:class:`~torchsurgery.distributed.pipeline.Pipeline`; under pipeline parallelism the
+:class:`~torchsurgery.flex.parallel.pipeline.Pipeline`; under pipeline parallelism the
 captures of gradient hooks ship when ``FlexModel.backward`` returns.
 """
 
@@ -25,15 +25,15 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from torchsurgery.distributed.edits import StageEdits
-from torchsurgery.distributed.gradients import TrainableGradients
-from torchsurgery.distributed.layout import Layout, make_layout
-from torchsurgery.distributed.pipeline import Pipeline
-from torchsurgery.distributed.shipping import CaptureShipping
-from torchsurgery.distributed.tensor_parallel import TensorParallel
 from torchsurgery.flex.captures import Captures
 from torchsurgery.flex.hook_function import GRADIENT_HOOK_TYPES, Binding, HookType, Shape
-from torchsurgery.flex.parallel import CapturesOn, ParallelRequest, ParallelSizes
+from torchsurgery.flex.parallel.edits import StageEdits
+from torchsurgery.flex.parallel.gradients import TrainableGradients
+from torchsurgery.flex.parallel.layout import Layout, make_layout
+from torchsurgery.flex.parallel.pipeline import Pipeline
+from torchsurgery.flex.parallel.request import CapturesOn, ParallelRequest, ParallelSizes
+from torchsurgery.flex.parallel.shipping import CaptureShipping
+from torchsurgery.flex.parallel.tensor_parallel import TensorParallel
 from torchsurgery.flex.routing import Edit
 
 __all__ = ["DistributedRouting", "distributed_routing"]
@@ -42,7 +42,7 @@ _WHAT = "torchsurgery.FlexModel"
 
 
 class DistributedRouting:
-    """Routes hook activations over a :class:`~torchsurgery.distributed.layout.Layout`.
+    """Routes hook activations over a :class:`~torchsurgery.flex.parallel.layout.Layout`.
 
     A :class:`~torchsurgery.flex.routing.Routing`; ``FlexModel`` builds one through
     :func:`distributed_routing` when given parallel sizes, a process group or a mesh.
@@ -146,12 +146,13 @@ def distributed_routing(request: ParallelRequest) -> DistributedRouting:
     """The routing of a ``FlexModel`` given parallel sizes, a process group or a device mesh.
 
     Every rank of the layout must call this, in the same order as its other collective
-    calls (it may create the per-axis process groups). ``torchsurgery`` registers it with
-    :func:`~torchsurgery.flex.routing.register_parallel_routing`.
+    calls (it may create the per-axis process groups).
+    :func:`~torchsurgery.flex.routing.routing_for` calls it unless a factory was registered
+    with :func:`~torchsurgery.flex.routing.register_parallel_routing`.
 
     Raises:
         ValueError: the sizes do not fit the process group or the mesh (see
-            :func:`~torchsurgery.distributed.layout.make_layout`).
+            :func:`~torchsurgery.flex.parallel.layout.make_layout`).
         RuntimeError: no process group exists and this is not a torchrun launch.
 
     Example:

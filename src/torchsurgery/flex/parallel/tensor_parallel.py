@@ -1,7 +1,7 @@
 """Tensor parallelism: the full tensor from each rank's shard, and each rank's shard back.
 
 A ``DTensor`` is gathered with ``full_tensor()`` and redistributed to its placements; a
-plain tensor is gathered along the dimension that :mod:`~torchsurgery.distributed.sharding`
+plain tensor is gathered along the dimension that :mod:`~torchsurgery.flex.parallel.sharding`
 finds (from the hook's ``expected_shape``, else from the module's parallelisation plan)
 and chunked back. Capture-only hooks gather to the first tensor-parallel rank alone, or
 to every rank when each keeps its own capture; editing hooks gather to every rank,
@@ -16,10 +16,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from torchsurgery.distributed.collectives import gather_along, gather_to_root
-from torchsurgery.distributed.layout import Layout
-from torchsurgery.distributed.sharding import dim_from_expected_shape, dim_from_plan
 from torchsurgery.flex.hook_function import Binding, Shape
+from torchsurgery.flex.parallel.collectives import gather_along, gather_to_root
+from torchsurgery.flex.parallel.layout import Layout
+from torchsurgery.flex.parallel.sharding import dim_from_expected_shape, dim_from_plan
 from torchsurgery.flex.shape_hints import HintCheck
 
 __all__ = ["Unsharded", "TensorParallel"]

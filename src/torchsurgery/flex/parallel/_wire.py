@@ -33,7 +33,7 @@ def pack(items: Sequence[tuple[str, torch.Tensor]], *, device: torch.device, sta
     """
     for name, tensor in items:
         if dtype_from_name(dtype_name(tensor.dtype)) is None:
-            raise TypeError(f"torchsurgery.distributed: cannot send a {tensor.dtype} tensor ({name!r})")
+            raise TypeError(f"torchsurgery.flex.parallel: cannot send a {tensor.dtype} tensor ({name!r})")
     tensors = [tensor for _, tensor in items]
     layout = TensorLayout.of(tensors, alignment=_ALIGN)
     entries = [
@@ -57,7 +57,7 @@ def unpack(buffer: torch.Tensor) -> tuple[int, list[tuple[str, torch.Tensor]]]:
     for name, code, shape, offset in header["items"]:
         dtype = dtype_from_name(code)
         if dtype is None:
-            raise ValueError(f"torchsurgery.distributed: a received buffer names an unknown dtype {code!r}")
+            raise ValueError(f"torchsurgery.flex.parallel: a received buffer names an unknown dtype {code!r}")
         names.append(name)
         slots.append(Slot(offset, tuple(shape), dtype))
     layout = TensorLayout(tuple(slots), max((slot.end for slot in slots), default=0))

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchsurgery.distributed import _wire
+from torchsurgery.flex.parallel import _wire
 
 __all__ = ["gather_along", "gather_to_root", "agree_on_failure", "broadcast_from_root", "piece_sizes"]
 
