@@ -94,8 +94,7 @@ from torchsurgery._checkpoint import (
 from torchsurgery._names import near_matches
 from torchsurgery._swap import swap_blocker, swap_in, wrap_like
 from torchsurgery._validate import check_device, check_dtype
-from torchsurgery.compact import OffloadedTensor, load_scaled, own_scale, stored_values
-from torchsurgery.compact.scaled import dequantize
+from torchsurgery.compact import OffloadedTensor, dequantize, load_scaled, own_scale, stored_values
 
 __all__ = ["swap_on_conversion", "convert_", "load_", "LoadResult", "skeleton", "CheckpointError"]
 

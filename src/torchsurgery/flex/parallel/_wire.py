@@ -5,6 +5,9 @@ single ``uint8`` tensor: the header's length (8 bytes), a JSON header (status; n
 dtypes, shapes, offsets) and then the tensors in the library's aligned layout
 (:mod:`torchsurgery._tensor_layout`, 16-byte alignment), so the receiver views each tensor in
 place. JSON, not pickle: nothing a peer sends is ever executed.
+
+Hand-written rather than safetensors: the message is built on the sending device so one
+collective ships it with no host round trip, and safetensors' ``save`` returns host bytes.
 """
 
 from __future__ import annotations
