@@ -74,7 +74,7 @@ MUTATIONS = [
     Mutation(
         "pool: a model on the host is sized again at each load (surgery since may have grown it)",
         "src/torchsurgery/offloading/pool.py",
-        "        if entry.handle is None:  # on the host: sized again",
+        "        if member.handle is None:  # on the host: sized again",
         "        if False:  # on the host: sized again",
         ("tests/offloading/test_pool.py::test_a_model_patched_on_the_host_is_sized_again_when_loaded",),
     ),
@@ -492,7 +492,7 @@ MUTATIONS = [
         "src/torchsurgery/compact/tensor.py",
         "            shadow.follow(d[_STORED])\n", "            pass\n",
         ("tests/offloading/test_engine.py::"
-         "test_writes_into_a_pickled_copy_after_its_groups_are_packed_again_reach_its_forwards[simulated-device-fp32-master]",),
+         "test_writes_into_a_pickled_copy_after_its_groups_are_packed_again_reach_its_forwards[accelerator-fp32-master]",),
     ),
     Mutation(
         "audit/weight: copy_ and load_state_dict into an offloaded weight count as a write",
@@ -636,7 +636,7 @@ MUTATIONS = [
     Mutation(
         "sync: a forward's captures in pinned memory have landed when it returns",
         "src/torchsurgery/flex/captures.py",
-        "            stream.synchronize()", "            pass",
+        "            device.synchronize(stream)", "            pass",
         ("tests/flex/test_captures.py::test_accelerator_captures_are_pinned_and_finished_when_forward_returns",),
     ),
     Mutation(
@@ -673,14 +673,14 @@ MUTATIONS = [
     Mutation(
         "compat: a model shrunk to keep memory free is planned with what its push-back freed, not its grant",
         "src/torchsurgery/offloading/pool.py",
-        "        self._push_back(entry)\n        room = self._measured(entry, room, keep)\n        if room >= min",
-        "        self._push_back(entry)\n        if room >= min",
+        "        member.push_back()\n        room = self.measured(member, room, keep)\n        handle = member.offload(room, keep) if room >= min",
+        "        member.push_back()\n        handle = member.offload(room, keep) if room >= min",
         ("tests/compat/test_framepack.py::test_the_memory_functions_leave_the_preserved_memory_free_as_the_app_s_do",),
     ),
     Mutation(
         "compat: a load planned again counts what the models pushed back freed, not their grants",
         "src/torchsurgery/offloading/pool.py",
-        "        room = self._measured(entry, room, keep)\n        if room < min(", "        if room < min(",
+        "        room = self.measured(member, room, keep)\n        if room < min(", "        if room < min(",
         ("tests/offloading/test_pool.py::"
          "test_on_the_accelerator_a_model_pushed_back_frees_what_it_held_not_what_it_was_granted",
          "tests/compat/test_framepack.py::test_the_memory_functions_leave_the_preserved_memory_free_as_the_app_s_do"),

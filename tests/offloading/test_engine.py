@@ -1056,80 +1056,78 @@ def _copies(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 @pytest.mark.parametrize("master", [None, torch.float32], ids=["narrow", "fp32-master"])
 @pytest.mark.parametrize("storage", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("where", ["cpu", "simulated-device"])
+@pytest.mark.parametrize("where", ["cpu", pytest.param("accelerator", marks=pytest.mark.accelerator)])
 def test_copies_of_an_offloaded_model_compute_and_restore_as_the_original(
-    storage: torch.dtype, master: torch.dtype | None, where: str
+    storage: torch.dtype, master: torch.dtype | None, where: str, request: pytest.FixtureRequest
 ) -> None:
-    from simulated_device import SimulatedDevice
-
     torch.manual_seed(0)
-    sim = SimulatedDevice(seed=1) if where != "cpu" else None
-    try:
-        # enough blocks that streaming them (two ring slots and a run's casts) takes less than the model whole
-        original = _NormConv(blocks=16)
-        pristine = copy.deepcopy(original)
-        x = torch.randn(2, 4, 8)
-        kwargs: dict[str, Any] = {"storage_dtype": storage, "dtype": torch.float32, "master_dtype": master}
-        if sim is not None:  # every block streams, one flat buffer per group holding two dtypes
-            kwargs["budget"] = least_budget(original, sim, **kwargs)
-        handle = offload(original, sim or "cpu", **kwargs)
+    device = request.getfixturevalue("accelerator") if where != "cpu" else None
+    # enough blocks that streaming them (two ring slots and a run's casts) takes less than the model whole
+    original = _NormConv(blocks=16)
+    pristine = copy.deepcopy(original)
+    x = torch.randn(2, 4, 8, device=device)
+    kwargs: dict[str, Any] = {"storage_dtype": storage, "dtype": torch.float32, "master_dtype": master}
+    if device is not None:  # every block streams, one flat buffer per group holding two dtypes
+        kwargs["budget"] = least_budget(original, device, **kwargs)
+    handle = offload(original, device or "cpu", **kwargs)
+    with torch.no_grad():
+        expected = original(x)
+    if device is not None:
+        assert {f"blocks.{i}" for i in range(16)} <= set(handle.stats().streamed_groups)
+    copies = _copies(original)
+    handle.remove()
+    restored = {k: v.clone() for k, v in original.state_dict().items()}
+    del original, handle  # the copies stand on their own
+    for kind, twin in copies:
         with torch.no_grad():
-            expected = original(x)
-        if sim is not None:
-            assert {f"blocks.{i}" for i in range(16)} <= set(handle.stats().streamed_groups)
-        copies = _copies(original)
-        handle.remove()
-        restored = {k: v.clone() for k, v in original.state_dict().items()}
-        del original, handle  # the copies stand on their own
-        for kind, twin in copies:
+            torch.testing.assert_close(twin(x), expected, rtol=0, atol=0, msg=kind)
+        if master is not None:  # a training step on the copy: its narrow copies follow its own masters
+            opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+            twin(x).square().mean().backward()
+            opt.step()
             with torch.no_grad():
-                torch.testing.assert_close(twin(x), expected, rtol=0, atol=0, msg=kind)
-            if master is not None:  # a training step on the copy: its narrow copies follow its own masters
-                opt = torch.optim.SGD(twin.parameters(), lr=0.1)
-                twin(x).square().mean().backward()
-                opt.step()
-                with torch.no_grad():
-                    assert not torch.equal(twin(x), expected), kind
-                continue
-            torchsurgery.restore(twin)
-            assert torchsurgery.surgery_log(twin) == []
-            assert all(type(p) is nn.Parameter for p in twin.parameters())
-            state = twin.state_dict()
-            assert all(torch.equal(state[k], restored[k]) for k in restored), kind  # what the original restored to
-        assert {k: v.shape for k, v in pristine.state_dict().items()} == {k: v.shape for k, v in restored.items()}
-    finally:
-        if sim is not None:
-            sim.close()
+                assert not torch.equal(twin(x), expected), kind
+            continue
+        torchsurgery.restore(twin)
+        assert torchsurgery.surgery_log(twin) == []
+        assert all(type(p) is nn.Parameter for p in twin.parameters())
+        state = twin.state_dict()
+        assert all(torch.equal(state[k], restored[k]) for k in restored), kind  # what the original restored to
+    assert {k: v.shape for k, v in pristine.state_dict().items()} == {k: v.shape for k, v in restored.items()}
 
 
 @pytest.mark.parametrize(
-    ("where", "master"), [("cpu", None), ("simulated-device", torch.float32)], ids=["cpu-narrow", "simulated-device-fp32-master"]
+    ("where", "master"),
+    [("cpu", None), pytest.param("accelerator", torch.float32, marks=pytest.mark.accelerator)],
+    ids=["cpu-narrow", "accelerator-fp32-master"],
 )
 def test_writes_into_a_pickled_copy_after_its_groups_are_packed_again_reach_its_forwards(
-    where: str, master: torch.dtype | None
+    where: str, master: torch.dtype | None, request: pytest.FixtureRequest
 ) -> None:
     # a pickled copy's streamed groups are packed again at its first forward, each weight
     # having come back on a storage of its own (its bf16 weights on the CPU; its masters,
     # into pinned memory, on an accelerator): from then on its values are in the new buffer,
     # and writes there must reach what is kept by version (ring slots, a master's narrow copy)
-    from simulated_device import SimulatedDevice
+    import contextlib
+
+    import tardy
 
     torch.manual_seed(0)
-    sim = SimulatedDevice(lazy=True) if where != "cpu" else None
-    try:
+    device = request.getfixturevalue("accelerator") if where != "cpu" else torch.device("cpu")
+    with tardy.settings(lazy=True) if device.type == tardy.NAME else contextlib.nullcontext():  # copies land when waited for
         original = _NormConv(blocks=4)
         with torch.no_grad():
             for p in original.parameters():
                 p.copy_(p.bfloat16().float())  # the plain model holds the values as stored
         plain = copy.deepcopy(original)
         kwargs: dict[str, Any] = {"storage_dtype": torch.bfloat16, "dtype": torch.float32, "master_dtype": master}
-        device = sim or "cpu"
         handle = offload(original, device, budget=least_budget(original, device, **kwargs), **kwargs)
         assert "blocks.3" in handle.stats().streamed_groups
         twin = pickle.loads(pickle.dumps(original))
         narrow = [b[1].weight for b in twin.blocks] + [twin.head.weight]
         memory = [stored_values(w).data_ptr() for w in narrow]
-        x, y = torch.randn(2, 4, 8), torch.randn(3, 8)
+        # y stays on the host: a product there reads a master's narrow copy
+        x, y = torch.randn(2, 4, 8, device=device), torch.randn(3, 8)
         with torch.no_grad():
             twin(x)  # packs the groups again
             twin(x)  # the ring's slots now hold the last ones as packed
@@ -1138,12 +1136,10 @@ def test_writes_into_a_pickled_copy_after_its_groups_are_packed_again_reach_its_
             for w, p in zip(narrow, [b[1].weight for b in plain.blocks] + [plain.head.weight], strict=True):
                 w.mul_(2)
                 p.mul_(2)
-            torch.testing.assert_close(twin.blocks[3](x), plain.blocks[3](x))  # from the slot it kept
-            torch.testing.assert_close(twin(x), plain(x))
+            resident = copy.deepcopy(plain).to(device)
+            torch.testing.assert_close(twin.blocks[3](x), resident.blocks[3](x))  # from the slot it kept
+            torch.testing.assert_close(twin(x), resident(x))
             torch.testing.assert_close(F.linear(y, twin.head.weight), F.linear(y, plain.head.weight))
-    finally:
-        if sim is not None:
-            sim.close()
 
 
 @pytest.mark.parametrize("master", [None, torch.float32], ids=["narrow", "fp32-master"])
@@ -1184,21 +1180,19 @@ def test_load_state_dict_and_copy_into_offloaded_weights_reach_the_forwards_as_w
         torch.testing.assert_close(F.linear(y, model.head.weight), F.linear(y, plain.head.weight))
 
 
-def test_torch_save_of_an_offloaded_state_dict_holds_the_stored_values() -> None:
+@pytest.mark.accelerator
+def test_torch_save_of_an_offloaded_state_dict_holds_the_stored_values(accelerator: torch.device) -> None:
     import io
 
-    from simulated_device import SimulatedDevice
-
     model = _NormConv(blocks=16)  # streaming its blocks takes less than the model whole
-    with SimulatedDevice(seed=0) as sim:
-        budget = least_budget(model, sim, storage_dtype=torch.bfloat16, dtype=torch.float32)
-        handle = offload(model, sim, storage_dtype=torch.bfloat16, dtype=torch.float32, budget=budget)
-        assert "blocks.0" in handle.stats().streamed_groups
-        buffer = io.BytesIO()
-        torch.save(model.state_dict(), buffer)  # narrow weights and fp32 norms from one group: kept apart
-        loaded = torch.load(io.BytesIO(buffer.getvalue()))  # weights only
-        assert loaded["blocks.0.1.weight"].dtype == torch.bfloat16 and loaded["blocks.0.0.weight"].dtype == torch.float32
-        handle.remove()
+    budget = least_budget(model, accelerator, storage_dtype=torch.bfloat16, dtype=torch.float32)
+    handle = offload(model, accelerator, storage_dtype=torch.bfloat16, dtype=torch.float32, budget=budget)
+    assert "blocks.0" in handle.stats().streamed_groups
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)  # narrow weights and fp32 norms from one group: kept apart
+    loaded = torch.load(io.BytesIO(buffer.getvalue()))  # weights only
+    assert loaded["blocks.0.1.weight"].dtype == torch.bfloat16 and loaded["blocks.0.0.weight"].dtype == torch.float32
+    handle.remove()
 
 
 def test_a_stale_storage_file_is_refused_before_the_models_values_are_dropped(tmp_path: Any) -> None:

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-from simulated_device import SimulatedDevice
 from torch import nn
 
 import torchsurgery
@@ -69,7 +68,8 @@ def test_planning_changes_nothing_and_offload_installs_that_plan(kwargs: dict[st
     assert _same_state(before, _state(model), values="storage_dtype" not in kwargs)  # else rounded to bf16
 
 
-def test_each_residency_is_where_the_weights_then_are() -> None:
+@pytest.mark.accelerator
+def test_each_residency_is_where_the_weights_then_are(accelerator: torch.device) -> None:
     model = _mlp()
     plan = plan_offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
     residency = {p.name: p.residency for p in plan.params}
@@ -81,12 +81,11 @@ def test_each_residency_is_where_the_weights_then_are() -> None:
             assert stored_values(p.lookup(model)).dtype == p.storage_dtype
             assert p.lookup(model).dtype == p.compute_dtype  # and reads as it computes
         assert model[1][0].weight.stored.untyped_storage().nbytes() == 64 * 2  # stored narrow: half the bytes
-    with SimulatedDevice(seed=0) as sim:
-        on_device = plan_offload(model, sim, budget=10_000)
-        assert {p.residency for p in on_device.params} == {Residency.RESIDENT}  # the model fits: kept whole
-        assert all(p.storage_dtype == p.compute_dtype for p in on_device.params)
-        with offload(model, sim, budget=10_000) as handle:
-            assert handle.stats().resident_groups == [g.name for g in on_device.groups]
+    on_device = plan_offload(model, accelerator, budget=10_000)
+    assert {p.residency for p in on_device.params} == {Residency.RESIDENT}  # the model fits: kept whole
+    assert all(p.storage_dtype == p.compute_dtype for p in on_device.params)
+    with offload(model, accelerator, budget=10_000) as handle:
+        assert handle.stats().resident_groups == [g.name for g in on_device.groups]
 
 
 def test_master_copies_are_planned_as_shadows() -> None:
@@ -97,23 +96,23 @@ def test_master_copies_are_planned_as_shadows() -> None:
     assert all(p.shadow_dtype is None for p in plan.params if p.name.startswith("0."))  # the norm keeps its dtype
 
 
-def test_tied_weights_are_listed_under_each_name_and_counted_once() -> None:
+@pytest.mark.accelerator
+def test_tied_weights_are_listed_under_each_name_and_counted_once(accelerator: torch.device) -> None:
     model = _Tied()
-    reference = copy.deepcopy(model)
-    x = torch.randn(2, 8)
-    with SimulatedDevice(seed=3) as sim:
-        plan = plan_offload(model, sim, groups=["blocks.0", "blocks.1", "head"], budget=10**6 - 1, prefetch=0)
-        tied = next(p for p in plan.params if p.name == "head.weight")
-        assert tied.tied_to == "blocks.0.weight"
-        head = next(g for g in plan.groups if g.name == "head")
-        assert head.nbytes == 0  # its only weight is counted in blocks.0
-        total = sum(p.numel() * 4 for p in model.parameters())
-        streamed = plan_offload(model, sim, groups=["blocks.0", "blocks.1", "head"], budget=total - 1, prefetch=0)
-        by_name = {p.name: p.residency for p in streamed.params}
-        assert by_name["blocks.0.weight"] is Residency.STREAMED
-        assert by_name["head.weight"] is Residency.CONVERTED  # its host copy is blocks.0's buffer
-        with torch.no_grad(), offload(model, sim, groups=["blocks.0", "blocks.1", "head"], budget=total - 1, prefetch=0):
-            torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    reference = copy.deepcopy(model).to(accelerator)
+    x = torch.randn(2, 8, device=accelerator)
+    plan = plan_offload(model, accelerator, groups=["blocks.0", "blocks.1", "head"], budget=10**6 - 1, prefetch=0)
+    tied = next(p for p in plan.params if p.name == "head.weight")
+    assert tied.tied_to == "blocks.0.weight"
+    head = next(g for g in plan.groups if g.name == "head")
+    assert head.nbytes == 0  # its only weight is counted in blocks.0
+    total = plan.device_bytes({g.name for g in plan.groups})  # the model whole, as the device counts it
+    streamed = plan_offload(model, accelerator, groups=["blocks.0", "blocks.1", "head"], budget=total - 1, prefetch=0)
+    by_name = {p.name: p.residency for p in streamed.params}
+    assert by_name["blocks.0.weight"] is Residency.STREAMED
+    assert by_name["head.weight"] is Residency.CONVERTED  # its host copy is blocks.0's buffer
+    with torch.no_grad(), offload(model, accelerator, groups=["blocks.0", "blocks.1", "head"], budget=total - 1, prefetch=0):
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
 
 
 def test_checkpoint_keys_and_dtypes_come_from_the_file(tmp_path: Any) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 import torchsurgery
 from torchsurgery import DevicePool
 from torchsurgery.compact import Scaled, stored_values
-from torchsurgery.offloading import pool as pool_module
+from torchsurgery.offloading.device import AcceleratorDevice
 
 
 def blocks(n: int = 4, d: int = 16) -> nn.Module:
@@ -261,11 +261,11 @@ def test_unknown_models_are_refused_naming_the_pool_s_models() -> None:
 def test_no_room_even_with_every_other_model_pushed_back_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     pool = DevicePool("cpu", keep_free=1000)
     a = pool.add(blocks(), name="a")
-    monkeypatch.setattr(pool_module, "_free_bytes", lambda device: 1000 + 10 * WHOLE)
+    monkeypatch.setattr(AcceleratorDevice, "available_bytes", lambda self: 1000 + 10 * WHOLE)
     pool.load(a)
     b = pool.add(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), name="b")  # a group is larger than a
     before = fingerprint(pool), identity_map(a), identity_map(b)
-    monkeypatch.setattr(pool_module, "_free_bytes", lambda device: 1000)  # a's WHOLE bytes are all there is
+    monkeypatch.setattr(AcceleratorDevice, "available_bytes", lambda self: 1000)  # a's WHOLE bytes are all there is
     with pytest.raises(RuntimeError, match="'b' needs .* but only .* bytes can be made free"):
         pool.load(b)
     assert (fingerprint(pool), identity_map(a), identity_map(b)) == before
@@ -277,7 +277,7 @@ def test_a_pool_whose_device_vanished_refuses_work_and_still_closes(monkeypatch:
     model = pool.add(blocks())
     pool.load(model)
     before = fingerprint(pool), identity_map(model)
-    monkeypatch.setattr(pool_module, "_device_gone", lambda device: "CUDA is not available")
+    monkeypatch.setattr(AcceleratorDevice, "missing", lambda self: "CUDA is not available")
     with pytest.raises(RuntimeError, match="device cpu is gone .*call close\\(\\)"):
         pool.load(model)
     with pytest.raises(RuntimeError, match="is gone"):

@@ -6,7 +6,6 @@ import contextlib
 
 import pytest
 import torch
-from simulated_device import SimulatedDevice
 
 import tardy
 from torchsurgery.offloading.device import resolve_device
@@ -28,10 +27,11 @@ def _same(views: list[torch.Tensor], weights: list[torch.Tensor]) -> bool:
     return all(torch.equal(v.cpu(), w) for v, w in zip(views, weights, strict=True))
 
 
-def test_groups_come_in_exactly_and_the_next_ones_are_copied_ahead() -> None:
+@pytest.mark.accelerator
+def test_groups_come_in_exactly_and_the_next_ones_are_copied_ahead(accelerator: torch.device) -> None:
     groups, weights = _groups(4)
-    with SimulatedDevice(seed=1, delay=(0.0, 0.001)) as sim:
-        ring = Ring(groups, sim, slots=2)
+    with tardy.settings(seed=1, delay=(0.0, 0.001)) if tardy.registered() else contextlib.nullcontext():
+        ring = Ring(groups, resolve_device(accelerator, "test"), slots=2)
         for _ in range(2):
             for i, group in enumerate(groups):
                 slot, views, _ = ring.enter(group, groups[i + 1 : i + 2])
@@ -50,10 +50,11 @@ def test_a_forgotten_group_is_copied_again() -> None:
     assert ring.misses == 2 and _same(views, weights[1])
 
 
-def test_a_slot_still_in_use_is_never_overwritten() -> None:
+@pytest.mark.accelerator
+def test_a_slot_still_in_use_is_never_overwritten(accelerator: torch.device) -> None:
     groups, weights = _groups(3)
-    with SimulatedDevice(seed=2) as sim:
-        ring = Ring(groups, sim, slots=1)
+    with tardy.settings(seed=2) if tardy.registered() else contextlib.nullcontext():
+        ring = Ring(groups, resolve_device(accelerator, "test"), slots=1)
         outer, outer_views, _ = ring.enter(groups[0], [groups[1]])  # nothing free to copy ahead into
         inner, inner_views, _ = ring.enter(groups[1], [])  # nested: a temporary buffer
         assert inner == -1 and _same(inner_views, weights[1])

@@ -61,6 +61,7 @@ from torchsurgery._swap import swap_in, wrap_like
 from torchsurgery._validate import check_device
 from torchsurgery.compact import stored_values
 from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, Setting
+from torchsurgery.offloading.device import AcceleratorDevice, reported_accelerator
 from torchsurgery.offloading.dynamic_swap import DynamicSwapInstaller
 from torchsurgery.offloading.pool import DevicePool
 
@@ -97,7 +98,7 @@ cpu = torch.device("cpu")
 
 
 def _first_accelerator() -> torch.device:
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    accelerator = reported_accelerator()
     return cpu if accelerator is None else torch.device(accelerator.type, 0)
 
 
@@ -312,8 +313,9 @@ def unload_complete_models(*extra_models: nn.Module) -> None:
         _to_host(model)
         _say(f"Unloaded {_name(model)} as complete.")
     _complete.clear()
-    if torch.accelerator.is_available():
-        torch.accelerator.empty_cache()  # a no-op before the device's allocator is initialised
+    accelerator = reported_accelerator()
+    if accelerator is not None:
+        AcceleratorDevice(accelerator).empty_cache()  # a no-op before the device's allocator is initialised
 
 
 def fake_diffusers_current_device(model: nn.Module, target_device: str | torch.device) -> None:

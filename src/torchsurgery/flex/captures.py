@@ -9,7 +9,8 @@ a forward (``generate`` calling the model's parts, a backward) write straight to
 
 Inside a forward, activations on the accelerator PyTorch reports are copied into pinned
 host memory without blocking, on the stream that computed them; the forward waits for
-those streams once, when it returns.
+those streams once, when it returns. The copies go through the device seam
+(:class:`~torchsurgery.offloading.device.AcceleratorDevice`), as every device call of the package.
 """
 
 from __future__ import annotations
@@ -22,19 +23,12 @@ from typing import Any
 import torch
 
 from torchsurgery.flex.hook_function import HookFunction
+from torchsurgery.offloading.device import AcceleratorDevice, reported_accelerator
 
 __all__ = ["OutputPtr", "ForwardCall", "Captures"]
 
 OutputPtr = dict[str, list[torch.Tensor]]
 """flex_model's capture dict: module name to one CPU tensor per forward."""
-
-
-def _accelerated(device: torch.device) -> bool:
-    """Whether ``device`` belongs to the accelerator PyTorch reports (its host memory can be pinned)."""
-    if not torch.accelerator.is_available():
-        return False
-    accelerator = torch.accelerator.current_accelerator()
-    return accelerator is not None and device.type == accelerator.type
 
 
 class ForwardCall:
@@ -43,15 +37,27 @@ class ForwardCall:
     Attributes:
         active: the hook functions that run (``None``: every one).
         captures: what this forward captured so far.
-        pending: the streams that non-blocking device-to-host copies were issued on.
+        pending: the streams that non-blocking device-to-host copies were issued on, each
+            with its device.
+        devices: the devices of the accelerator PyTorch reports this forward's captures came
+            from (made once per forward).
     """
 
-    __slots__ = ("active", "captures", "pending")
+    __slots__ = ("active", "captures", "pending", "devices")
 
     def __init__(self, active: Set[HookFunction] | None) -> None:
         self.active = active
         self.captures: OutputPtr = {}
-        self.pending: list[torch.Stream] = []
+        self.pending: list[tuple[AcceleratorDevice, Any]] = []
+        self.devices: dict[torch.device, AcceleratorDevice | None] = {}
+
+    def accelerated(self, device: torch.device) -> AcceleratorDevice | None:
+        """``device`` as the seam has it, if it belongs to the accelerator PyTorch reports (its
+        host memory can be pinned), else ``None``."""
+        if device not in self.devices:
+            accelerator = reported_accelerator()
+            self.devices[device] = AcceleratorDevice(device) if accelerator is not None and device.type == accelerator.type else None
+        return self.devices[device]
 
 
 class Captures:
@@ -93,8 +99,8 @@ class Captures:
     def end(self, call: ForwardCall, token: contextvars.Token[ForwardCall]) -> None:
         """Leave the forward :meth:`begin` started, its copies finished (not yet published)."""
         self._call.reset(token)
-        for stream in call.pending:
-            stream.synchronize()
+        for device, stream in call.pending:
+            device.synchronize(stream)
 
     def runs(self, hook: HookFunction) -> bool:
         """Whether ``hook`` is on in the current forward (outside one, every hook is)."""
@@ -108,14 +114,12 @@ class Captures:
         value = tensor.detach()
         if value.device.type == "cpu":
             value = value.clone()  # an alias would change with later in-place edits
-        elif call is not None and _accelerated(value.device):
+        elif call is not None and (device := call.accelerated(value.device)) is not None:
             # pinned and non-blocking; end() waits for the stream once when the forward returns
-            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            host.copy_(value, non_blocking=True)
-            value = host
-            stream = torch.accelerator.current_stream(tensor.device)
-            if stream not in call.pending:
-                call.pending.append(stream)
+            stream = device.current_stream()
+            value = device.to_host(value, stream)
+            if (device, stream) not in call.pending:
+                call.pending.append((device, stream))
         else:
             value = value.to("cpu")
         if into is not None:

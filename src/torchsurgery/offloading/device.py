@@ -1,21 +1,29 @@
-"""The one seam through which the offload engine touches a device.
+"""The one seam through which torchsurgery touches a device.
 
-Everything the streaming engine does on a device goes through an :class:`OffloadDevice`:
-allocating device buffers and page-locked (pinned) host buffers, asynchronous copies on a
-stream, streams, recording and waiting on events, synchronising, querying free memory and
-timing (the seconds between two events). :class:`AcceleratorDevice` implements it with
-PyTorch's device-generic accelerator API (``torch.accelerator``, ``torch.Stream``,
-``torch.Event``), so CUDA, ROCm (which PyTorch reports as ``cuda``), XPU, MPS and any
-registered backend take the same path; where a backend offers no streams, copies are
-synchronous. On ``cpu`` every copy is synchronous and events are host timestamps.
+Everything the package does on a device goes through an :class:`OffloadDevice`: the
+streaming engine allocates device buffers and page-locked (pinned) host buffers, copies
+asynchronously on a stream, makes streams, records and waits on events, synchronises,
+queries free memory and times (the seconds between two events); :class:`DevicePool`
+reads free memory and whether its device is still there; flex's captures copy
+activations to pinned host memory on the stream that computed them; the FramePack layer
+empties the allocator's cache. :class:`AcceleratorDevice` implements it with PyTorch's
+device-generic accelerator API (``torch.accelerator``, ``torch.Stream``, ``torch.Event``),
+so CUDA, ROCm (which PyTorch reports as ``cuda``), XPU, MPS and any registered backend take
+the same path; where a backend offers no streams, copies are synchronous. On ``cpu`` every
+copy is synchronous and events are host timestamps.
 
-Because nothing else in the engine calls a device API, another implementation of this
-class (the test suite's simulated asynchronous device) runs the very same engine code.
+What the seam is for: one place that says what torchsurgery asks of a device. It stays
+(rather than each module calling ``torch.accelerator``) because it is public
+(``offload(device=...)`` takes an :class:`OffloadDevice`), and because with every device call
+behind it the test suite's device (``tests/tardy``, a registered backend) runs the very code
+a GPU runs, and a test can wrap :class:`AcceleratorDevice` to drop one wait and see it caught.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
+import os
 import time
 from typing import Any
 
@@ -42,8 +50,6 @@ class OffloadDevice(abc.ABC):
 
     Example:
         >>> import torch
-
-from torchsurgery._validate import check_device
         >>> from torchsurgery.offloading.device import resolve_device
         >>> dev = resolve_device("cpu", "example")
         >>> buffer = dev.empty(4)
@@ -121,6 +127,9 @@ class _Stamp:
 class AcceleratorDevice(OffloadDevice):
     """``cpu`` or the accelerator PyTorch reports, through ``torch.accelerator``.
 
+    Making one touches no device: whether it has streams and can pin host memory is found
+    out at first use (so that a device object costs nothing where no work follows).
+
     Example:
         >>> dev = AcceleratorDevice(torch.device("cpu"))
         >>> dev.host_compute, dev.can_pin
@@ -130,17 +139,23 @@ class AcceleratorDevice(OffloadDevice):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.host_compute = device.type == "cpu"
-        self.can_pin = not self.host_compute and _pinning_works()
         # PyTorch's caching allocators (CUDA, ROCm, XPU) round every block to 512 bytes, and
         # max_memory_allocated() counts the rounded sizes
         self.allocation_granule = 1 if self.host_compute else 512
-        self._streams = False
-        if not self.host_compute:
-            try:
-                torch.Stream(device=device)
-                self._streams = True
-            except (RuntimeError, NotImplementedError):  # e.g. a backend with one queue only
-                self._streams = False
+
+    @functools.cached_property
+    def can_pin(self) -> bool:  # type: ignore[override]
+        return not self.host_compute and _pinning_works()
+
+    @functools.cached_property
+    def _streams(self) -> bool:
+        if self.host_compute:
+            return False
+        try:
+            torch.Stream(device=self.device)
+        except (RuntimeError, NotImplementedError):  # e.g. a backend with one queue only
+            return False
+        return True
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -203,6 +218,51 @@ class AcceleratorDevice(OffloadDevice):
             ) from exc
         return int(free)
 
+    def available_bytes(self) -> int:
+        """Bytes a new allocation can take now.
+
+        On an accelerator: what the device reports free plus what torch's caching allocator
+        holds unused. On a CPU: the host's available memory (``MemAvailable``).
+        """
+        if not self.host_compute:
+            free, _ = torch.accelerator.get_memory_info(self.device)
+            stats = torch.accelerator.memory_stats(self.device)
+            return int(free + stats.get("reserved_bytes.all.current", 0) - stats.get("active_bytes.all.current", 0))
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+    def missing(self) -> str | None:
+        """Why the device is not there any more (PyTorch stopped reporting it), or ``None``."""
+        if self.host_compute:
+            return None
+        accelerator = reported_accelerator()
+        if accelerator is None or accelerator.type != self.device.type:
+            return f"this PyTorch reports {'no accelerator' if accelerator is None else repr(accelerator.type)}"
+        count = torch.accelerator.device_count()
+        if (self.device.index or 0) >= count:
+            return f"there are only {count} {self.device.type} devices"
+        return None
+
+    def empty_cache(self) -> None:
+        """Give the memory the caching allocator holds unused back to the device (a no-op on ``cpu``,
+        and before the device's allocator is initialised)."""
+        if not self.host_compute:
+            with torch.accelerator.device_index(self.device.index):
+                torch.accelerator.empty_cache()
+
+    def to_host(self, tensor: torch.Tensor, stream: Any) -> torch.Tensor:
+        """A page-locked host copy of the device tensor ``tensor``, issued on ``stream`` without
+        blocking: it holds the values once ``stream`` is synchronised."""
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self.copy_(host, tensor, stream)
+        return host
+
 
 def _pinning_works() -> bool:
     try:
@@ -210,6 +270,37 @@ def _pinning_works() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def reported_accelerator() -> torch.device | None:
+    """The accelerator PyTorch reports (a ``torch.device`` without index), or ``None``.
+
+    Example:
+        >>> reported_accelerator() is None or reported_accelerator().type != "cpu"
+        True
+    """
+    return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+
+
+def accelerator_device(device: str | torch.device, what: str) -> AcceleratorDevice:
+    """The :class:`AcceleratorDevice` for ``device``: ``cpu`` or an accelerator PyTorch reports,
+    with the current index where ``device`` names none.
+
+    Raises:
+        ValueError: not a device, no such device on this machine, or ``meta``.
+
+    Example:
+        >>> accelerator_device("cpu", "example").device
+        device(type='cpu')
+    """
+    target = check_device(device, what)
+    assert target is not None
+    if target.type == "cpu":
+        return AcceleratorDevice(torch.device("cpu"))
+    if target.type == "meta":
+        raise ValueError(f"{what}: cannot compute on the 'meta' device; use 'cpu' or an accelerator")
+    index = torch.accelerator.current_device_index() if target.index is None else target.index
+    return AcceleratorDevice(torch.device(target.type, index))
 
 
 def resolve_device(device: str | torch.device | OffloadDevice, what: str) -> OffloadDevice:
@@ -229,11 +320,4 @@ def resolve_device(device: str | torch.device | OffloadDevice, what: str) -> Off
     """
     if isinstance(device, OffloadDevice):
         return device
-    target = check_device(device, what)
-    assert target is not None
-    if target.type == "cpu":
-        return AcceleratorDevice(torch.device("cpu"))
-    if target.type == "meta":
-        raise ValueError(f"{what}: cannot compute on the 'meta' device; use 'cpu' or an accelerator")
-    index = torch.accelerator.current_device_index() if target.index is None else target.index
-    return AcceleratorDevice(torch.device(target.type, index))
+    return accelerator_device(device, what)

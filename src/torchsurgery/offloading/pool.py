@@ -26,10 +26,7 @@ measured against the host's available memory.
 
 from __future__ import annotations
 
-import itertools
-import os
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,56 +37,19 @@ from torch import nn
 from torchsurgery import _undo
 from torchsurgery._validate import check_bytes, check_device, check_dtype
 from torchsurgery.compact import Scaled
-from torchsurgery.offloading.device import resolve_device
-from torchsurgery.offloading.engine import (
-    DEFAULT_SKIP,
-    OffloadHandle,
-    OffloadRecord,
-    offload_converted,
+from torchsurgery.offloading.device import (
+    AcceleratorDevice,
+    accelerator_device,
+    reported_accelerator,
 )
-from torchsurgery.offloading.plan import already_offloaded, check_storage_format, sizes
+from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle
+from torchsurgery.offloading.plan import already_offloaded, check_storage_format
+from torchsurgery.offloading.pool_members import Member, Members, Touch
 from torchsurgery.offloading.stats import OffloadStats
 
 __all__ = ["DevicePool", "PoolStats"]
 
 _WHAT = "torchsurgery.DevicePool"
-
-
-def _free_bytes(device: torch.device) -> int:
-    """Bytes a new allocation on ``device`` can take now.
-
-    On an accelerator: what the device reports free plus what torch's caching allocator
-    holds unused. On a CPU: the host's available memory (``MemAvailable``).
-    """
-    if device.type != "cpu":
-        free, _ = torch.accelerator.get_memory_info(device)
-        stats = torch.accelerator.memory_stats(device)
-        return int(free + stats.get("reserved_bytes.all.current", 0) - stats.get("active_bytes.all.current", 0))
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _accelerator() -> torch.device | None:
-    """The accelerator PyTorch reports, if one is available."""
-    return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-
-
-def _device_gone(device: torch.device) -> str | None:
-    if device.type == "cpu":
-        return None
-    accelerator = _accelerator()
-    if accelerator is None or accelerator.type != device.type:
-        return f"this PyTorch reports {'no accelerator' if accelerator is None else repr(accelerator.type)}"
-    count = torch.accelerator.device_count()
-    if (device.index or 0) >= count:
-        return f"there are only {count} {device.type} devices"
-    return None
 
 
 @dataclass
@@ -134,74 +94,6 @@ class _NoRoom(RuntimeError):
     """Even with every other model pushed back, a model cannot run on the device."""
 
 
-class _Entry:
-    """A model's place in a pool. It holds the model weakly (a model its owner drops is freed
-    and leaves the pool) and finds the model's offload in the model's undo log."""
-
-    def __init__(
-        self, model: nn.Module, name: str, options: dict[str, Any], total: int, largest: int, streamed: int
-    ) -> None:
-        self.ref = weakref.ref(model)
-        self.name = name
-        self.options = options
-        self.total = total
-        self.largest = largest
-        self.streamed = streamed
-        self.granted = 0  # device bytes counted against the limit while loaded
-        self.keep_free: int | None = None  # what the current load was planned for
-        self.last_used = 0
-        self.loads = 0
-        self.pushed_back = 0
-        self.seconds = 0.0
-        self.hook: Any = None
-        self.record: PoolRecord | None = None
-        # parameters (by id) the user converted with .to(dtype) while loaded, to the dtype:
-        # later loads plan them in it
-        self.converted: dict[int, torch.dtype] = {}
-
-    @property
-    def model(self) -> nn.Module:
-        model = self.ref()
-        assert model is not None, "entries of dropped models leave the pool"
-        return model
-
-    @property
-    def handle(self) -> OffloadHandle | None:
-        """The model's active offload (one undone from outside leaves the model on the host)."""
-        model = self.ref()
-        found = next((r for r in _undo.records(model) if isinstance(r, OffloadRecord)), None) if model is not None else None
-        return found.handle if found is not None and found.handle.active else None
-
-    @property
-    def loaded(self) -> bool:
-        return self.handle is not None
-
-    @property
-    def minimum(self) -> int:
-        """Device bytes to run streamed, as the offload counts them: the ring's ``prefetch + 1``
-        slots for the largest group and a run's casts (or the whole model, where that is less)."""
-        return self.streamed
-
-
-class _Touch:
-    """A forward pre-hook: a forward is a use (for least-recently-used push-back).
-
-    A copy of the model (``deepcopy``, ``pickle``, ``torch.save``) is in no pool: its copy of
-    the hook is detached (``pool`` is ``None``) and does nothing.
-    """
-
-    def __init__(self, pool: DevicePool | None, entry: _Entry | None) -> None:
-        self.pool = pool
-        self.entry = entry
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        if self.pool is not None and self.entry is not None:
-            self.pool._touch(self.entry)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_Touch, (None, None))
-
-
 class PoolRecord(_undo.Record):
     """The undo-log entry of a model held by a pool: undoing it takes the model out.
 
@@ -225,7 +117,7 @@ class PoolRecord(_undo.Record):
             self.pool.discard(module)
             return
         hooks = module._forward_pre_hooks
-        for key in [k for k, h in hooks.items() if isinstance(h, _Touch) and h.pool is None]:
+        for key in [k for k, h in hooks.items() if isinstance(h, Touch) and h.members is None]:
             del hooks[key]
         _undo.remove(module, self)
 
@@ -237,6 +129,8 @@ def _detached_record(name: str, seq: int) -> PoolRecord:
     record = PoolRecord(None, name)
     record.seq = seq
     return record
+
+
 
 
 class DevicePool:
@@ -272,26 +166,14 @@ class DevicePool:
     def __init__(
         self, device: str | torch.device | None = None, *, budget: int | None = None, keep_free: int | None = None
     ) -> None:
-        if device is None:
-            accelerator = _accelerator()
-            if accelerator is None:
-                raise ValueError(f"{_WHAT}: PyTorch reports no accelerator for the default device; give device='cpu'")
-            device = accelerator
-        target = check_device(device, _WHAT)
-        if target is None or target.type == "meta":
-            raise ValueError(f"{_WHAT}: device {device!r} holds no values; give 'cpu' or the accelerator PyTorch reports")
-        if target.type != "cpu" and target.index is None:
-            target = torch.device(target.type, torch.accelerator.current_device_index())
+        self._device = _pool_device(device)  # its index, free memory, allocation rounding
+        self.device = self._device.device
         self.budget = check_bytes(budget, _WHAT, "budget")
         self.keep_free = check_bytes(keep_free, _WHAT, "keep_free")
         if self.budget is not None and self.keep_free is not None:
             raise ValueError(f"{_WHAT}: give budget= or keep_free=, not both")
-        self.device = target
-        self._seam = resolve_device(target, _WHAT)  # how the device counts what it holds (allocation rounding)
-        self._entries: dict[int, _Entry] = {}
-        self._clock = itertools.count(1)
-
-    # ------------------------------------------------------------------ membership
+        self._members = Members(_WHAT)
+        self._placement = _Placement(self, self._device, self._members)
 
     def add(
         self,
@@ -328,49 +210,18 @@ class DevicePool:
             RuntimeError: the model is offloaded already (by torchsurgery, accelerate or
                 diffusers), or the device is gone.
         """
-        self._check_alive("add")
-        what = f"{_WHAT}.add"
-        _undo.check_module(model, what)
-        check_dtype(dtype, what, "dtype")
-        check_storage_format(storage_dtype, what)
-        for record in _undo.records(model):
-            if isinstance(record, PoolRecord) and record.pool is None:
-                record.undo(model)  # a copy of a pooled model: the record it carried is stale
-            elif isinstance(record, PoolRecord) and record.pool is not None:
-                where = "this pool" if record.pool is self else f"the pool of {record.pool.device}"
-                raise ValueError(
-                    f"{_WHAT}.add: the model is already in {where} as {record.name!r}; "
-                    f"a model belongs to one pool: discard it there first"
-                )
-        problem = already_offloaded(model)
-        if problem:
-            raise RuntimeError(f"{_WHAT}.add: cannot pool the model: {problem}")
-        taken = {e.name for e in self._entries.values()}
-        if name is None:
-            base = type(model).__name__
-            name = next(n for n in itertools.chain([base], (f"{base}_{i}" for i in itertools.count(2))) if n not in taken)
-        elif not isinstance(name, str) or name in taken:
-            raise ValueError(f"{_WHAT}.add: name {name!r} is taken or not a string; the pool holds {sorted(taken)}")
+        _refuse_if_gone(self._device, "add")
+        _check_addable(self, model, dtype, storage_dtype)
+        name = self._members.name_for(model, name)
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"{_WHAT}.add: prefetch must be an int >= 0, got {prefetch!r}")
         options = {"dtype": dtype, "storage_dtype": storage_dtype, "groups": groups, "skip": skip,
                    "prefetch": prefetch, "pin_memory": pin_memory, "master_dtype": None, "storage": None}
-        total, largest, streamed = self._footprint(model, options, None)
-        entry = _Entry(model, name, options, total, largest, streamed)
-        if self.budget is not None and self.budget < min(entry.total, entry.minimum):
-            raise ValueError(
-                f"{_WHAT}.add: budget={self.budget} bytes is below what {name!r} needs on the device: "
-                f"{entry.total} bytes whole, or {entry.minimum} bytes streamed (prefetch + 1 = {prefetch + 1} "
-                f"ring slots for its largest group, {largest} bytes, and a run's casts); raise the budget, or "
-                "add it with groups='leaves' or prefetch=0"
-            )
-        entry.hook = model.register_forward_pre_hook(_Touch(self, entry))
-        entry.record = PoolRecord(self, name)
-        _undo.push(model, entry.record)
-        key = id(model)
-        # a model its owner drops leaves the pool (called before its id can be reused)
-        entry.ref = weakref.ref(model, lambda _: self._entries.pop(key, None))
-        self._entries[key] = entry
+        member = Member(model, name, options, self._device, _WHAT)
+        _check_budget(self.budget, member)
+        self._members.join(model, member)
+        member.record = PoolRecord(self, name)
+        _undo.push(model, member.record)
         return model
 
     def discard(self, model: nn.Module) -> nn.Module:
@@ -382,20 +233,16 @@ class DevicePool:
         Returns:
             ``model``.
         """
-        entry = self._entry(model, "discard")
-        self._push_back(entry)
-        entry.hook.remove()
-        if entry.record is not None:
-            _undo.remove(model, entry.record)
-        del self._entries[id(model)]
+        self._members.find(model, "discard").push_back()
+        member = self._members.leave(model)
+        if member.record is not None:
+            _undo.remove(model, member.record)
         return model
 
     def close(self) -> None:
         """Discard every model (also when the device is gone: the models are on the host then)."""
-        for entry in list(self._entries.values()):
-            self.discard(entry.model)
-
-    # ------------------------------------------------------------------ residency
+        for member in self._members:
+            self.discard(member.model)
 
     def load(self, model: nn.Module, *, keep_free: int | None = None) -> OffloadHandle:
         """Bring ``model`` to the device: whole if it fits, else partly, others pushed back.
@@ -421,45 +268,9 @@ class DevicePool:
                 the models pushed back turn out to have held less than they were granted:
                 they stay on the host), or the device is gone.
         """
-        entry = self._entry(model, "load")
-        keep = check_bytes(keep_free, _WHAT, "keep_free")
-        if entry.handle is None:  # on the host: sized again (surgery since may have added or converted weights)
-            entry.total, entry.largest, entry.streamed = self._footprint(entry.model, entry.options, entry.converted)
-        room, reclaimable = self._room(entry, keep)
-        handle = entry.handle
-        if handle is not None:
-            # room is what is free beyond the model's own bytes: plan again only for a
-            # different keep_free, or when at least one more group would fit
-            if entry.granted >= entry.total or (keep == entry.keep_free and room < entry.largest):
-                self._touch(entry)
-                return handle
-            room += entry.granted
-        if room + reclaimable < min(entry.total, entry.minimum):
-            raise _NoRoom(
-                f"{_WHAT}.load: {entry.name!r} needs {entry.total} bytes whole or {entry.minimum} streamed on "
-                f"{self.device}, but only {room + reclaimable} bytes can be made free; free memory on the device, "
-                "lower keep_free or raise the budget"
-            )
-        start = time.perf_counter()
-        for other in sorted(self._loaded(entry), key=lambda e: e.last_used):
-            if room >= entry.total:
-                break
-            room += other.granted
-            self._push_back(other)
-            other.pushed_back += 1
-        if entry.loaded:
-            self._push_back(entry)
-        room = self._measured(entry, room, keep)
-        if room < min(entry.total, entry.minimum):
-            raise _NoRoom(
-                f"{_WHAT}.load: {entry.name!r} needs {entry.total} bytes whole or {entry.minimum} streamed on "
-                f"{self.device}, but with the other models pushed back only {room} bytes are free; free memory on "
-                "the device or lower keep_free"
-            )
-        grant = entry.total if room >= entry.total else room
-        handle = self._offload(entry, grant, keep)
-        entry.seconds += time.perf_counter() - start
-        self._touch(entry)
+        member = self._member(model, "load")
+        handle = self._placement.load(member, check_bytes(keep_free, _WHAT, "keep_free"))
+        self._members.touch(member)
         return handle
 
     def shrink(self, model: nn.Module, *, keep_free: int) -> OffloadHandle | None:
@@ -483,30 +294,7 @@ class DevicePool:
             (True, 'host')
             >>> pool.close()
         """
-        entry = self._entry(model, "shrink")
-        keep = check_bytes(keep_free, _WHAT, "keep_free")
-        handle = entry.handle
-        if handle is None:
-            return None
-        room = _free_bytes(self.device) - int(keep or 0) + entry.granted
-        if room >= entry.granted:
-            return handle
-        start = time.perf_counter()
-        self._push_back(entry)
-        room = self._measured(entry, room, keep)
-        if room >= min(entry.total, entry.minimum):
-            handle = self._offload(entry, room, keep)
-        else:
-            handle = None
-        entry.seconds += time.perf_counter() - start
-        return handle
-
-    def _offload(self, entry: _Entry, grant: int, keep: int | None) -> OffloadHandle:
-        handle = offload_converted(entry.model, self.device, entry.converted, {**entry.options, "budget": grant})
-        entry.granted = grant
-        entry.keep_free = keep
-        entry.loads += 1
-        return handle
+        return self._placement.shrink(self._member(model, "shrink"), check_bytes(keep_free, _WHAT, "keep_free"))
 
     def try_load(self, model: nn.Module, *, keep_free: int | None = None) -> OffloadHandle | None:
         """:meth:`load`, or ``None`` (nothing changed) when even streamed the model has no room.
@@ -536,7 +324,7 @@ class DevicePool:
             >>> torchsurgery.DevicePool("cpu").free_bytes() > 0
             True
         """
-        return _free_bytes(self.device)
+        return self._device.available_bytes()
 
     @staticmethod
     def holding(model: nn.Module) -> DevicePool | None:
@@ -562,123 +350,191 @@ class DevicePool:
         Returns:
             ``model``.
         """
-        self._push_back(self._entry(model, "unload"))
+        self._member(model, "unload").push_back()
         return model
 
     def unload_all(self) -> None:
         """Push every model back to the host."""
-        for entry in self._entries.values():
-            self._push_back(entry)
+        for member in self._members:
+            member.push_back()
 
     def state(self, model: nn.Module) -> str:
         """``"host"``, ``"whole"`` or ``"partial"``."""
-        entry = self._entry(model, "state")
-        if not entry.loaded:
-            return "host"
-        return "whole" if entry.granted >= entry.total else "partial"
+        return self._member(model, "state").state
 
     @property
     def models(self) -> list[nn.Module]:
         """The models of the pool, in the order they were added."""
-        return [e.model for e in self._entries.values()]
+        return [m.model for m in self._members]
 
     def stats(self) -> dict[str, PoolStats]:
         """Per model (by name): state, sizes, loads, push-backs, time, offload statistics."""
-        return {
-            e.name: PoolStats(
-                name=e.name,
-                state=self.state(e.model),
-                total_bytes=e.total,
-                largest_group_bytes=e.largest,
-                device_bytes=e.granted if e.loaded else 0,
-                loads=e.loads,
-                pushed_back=e.pushed_back,
-                seconds_loading=e.seconds,
-                offload=e.handle.stats() if e.handle is not None else None,
-            )
-            for e in self._entries.values()
-        }
+        return {m.name: _stats_of(m, self._member(m.model, "state").state) for m in self._members}
 
     def __contains__(self, model: object) -> bool:
-        return isinstance(model, nn.Module) and id(model) in self._entries
+        return model in self._members
 
     def __repr__(self) -> str:
         limit = f"budget={self.budget}" if self.budget is not None else f"keep_free={self.keep_free}"
-        return f"DevicePool({str(self.device)!r}, {limit}, models={[e.name for e in self._entries.values()]})"
+        return f"DevicePool({str(self.device)!r}, {limit}, models={self._members.names()})"
 
-    # ------------------------------------------------------------------ helpers
+    def _member(self, model: Any, what: str) -> Member:
+        _refuse_if_gone(self._device, what)
+        return self._members.find(model, what)
 
-    def _check_alive(self, what: str) -> None:
-        gone = _device_gone(self.device)
-        if gone:
-            raise RuntimeError(
-                f"{_WHAT}.{what}: the pool's device {self.device} is gone ({gone}); its models are left as they "
-                "are: call close() to take them out of the pool"
-            )
 
-    def _entry(self, model: Any, what: str) -> _Entry:
-        if what != "discard":
-            self._check_alive(what)
-        entry = self._entries.get(id(model)) if isinstance(model, nn.Module) else None
-        if entry is None:
-            held = [e.name for e in self._entries.values()]
-            kind = type(model).__name__
-            raise ValueError(f"{_WHAT}.{what}: this {kind} is not in the pool (it holds {held}); add() it first")
-        return self._refresh(entry)
+class _Placement:
+    """Which models are on the device and how much of it each takes: loading a model within
+    the pool's limits, pushing back others (least recently used first) to make room.
 
-    def _loaded(self, but: _Entry) -> list[_Entry]:
-        return [self._refresh(e) for e in self._entries.values() if e is not but and e.loaded]
+    The limits: a ``budget``, or ``keep_free`` bytes left free (an accelerator pool without
+    either takes what is free, a CPU pool without either is unlimited), read against what the
+    other loaded models were granted and what the device reports free.
+    """
 
-    def _refresh(self, entry: _Entry) -> _Entry:
-        """Sizes and grant again after the user converted the loaded model's weights (``.to(dtype)``)."""
-        handle = entry.handle
-        if handle is not None and handle.converted != entry.converted:
-            entry.converted = dict(handle.converted)
-            o = entry.options
-            entry.total, entry.largest, entry.streamed = self._footprint(entry.model, o, entry.converted)
-            if all(g.resident for g in handle.plan.groups):
-                entry.granted = max(entry.granted, entry.total)  # kept whole, as converted
-        return entry
+    def __init__(self, limits: DevicePool, device: AcceleratorDevice, members: Members) -> None:
+        self.limits = limits  # its budget and keep_free, read at each use (public: a caller may change them)
+        self.device = device
+        self.members = members
 
-    def _footprint(
-        self, model: nn.Module, options: dict[str, Any], converted: dict[int, torch.dtype] | None
-    ) -> tuple[int, int, int]:
-        """Device bytes ``model`` takes whole, its largest group's, and the least it runs in
-        streamed, counted as its offload to this pool's device counts them (the plan's own
-        account: allocations rounded as the device rounds them, every group through the ring)."""
-        o = options
-        return sizes(model, f"{_WHAT}.add", dtype=o["dtype"], storage_dtype=o["storage_dtype"], groups=o["groups"],
-                     skip=o["skip"], converted=converted, device=self._seam, prefetch=int(o["prefetch"]))
+    def load(self, member: Member, keep: int | None) -> OffloadHandle:
+        """:meth:`DevicePool.load` of ``member``, leaving ``keep`` bytes free (``None``: the pool's limit)."""
+        if member.handle is None:  # on the host: sized again (surgery since may have added or converted weights)
+            member.size()
+        room, reclaimable = self.room(member, keep)
+        handle = member.handle
+        if handle is not None:
+            # room is what is free beyond the model's own bytes: plan again only for a
+            # different keep_free, or when at least one more group would fit
+            if member.granted >= member.total or (keep == member.keep_free and room < member.largest):
+                return handle
+            room += member.granted
+        if room + reclaimable < min(member.total, member.minimum):
+            raise _no_room(member, room + reclaimable, self.device.device, after_push_back=False)
+        start = time.perf_counter()
+        for other in self.members.loaded(but=member):  # least recently used first
+            if room >= member.total:
+                break
+            room += other.granted
+            other.push_back()
+            other.pushed_back += 1
+        member.push_back()
+        room = self.measured(member, room, keep)
+        if room < min(member.total, member.minimum):
+            raise _no_room(member, room, self.device.device, after_push_back=True)
+        handle = member.offload(member.total if room >= member.total else room, keep)
+        member.seconds += time.perf_counter() - start
+        return handle
 
-    def _room(self, entry: _Entry, keep_free: int | None) -> tuple[int, int]:
-        """Device bytes free for ``entry`` now, and what pushing back the others would add."""
-        others = sum(e.granted for e in self._loaded(entry))
-        keep = keep_free if keep_free is not None else self.keep_free
+    def shrink(self, member: Member, keep: int | None) -> OffloadHandle | None:
+        """:meth:`DevicePool.shrink` of ``member``, to leave ``keep`` bytes free."""
+        handle = member.handle
+        if handle is None:
+            return None
+        room = self.device.available_bytes() - int(keep or 0) + member.granted
+        if room >= member.granted:
+            return handle
+        start = time.perf_counter()
+        member.push_back()
+        room = self.measured(member, room, keep)
+        handle = member.offload(room, keep) if room >= min(member.total, member.minimum) else None
+        member.seconds += time.perf_counter() - start
+        return handle
+
+    def room(self, member: Member, keep_free: int | None) -> tuple[int, int]:
+        """Device bytes free for ``member`` now, and what pushing back the others would add."""
+        reclaimable = sum(m.granted for m in self.members.loaded(but=member))
+        budget = self.limits.budget
+        keep = keep_free if keep_free is not None else self.limits.keep_free
         limits = []
-        if self.budget is not None:
-            limits.append(self.budget - others - (entry.granted if entry.loaded else 0))
-        if keep is not None or (self.budget is None and self.device.type != "cpu"):
-            limits.append(_free_bytes(self.device) - (keep or 0))
+        if budget is not None:
+            limits.append(budget - reclaimable - (member.granted if member.loaded else 0))
+        if keep is not None or (budget is None and not self.device.host_compute):
+            limits.append(self.device.available_bytes() - (keep or 0))
         room = min(limits) if limits else 1 << 62  # a CPU pool without a limit is unlimited
-        return max(0, room), others
+        return max(0, room), reclaimable
 
-    def _measured(self, entry: _Entry, room: int, keep: int | None) -> int:
-        """``room`` for ``entry`` once models were pushed back, read again from the accelerator's
+    def measured(self, member: Member, room: int, keep: int | None) -> int:
+        """``room`` for ``member`` once models were pushed back, read again from the accelerator's
         free memory: a model holds less than the pool granted it (until its first forward, and
         where that forward's measurements keep fewer groups resident than the grant would hold),
         so counting its grant as freed would plan past ``keep``. On a CPU the count stands:
         pushing a model back there converts its weights back, it frees no memory to measure."""
-        if self.device.type == "cpu":
+        if self.device.host_compute:
             return room
-        return min(room, self._room(entry, keep)[0])
+        return min(room, self.room(member, keep)[0])
 
-    def _push_back(self, entry: _Entry) -> None:
-        handle = self._refresh(entry).handle
-        if handle is not None:
-            start = time.perf_counter()
-            handle.remove()
-            entry.seconds += time.perf_counter() - start
-        entry.granted = 0
 
-    def _touch(self, entry: _Entry) -> None:
-        entry.last_used = next(self._clock)
+def _stats_of(member: Member, state: str) -> PoolStats:
+    """What ``member`` did so far, in ``state``."""
+    handle = member.handle
+    return PoolStats(
+        name=member.name, state=state, total_bytes=member.total, largest_group_bytes=member.largest,
+        device_bytes=member.granted if handle is not None else 0, loads=member.loads, pushed_back=member.pushed_back,
+        seconds_loading=member.seconds, offload=handle.stats() if handle is not None else None,
+    )
+
+
+def _pool_device(device: str | torch.device | None) -> AcceleratorDevice:
+    """A pool's device: ``device``, or (``None``) the accelerator PyTorch reports, on its current index."""
+    if device is None:
+        device = reported_accelerator()
+        if device is None:
+            raise ValueError(f"{_WHAT}: PyTorch reports no accelerator for the default device; give device='cpu'")
+    target = check_device(device, _WHAT)
+    if target is None or target.type == "meta":
+        raise ValueError(f"{_WHAT}: device {device!r} holds no values; give 'cpu' or the accelerator PyTorch reports")
+    return accelerator_device(target, _WHAT)
+
+
+def _refuse_if_gone(device: AcceleratorDevice, what: str) -> None:
+    """Refuse work on a pool whose device PyTorch stopped reporting."""
+    gone = device.missing()
+    if gone:
+        raise RuntimeError(
+            f"{_WHAT}.{what}: the pool's device {device.device} is gone ({gone}); its models are left as they "
+            "are: call close() to take them out of the pool"
+        )
+
+
+def _no_room(member: Member, room: int, device: torch.device, after_push_back: bool) -> _NoRoom:
+    """The error of a load that has too little room for ``member`` even streamed."""
+    needs = f"{_WHAT}.load: {member.name!r} needs {member.total} bytes whole or {member.minimum} streamed on {device}, "
+    if after_push_back:
+        return _NoRoom(
+            f"{needs}but with the other models pushed back only {room} bytes are free; free memory on the device "
+            "or lower keep_free"
+        )
+    return _NoRoom(f"{needs}but only {room} bytes can be made free; free memory on the device, lower keep_free or raise the budget")
+
+
+def _check_addable(pool: DevicePool, model: nn.Module, dtype: Any, storage_dtype: Any) -> None:
+    """Refuse a model :meth:`DevicePool.add` cannot take, or options it cannot offload with."""
+    what = f"{_WHAT}.add"
+    _undo.check_module(model, what)
+    check_dtype(dtype, what, "dtype")
+    check_storage_format(storage_dtype, what)
+    for record in _undo.records(model):
+        if isinstance(record, PoolRecord) and record.pool is None:
+            record.undo(model)  # a copy of a pooled model: the record it carried is stale
+        elif isinstance(record, PoolRecord) and record.pool is not None:
+            where = "this pool" if record.pool is pool else f"the pool of {record.pool.device}"
+            raise ValueError(
+                f"{what}: the model is already in {where} as {record.name!r}; "
+                f"a model belongs to one pool: discard it there first"
+            )
+    problem = already_offloaded(model)
+    if problem:
+        raise RuntimeError(f"{what}: cannot pool the model: {problem}")
+
+
+def _check_budget(budget: int | None, member: Member) -> None:
+    """Refuse a member the pool's budget cannot run even streamed."""
+    if budget is not None and budget < min(member.total, member.minimum):
+        prefetch = member.options["prefetch"]
+        raise ValueError(
+            f"{_WHAT}.add: budget={budget} bytes is below what {member.name!r} needs on the device: "
+            f"{member.total} bytes whole, or {member.minimum} bytes streamed (prefetch + 1 = {prefetch + 1} "
+            f"ring slots for its largest group, {member.largest} bytes, and a run's casts); raise the budget, or "
+            "add it with groups='leaves' or prefetch=0"
+        )
