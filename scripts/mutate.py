@@ -359,7 +359,7 @@ MUTATIONS = [
     ),
     Mutation(
         "streams: AcceleratorDevice.copy_ runs a copy on the stream it is given",
-        "src/torchsurgery/offloading/device.py",
+        "src/torchsurgery/_device.py",
         "        with stream:\n            dst.copy_(src, non_blocking=True)",
         "        if stream is not None:\n            dst.copy_(src, non_blocking=True)",
         ("tests/offloading/test_device.py::test_groups_come_in_on_the_side_stream_while_the_group_before_computes",),
@@ -616,19 +616,19 @@ MUTATIONS = [
     ),
     Mutation(
         "sync: AcceleratorDevice.wait makes the stream wait for the event",
-        "src/torchsurgery/offloading/device.py",
+        "src/torchsurgery/_device.py",
         "            stream.wait_event(event)", "            pass",
         ("tests/offloading/test_device.py::test_streaming_on_the_accelerator_is_exact_while_copies_land_late[pinned-lazy]",),
     ),
     Mutation(
         "sync: AcceleratorDevice.record records the event on the stream",
-        "src/torchsurgery/offloading/device.py",
+        "src/torchsurgery/_device.py",
         "        event.record(stream)\n", "",
         ("tests/offloading/test_device.py::test_streaming_on_the_accelerator_is_exact_while_copies_land_late[pinned-lazy]",),
     ),
     Mutation(
         "sync: AcceleratorDevice.synchronize blocks the host",
-        "src/torchsurgery/offloading/device.py",
+        "src/torchsurgery/_device.py",
         "            what.synchronize()\n        elif not self.host_compute:\n            torch.accelerator.synchronize(self.device)",
         "            pass\n        elif False:\n            pass",
         ("tests/offloading/test_device.py::test_remove_on_the_accelerator_lets_the_copies_in_flight_land_first",),

@@ -16,8 +16,8 @@ A *room* is one concept of the package, and its folder (or module) says what it 
 
 A room's *door* is its package (``torchsurgery.offloading``, ``torchsurgery.flex.parallel``):
 another room imports only from a door, never one of the room's modules. The shared private
-root modules (``_undo``, ``_names``...) and ``errors`` may be imported by anyone and import no
-room. The package root gathers the public API; the command line may use it, as long as the
+root modules (``_undo``, ``_names``, ``_device`` (the one device seam)...) and ``errors`` may be
+imported by anyone and import no room. The package root gathers the public API; the command line may use it, as long as the
 root does not import it back. ``__main__`` only starts the command line.
 
 Across modules, no name with a leading underscore is imported; a private *module*
@@ -37,7 +37,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "torchsurgery"
 ROOMS = {"flex", "offloading", "compact", "cli", "compat", "patching", "tensors"}
-SHARED = {"_undo", "_names", "_checkpoint", "_format", "_validate", "_tensor_layout", "_swap", "errors"}
+SHARED = {"_undo", "_names", "_checkpoint", "_format", "_validate", "_tensor_layout", "_swap", "_device", "errors"}
 ROOT = "<root>"
 ENTRY = "__main__"  # ``python -m torchsurgery``: runs the command line, imported by no module
 

@@ -406,7 +406,7 @@ class SafetensorsSource(Source):
 
     def read_many(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
         # preadv, not safe_open: the bytes go straight into the model's own tensors, no copy between
-        # (safe_open's get_tensor + copy_ took 3-17x as long on a busy 2-core VM: benchmarks/checkpoint_read.py)
+        # (safe_open's get_tensor + copy_ takes longer: docs/benchmarks.md, benchmarks/checkpoint_read.py)
         spans: list[tuple[str, _Located, memoryview]] = []
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, its bytes as stored)
         for key, out in items:

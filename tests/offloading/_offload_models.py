@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import torchsurgery
+from torchsurgery._device import OffloadDevice
 from torchsurgery.offloading import DEFAULT_SKIP
-from torchsurgery.offloading.device import OffloadDevice
 
 transformers = pytest.importorskip("transformers")
 

@@ -26,8 +26,8 @@ from torch import nn
 import tardy
 import torchsurgery
 from torchsurgery import Residency, offload
+from torchsurgery._device import AcceleratorDevice, resolve_device
 from torchsurgery.offloading import stored_values
-from torchsurgery.offloading.device import AcceleratorDevice, resolve_device
 from torchsurgery.offloading.residency import plan_residency, simulate
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -14,8 +15,8 @@ from torch import nn
 
 import torchsurgery
 from torchsurgery import DevicePool
+from torchsurgery._device import AcceleratorDevice
 from torchsurgery.compact import Scaled, stored_values
-from torchsurgery.offloading.device import AcceleratorDevice
 
 
 def blocks(n: int = 4, d: int = 16) -> nn.Module:
@@ -398,3 +399,10 @@ def test_on_the_accelerator_a_model_pushed_back_frees_what_it_held_not_what_it_w
     assert pool.state(model) == "host" and identity_map(model) == ids
     assert pool.free_bytes() >= free  # it holds nothing on the device
     pool.close()
+
+
+def test_a_pool_hook_pickled_under_its_old_name_still_loads() -> None:
+    # what a model pickled while in a pool holds: its detached forward hook, by the name it had
+    payload = b"\x80\x02ctorchsurgery.offloading.pool\n_Touch\nNN\x86R."
+    hook = pickle.loads(payload)
+    assert hook(nn.Linear(2, 2), ()) is None and hook.members is None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tardy
-from torchsurgery.offloading.device import resolve_device
+from torchsurgery._device import resolve_device
 from torchsurgery.offloading.packing import FlatLayout, pack_runs
 from torchsurgery.offloading.streams import PackedGroup, Ring
 

@@ -57,13 +57,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchsurgery._device import AcceleratorDevice, reported_accelerator
 from torchsurgery._swap import swap_in, wrap_like
 from torchsurgery._validate import check_device
 from torchsurgery.compact import stored_values
 from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, Setting
-from torchsurgery.offloading.device import AcceleratorDevice, reported_accelerator
-from torchsurgery.offloading.dynamic_swap import DynamicSwapInstaller
-from torchsurgery.offloading.pool import DevicePool
+from torchsurgery.offloading import DevicePool, DynamicSwapInstaller
 
 __all__ = [
     "verbose",

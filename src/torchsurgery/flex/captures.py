@@ -10,7 +10,7 @@ a forward (``generate`` calling the model's parts, a backward) write straight to
 Inside a forward, activations on the accelerator PyTorch reports are copied into pinned
 host memory without blocking, on the stream that computed them; the forward waits for
 those streams once, when it returns. The copies go through the device seam
-(:class:`~torchsurgery.offloading.device.AcceleratorDevice`), as every device call of the package.
+(:class:`~torchsurgery._device.AcceleratorDevice`), as every device call of the package.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from torchsurgery._device import AcceleratorDevice, reported_accelerator
 from torchsurgery.flex.hook_function import HookFunction
-from torchsurgery.offloading.device import AcceleratorDevice, reported_accelerator
 
 __all__ = ["OutputPtr", "ForwardCall", "Captures"]
 

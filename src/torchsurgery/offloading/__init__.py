@@ -3,8 +3,8 @@
 The package is named ``offloading`` so that ``torchsurgery.offload`` stays the function.
 """
 
+from torchsurgery._device import OffloadDevice
 from torchsurgery.compact import OffloadedTensor, stored_values
-from torchsurgery.offloading.device import OffloadDevice
 from torchsurgery.offloading.dynamic_swap import DynamicSwapInstaller
 from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle, OffloadStats, offload
 from torchsurgery.offloading.plan import GroupPlan, OffloadPlan, ParamPlan, Residency, plan_offload

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from torchsurgery import _undo
+from torchsurgery._device import OffloadDevice
 from torchsurgery._swap import swap_in
 from torchsurgery.compact import ReadContext, Scaled, Scratch
 from torchsurgery.offloading.attach import Attachments
@@ -53,7 +54,6 @@ from torchsurgery.offloading.conversion import (
     dtype_changes,
     grown_budget,
 )
-from torchsurgery.offloading.device import OffloadDevice
 from torchsurgery.offloading.install import Installer
 from torchsurgery.offloading.measured_residency import MeasuredResidency
 from torchsurgery.offloading.originals import Originals

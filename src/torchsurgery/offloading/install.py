@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchsurgery._device import OffloadDevice
 from torchsurgery._swap import swap_blocker, swap_in, wrap_like
 from torchsurgery.compact import (
     OffloadedTensor,
@@ -30,7 +31,6 @@ from torchsurgery.compact import (
 )
 from torchsurgery.offloading.attach import Attachments
 from torchsurgery.offloading.checkpoint_values import CheckpointValues
-from torchsurgery.offloading.device import OffloadDevice
 from torchsurgery.offloading.originals import Originals
 from torchsurgery.offloading.packing import FlatLayout, pack_runs
 from torchsurgery.offloading.plan import (

@@ -24,6 +24,7 @@ from torch import nn
 
 from torchsurgery import _undo
 from torchsurgery._checkpoint import SafetensorsSource, open_source, scaled_keys
+from torchsurgery._device import OffloadDevice, resolve_device
 from torchsurgery._format import human_bytes
 from torchsurgery._tensor_layout import ALIGNMENT, align
 from torchsurgery._validate import (
@@ -42,7 +43,6 @@ from torchsurgery.compact import (
     stored_values,
 )
 from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, BudgetError, Setting
-from torchsurgery.offloading.device import OffloadDevice, resolve_device
 from torchsurgery.offloading.grouping import find_groups
 
 __all__ = [

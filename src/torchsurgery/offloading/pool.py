@@ -35,13 +35,13 @@ import torch
 from torch import nn
 
 from torchsurgery import _undo
-from torchsurgery._validate import check_bytes, check_device, check_dtype
-from torchsurgery.compact import Scaled
-from torchsurgery.offloading.device import (
+from torchsurgery._device import (
     AcceleratorDevice,
     accelerator_device,
     reported_accelerator,
 )
+from torchsurgery._validate import check_bytes, check_device, check_dtype
+from torchsurgery.compact import Scaled
 from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle
 from torchsurgery.offloading.plan import already_offloaded, check_storage_format
 from torchsurgery.offloading.pool_members import Member, Members, Touch
@@ -50,6 +50,7 @@ from torchsurgery.offloading.stats import OffloadStats
 __all__ = ["DevicePool", "PoolStats"]
 
 _WHAT = "torchsurgery.DevicePool"
+_Touch = Touch  # the hook's name before 0.2: a model pickled while in a pool refers to it
 
 
 @dataclass

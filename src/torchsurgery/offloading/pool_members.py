@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from torchsurgery import _undo
-from torchsurgery.offloading.device import AcceleratorDevice
+from torchsurgery._device import AcceleratorDevice
 from torchsurgery.offloading.engine import OffloadHandle, OffloadRecord, offload_converted
 from torchsurgery.offloading.plan import sizes
 
@@ -39,7 +39,7 @@ class Member:
 
     Example:
         >>> from torch import nn
-        >>> from torchsurgery.offloading.device import AcceleratorDevice
+        >>> from torchsurgery._device import AcceleratorDevice
         >>> model = nn.Linear(4, 4)
         >>> options = {"dtype": None, "storage_dtype": None, "groups": "blocks", "skip": None, "prefetch": 1,
         ...            "pin_memory": None, "master_dtype": None, "storage": None}

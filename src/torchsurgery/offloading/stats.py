@@ -41,8 +41,8 @@ class OffloadStats:
         achieved_gbps: bytes moved per second of transferring.
 
     Timings come from events recorded through the offload's
-    :class:`~torchsurgery.offloading.device.OffloadDevice`, so they are read the same way on a
-    CPU, a GPU and the test suite's simulated device.
+    :class:`~torchsurgery._device.OffloadDevice`, so they are read the same way on a
+    CPU, a GPU and the test suite's device (``tests/tardy``).
 
     Example:
         >>> import torch

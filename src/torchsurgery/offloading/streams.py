@@ -8,8 +8,9 @@ or two) into a free slot of a ring of device buffers and the modules get views o
 the recorded execution order are copied into other slots on a side stream, each copy
 ordered after the last use of its slot by events, so results are exactly those of the
 resident model. Every device operation, timing included, goes through one
-:class:`~torchsurgery.offloading.device.OffloadDevice`; on a CPU the same machinery runs with
-plain synchronous copies, and the test suite runs it on a simulated asynchronous device.
+:class:`~torchsurgery._device.OffloadDevice`; on a CPU the same machinery runs with
+plain synchronous copies, and the test suite runs it on its own asynchronous device
+(``tests/tardy``, a registered backend whose copies land late).
 
 Forwards that record gradients do not use the ring (autograd keeps the weights it saved
 until backward, and a slot would be overwritten by then); they convert from the host
@@ -29,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchsurgery._device import OffloadDevice
 from torchsurgery.compact import OffloadedTensor, dequantize, own_scale, rehome, stored_values
-from torchsurgery.offloading.device import OffloadDevice
 from torchsurgery.offloading.order import OrderRecorder
 from torchsurgery.offloading.packing import (
     FlatLayout,
@@ -159,13 +160,13 @@ class Ring:
     """``slots`` device buffers, each big enough for the largest packed group.
 
     Every device operation goes through ``device`` (an
-    :class:`~torchsurgery.offloading.device.OffloadDevice`). Each slot carries two events: its
+    :class:`~torchsurgery._device.OffloadDevice`). Each slot carries two events: its
     copy's end (``ready``; the compute stream waits on it before reading the slot) and its
     last use's end (``released``; the copy stream waits on it before overwriting the slot).
 
     Example:
         >>> import torch
-        >>> from torchsurgery.offloading.device import resolve_device
+        >>> from torchsurgery._device import resolve_device
         >>> from torch import nn
         >>> from torchsurgery.offloading.packing import FlatLayout
         >>> weights = (nn.Parameter(torch.arange(3.0)),)

@@ -17,6 +17,8 @@ What the seam is for: one place that says what torchsurgery asks of a device. It
 (``offload(device=...)`` takes an :class:`OffloadDevice`), and because with every device call
 behind it the test suite's device (``tests/tardy``, a registered backend) runs the very code
 a GPU runs, and a test can wrap :class:`AcceleratorDevice` to drop one wait and see it caught.
+It sits at the package root, shared, because three rooms use it (offloading, flex, compat);
+:class:`OffloadDevice` is public as ``torchsurgery.OffloadDevice``.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class OffloadDevice(abc.ABC):
 
     Example:
         >>> import torch
-        >>> from torchsurgery.offloading.device import resolve_device
+        >>> from torchsurgery._device import resolve_device
         >>> dev = resolve_device("cpu", "example")
         >>> buffer = dev.empty(4)
         >>> side = dev.new_stream()
