@@ -405,8 +405,9 @@ class SafetensorsSource(Source):
         return new
 
     def read_many(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
-        # preadv, not safe_open: the bytes go straight into the model's own tensors, no copy between
-        # (safe_open's get_tensor + copy_ takes longer: docs/benchmarks.md, benchmarks/checkpoint_read.py)
+        # preadv, not safe_open's map: a read that fails (an I/O error, a file cut short) raises, so the
+        # load can put every tensor back, where a mapped page kills the process (SIGBUS); a map plus
+        # copy_ is faster from the page cache (docs/benchmarks.md, benchmarks/checkpoint_read.py)
         spans: list[tuple[str, _Located, memoryview]] = []
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, its bytes as stored)
         for key, out in items:
