@@ -158,17 +158,27 @@ def test_a_master_copy_serves_gradients_and_a_refreshed_shadow_serves_inference(
     handle.remove()
 
 
-def test_the_undo_log_swaps_a_patchs_converted_weights_back() -> None:
-    # a patch may convert its module's weights with swap_tensors: unpatch swaps them back
+class _Tagged(nn.Parameter):  # a parameter subclass of the same dtype and device: not a wrapper
+    pass
+
+
+@pytest.mark.parametrize("into", ["narrow wrapper", "parameter subclass"])
+def test_the_undo_log_swaps_a_patchs_converted_weights_back(into: str) -> None:
+    # a patch may convert its module's weights with swap_tensors: unpatch swaps them back, into
+    # their own class (``.data =`` would give back the values and keep the patch's class)
     class Narrowed(torchsurgery.Patch, nn.Linear):
         def __patch_init__(self) -> None:
             w = self.weight
-            torch.utils.swap_tensors(w, nn.Parameter(OffloadedTensor(w.detach().bfloat16(), torch.float32)))
+            if into == "narrow wrapper":
+                new = nn.Parameter(OffloadedTensor(w.detach().bfloat16(), torch.float32))
+            else:
+                new = _Tagged(w.detach().clone())
+            torch.utils.swap_tensors(w, new)
 
     layer = nn.Linear(4, 4)
     weight, values = layer.weight, layer.weight.detach().clone()
     torchsurgery.patch(layer, Narrowed)
-    assert layer.weight is weight and isinstance(weight, OffloadedTensor)
+    assert layer.weight is weight and type(weight) is not nn.Parameter
     torchsurgery.unpatch(layer)
     assert layer.weight is weight and type(weight) is nn.Parameter and torch.equal(weight, values)
 
