@@ -428,7 +428,8 @@ MUTATIONS = [
         "src/torchsurgery/compact/tensor.py",
         "    if not (type(x) is torch.Tensor and isinstance(weight, OffloadedTensor)",
         "    if not (isinstance(x, torch.Tensor) and isinstance(weight, OffloadedTensor)",
-        ("tests/offloading/test_engine.py::test_an_offloaded_model_compiles_once_with_fullgraph_like_the_plain_model",),
+        ("tests/offloading/test_engine.py::test_an_offloaded_model_compiles_once_with_fullgraph_like_the_plain_model",
+         "tests/compact/test_tensor.py::test_under_fake_tensor_mode_an_offloaded_model_computes_what_the_plain_model_does"),
     ),
     Mutation(
         "the end-of-forward hook records nothing inside compiled code",

@@ -198,3 +198,25 @@ def test_empty_products_are_those_of_the_plain_layer(storage: torch.dtype, inp: 
     assert got.shape == (rows, out)
     torch.testing.assert_close(got, plain(x).detach(), rtol=0, atol=0)
     handle.remove()
+
+
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("grad", [False, True])
+def test_under_fake_tensor_mode_an_offloaded_model_computes_what_the_plain_model_does(
+    storage: torch.dtype, grad: bool
+) -> None:
+    # the compiler's and export's tracers run a model on fake inputs (no memory behind them): a
+    # product by a narrow weight must leave them to the tracer, never hand them to the kernel
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    plain = copy.deepcopy(model)
+    handle = offload(model, storage_dtype=storage, dtype=torch.float32)
+    x = torch.randn(2, 64)
+    with torch.set_grad_enabled(grad), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = mode.from_tensor(x)
+        got, expected = model(fake), plain(fake)
+    assert isinstance(got, FakeTensor)
+    assert (got.shape, got.dtype, got.requires_grad) == (expected.shape, expected.dtype, expected.requires_grad)
+    del got, expected, fake  # their graphs hold the weights
+    handle.remove()
