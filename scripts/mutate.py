@@ -424,6 +424,13 @@ MUTATIONS = [
          "tests/offloading/test_device.py::test_a_model_streamed_to_a_device_compiles_once_with_fullgraph"),
     ),
     Mutation(
+        "a dispatch mode (make_fx, FlopCounterMode) sees the products of narrow weights",
+        "src/torchsurgery/compact/tensor.py",
+        "        or _python_dispatch._get_current_dispatch_mode() is not None\n",
+        "",
+        ("tests/compact/test_tensor.py::test_dispatch_modes_see_the_products_of_an_offloaded_model",),
+    ),
+    Mutation(
         "products are taken from the narrow values for plain inputs only (not the compiler's)",
         "src/torchsurgery/compact/tensor.py",
         "    if not (type(x) is torch.Tensor and isinstance(weight, OffloadedTensor)",

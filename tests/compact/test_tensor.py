@@ -6,6 +6,7 @@ whatever a program does with the offloaded weight, it must see what it would see
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import pickle
@@ -202,21 +203,46 @@ def test_empty_products_are_those_of_the_plain_layer(storage: torch.dtype, inp: 
 
 @pytest.mark.parametrize("storage", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("inside", [True, False], ids=["in-its-mode", "outside-its-mode"])
 def test_under_fake_tensor_mode_an_offloaded_model_computes_what_the_plain_model_does(
-    storage: torch.dtype, grad: bool
+    storage: torch.dtype, grad: bool, inside: bool
 ) -> None:
-    # the compiler's and export's tracers run a model on fake inputs (no memory behind them): a
-    # product by a narrow weight must leave them to the tracer, never hand them to the kernel
+    # the compiler's and export's tracers run a model on fake inputs (no memory behind them), also
+    # with their mode no longer on the stack: a product by a narrow weight must leave them to the
+    # tracer, never hand them to the kernel
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
     plain = copy.deepcopy(model)
     handle = offload(model, storage_dtype=storage, dtype=torch.float32)
-    x = torch.randn(2, 64)
-    with torch.set_grad_enabled(grad), FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = mode.from_tensor(x)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = mode.from_tensor(torch.randn(2, 64))
+    with torch.set_grad_enabled(grad), mode if inside else contextlib.nullcontext():
         got, expected = model(fake), plain(fake)
     assert isinstance(got, FakeTensor)
     assert (got.shape, got.dtype, got.requires_grad) == (expected.shape, expected.dtype, expected.requires_grad)
     del got, expected, fake  # their graphs hold the weights
+    handle.remove()
+
+
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float8_e4m3fn])
+def test_dispatch_modes_see_the_products_of_an_offloaded_model(storage: torch.dtype) -> None:
+    # make_fx records each product (as the narrow product operator) and FlopCounterMode counts it,
+    # also without gradients, where the product is otherwise taken before dispatch
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    plain = copy.deepcopy(model)
+    handle = offload(model, storage_dtype=storage, dtype=torch.float32)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        traced = make_fx(model)(x)
+        torch.testing.assert_close(traced(x), model(x), rtol=0, atol=0)
+        counted = []
+        for m in (plain, model):
+            with FlopCounterMode(display=False) as flops:
+                m(x)
+            counted.append(flops.get_total_flops())
+    assert counted[0] > 0 and counted[1] == counted[0]
     handle.remove()

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import _python_dispatch
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_map, tree_map_only
 
@@ -484,9 +485,10 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor | None:
     """``x @ W.T + b`` (``x @ W + b`` when ``transposed``) for an OffloadedTensor ``W``, or None: dispatch.
 
-    Only for a plain input outside autocast and ``torch.func`` transforms: those must see
-    the plain ``linear`` first (autocast casts it, vmap batches it), as they do on a plain
-    weight, and while ``torch.compile`` traces, inputs are the compiler's own tensors. In
+    Only for a plain input outside autocast, ``torch.func`` transforms and dispatch modes:
+    those must see the plain ``linear`` first (autocast casts it, vmap batches it, ``make_fx``
+    records it), as they do on a plain weight, and while ``torch.compile`` traces, inputs are
+    the compiler's own tensors. In
     each case the product goes on through ``__torch_dispatch__`` (below autocast, vmap and
     autograd), where the matmul it becomes calls the narrow product operator; nothing here
     (statistics, scratch buffers) runs in compiled code.
@@ -532,8 +534,13 @@ def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor |
 
 
 def _transformed() -> bool:
-    """Whether autocast or a ``torch.func`` transform (vmap, grad) is active: it acts on products first."""
-    return torch._C._is_any_autocast_enabled() or torch._C._are_functorch_transforms_active()
+    """Whether autocast, a ``torch.func`` transform (vmap, grad) or a dispatch mode (``make_fx``,
+    ``FlopCounterMode``) is active: it acts on products first, or must see them."""
+    return (
+        torch._C._is_any_autocast_enabled()
+        or torch._C._are_functorch_transforms_active()
+        or _python_dispatch._get_current_dispatch_mode() is not None
+    )
 
 
 def _linear(input: Any, weight: Any, bias: Any = None) -> torch.Tensor | None:
