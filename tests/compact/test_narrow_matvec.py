@@ -428,29 +428,40 @@ def _has_avx2() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _has_avx2(), reason="an x86-64 CPU with AVX2 runs the AVX2 build")
-def test_the_kernel_built_for_avx2_alone_is_exact(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+@pytest.mark.skipif(not _has_avx2(), reason="an x86-64 CPU with AVX2 runs the AVX2 and the baseline builds")
+@pytest.mark.parametrize("arch", ["haswell", "x86-64"])
+def test_the_kernel_built_for_avx2_alone_or_the_x86_64_baseline_is_exact(tmp_path: Any, arch: str) -> None:
     # the build for an AVX2 host without AVX-512 (most AMD CPUs before Zen 4, older Intel ones)
-    # takes other intrinsics (F16C halves, 8-lane int8 conversions): built here for such a
-    # host, and run, since this CPU has AVX2 too
+    # takes other intrinsics (8-lane vectors, F16C halves, fp8 widened 16 bytes at a time, its
+    # own NaN scan), and the x86-64 baseline (SSE2 alone) the portable vector code with scalar
+    # halves: each built here for such a host, and run, since this CPU has both; every dtype,
+    # both layouts, row counts that take each widening (pairs of vectors for 1-4 rows, one
+    # vector for more), and e4m3fn's NaN of either sign at places the vector loop reads
     import concurrent.futures
 
     from torchsurgery.compact import narrow_matvec as module
 
-    flags = [flag for flag in native_build._flags() if not flag.startswith("-march")] + ["-march=haswell"]
-    monkeypatch.setattr(native_build, "_flags", lambda: flags)
-    kinds = {torch.float16: 1, torch.float8_e4m3fn: 2, torch.int8: 4}
-    with concurrent.futures.ThreadPoolExecutor(len(kinds)) as pool:
-        built = pool.map(lambda k: native_build.build(k, str(tmp_path / f"{k}.so"), yielding=False), kinds.values())
+    kinds = {dtype: module._KINDS[dtype] for dtype in NATIVE_DTYPES}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        built = pool.map(lambda k: native_build.build(k, str(tmp_path / f"{k}.so"), yielding=False, arch=arch), kinds.values())
         why = dict(zip(kinds, built, strict=True))
     assert not any(why.values()), why
     torch.manual_seed(12)
+    cases = [((7, 5), False, 1), ((100, 149), True, 3), ((300, 1100), False, 8), ((33, 77), True, 5),
+             ((40, 300), False, 2), ((24, 1024), False, 1), ((19, 250), False, 4), ((10, 130), False, 6)]
     for dtype, kind in kinds.items():
-        fn = module._load(str(tmp_path / f"{kind}.so"))
+        fn = module.kernel_at(str(tmp_path / f"{kind}.so"))
         assert fn is not None
-        for (out, inp), transposed, rows in [((7, 5), False, 1), ((100, 149), True, 3), ((300, 1100), False, 8), ((33, 77), True, 5)]:
+        for (out, inp), transposed, rows in cases:
             weight = _narrow((inp, out) if transposed else (out, inp), dtype)
+            if dtype == torch.float8_e4m3fn and not transposed:
+                raw = weight.view(torch.uint8)
+                raw[out // 2, inp // 3] = 0x7F
+                raw[out - 1, inp - 1 - inp // 5] = 0xFF  # negative NaN
             x, scale = torch.randn(rows, inp), torch.rand(out)
-            got = _NarrowMatvec._run(fn, x, weight, None, transposed, scale, (False, 3072))
-            size = float(weight.float().abs().max())
-            torch.testing.assert_close(got, reference(x, weight, None, transposed) * scale, rtol=1e-5, atol=1e-5 * inp**0.5 * size)
+            got = fn(x, weight, None, transposed, scale)
+            expected = reference(x, weight, None, transposed) * scale
+            assert torch.equal(got.isnan(), expected.isnan()), (dtype, rows, inp)
+            size = float(weight.float().nan_to_num(0.0).abs().max())
+            torch.testing.assert_close(got.nan_to_num(0.0), expected.nan_to_num(0.0), rtol=1e-5,
+                                       atol=1e-5 * inp**0.5 * size)

@@ -342,3 +342,30 @@ def _scale_step(scale: torch.Tensor | None, out: int) -> int:
 
 
 narrow_matvec = _NarrowMatvec()
+
+
+def kernel_at(path: str) -> Callable[..., torch.Tensor] | None:
+    """The kernel of the library at ``path``, as a function, or None where none loads from there.
+
+    For a library built for another CPU (:func:`torchsurgery.compact.native_build.build` with
+    ``arch=``): the tests run such builds on this host, and ``benchmarks/narrow_kernel.py``
+    measures them. The function takes ``(x, weight, bias, transposed, scale)`` as
+    :data:`narrow_matvec` does, and raises ValueError for operands the kernel does not take.
+
+    Example:
+        >>> from torchsurgery.compact.narrow_matvec import kernel_at
+        >>> kernel_at("/nonexistent/library.so") is None
+        True
+    """
+    fn = _load(path)
+    if fn is None:
+        return None
+    loaded = fn
+
+    def call(
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
+        scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return _NarrowMatvec._run(loaded, x, weight, bias, transposed, scale, (False, narrow_matvec.ahead))
+
+    return call

@@ -72,6 +72,13 @@ def _flags() -> list[str]:
     return ["-O3", "-fno-math-errno", "-shared", "-fPIC", *arch, *openmp]
 
 
+def _flags_for(arch: str | None) -> list[str]:
+    """:func:`_flags`, for ``-march=arch`` where ``arch`` is given."""
+    if arch is None:
+        return _flags()
+    return [flag for flag in _flags() if not flag.startswith(("-march", "-mcpu"))] + [f"-march={arch}"]
+
+
 def _compiler() -> str:
     return os.environ.get("CXX", "c++")
 
@@ -114,7 +121,7 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else "no output"
 
 
-def build(kind: int, path: str, *, yielding: bool = True) -> str | None:
+def build(kind: int, path: str, *, yielding: bool = True, arch: str | None = None) -> str | None:
     """Compile the library for ``kind`` into ``path``; why not, or None once it is there.
 
     The library is written under a temporary name in ``path``'s directory and renamed into
@@ -122,9 +129,14 @@ def build(kind: int, path: str, *, yielding: bool = True) -> str | None:
 
     Args:
         kind: the weight dtype's entry in :data:`KINDS`.
-        path: the library's path, named by :func:`library_name`.
+        path: the library's path, named by :func:`library_name` (or, with ``arch``, by the
+            caller: such a library is for another CPU, and never loaded as this machine's).
         yielding: run the compiler at the lowest priority (a build at first use: the
             forwards running meanwhile come first).
+        arch: build for this ``-march`` in place of this machine's own, for example
+            ``"haswell"`` (an AVX2 host without AVX-512, as AMD's before Zen 4) or
+            ``"x86-64"`` (the baseline): how the tests and ``benchmarks/narrow_kernel.py``
+            run those builds on a host that has their instructions too.
     """
     why = no_compiler()
     if why is not None:
@@ -135,7 +147,7 @@ def build(kind: int, path: str, *, yielding: bool = True) -> str | None:
     nice = ["nice", "-n", "19"] if yielding and shutil.which("nice") else []
     try:
         done = subprocess.run(
-            [*nice, _compiler(), *_flags(), f"-DTS_KIND={kind}", source_path(), "-o", temporary],
+            [*nice, _compiler(), *_flags_for(arch), f"-DTS_KIND={kind}", source_path(), "-o", temporary],
             capture_output=True, text=True, check=False, timeout=BUILD_TIMEOUT_S,
         )
         if done.returncode != 0:
