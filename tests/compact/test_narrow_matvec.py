@@ -428,13 +428,15 @@ def _has_avx2() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _has_avx2(), reason="an x86-64 CPU with AVX2 runs the AVX2 and the baseline builds")
-@pytest.mark.parametrize("arch", ["haswell", "x86-64"])
-def test_the_kernel_built_for_avx2_alone_or_the_x86_64_baseline_is_exact(tmp_path: Any, arch: str) -> None:
+@pytest.mark.skipif(not _has_avx2(), reason="an x86-64 CPU with AVX2 runs the builds for AVX2, AVX and the baseline")
+@pytest.mark.parametrize("arch", ["haswell", "ivybridge", "x86-64"])
+def test_the_kernel_built_for_avx2_avx_or_the_x86_64_baseline_is_exact(tmp_path: Any, arch: str) -> None:
     # the build for an AVX2 host without AVX-512 (most AMD CPUs before Zen 4, older Intel ones)
     # takes other intrinsics (8-lane vectors, F16C halves, fp8 widened 16 bytes at a time, its
-    # own NaN scan), and the x86-64 baseline (SSE2 alone) the portable vector code with scalar
-    # halves: each built here for such a host, and run, since this CPU has both; every dtype,
+    # own NaN scan), an AVX host without AVX2 (Ivy Bridge: 8 lanes, F16C halves, portable
+    # conversions otherwise) and the x86-64 baseline (SSE2 alone) the portable vector code with
+    # scalar halves: each built here for such a host, and run, since this CPU has their
+    # instructions too; every dtype,
     # both layouts, row counts that take each widening (pairs of vectors for 1-4 rows, one
     # vector for more), and e4m3fn's NaN of either sign at places the vector loop reads
     import concurrent.futures

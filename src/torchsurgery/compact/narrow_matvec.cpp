@@ -13,7 +13,7 @@
 #include <memory>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 #if defined(_OPENMP)
@@ -46,10 +46,12 @@ void parallel_for(int64_t n, int64_t grain, int threads, const F& f) {
 
 // fp32 lanes of one vector: a register's width. The accumulators of a row's dot products are
 // vectors of this width, kChains of them in all: as many as the register file holds with room
-// for the operands (AVX-512: 32 registers of 16 lanes; AVX2: 16 of 8, where vectors of 16 lanes,
-// each two registers, spilled the accumulators to memory on every step, measured at a quarter
-// of the memory's speed for int8 and a twentieth for e4m3fn)
-#if defined(__AVX512F__)
+// for the operands (AVX-512: 32 registers of 16 lanes; AVX and AVX2: 16 of 8, where vectors of
+// 16 lanes, each two registers, spilled the accumulators to memory on every step, measured at a
+// quarter of the memory's speed for int8 and a twentieth for e4m3fn; elsewhere, as SSE2 alone or
+// NEON, the portable code of 16 lanes: measured on the x86-64 baseline, 4 lanes and 8 chains
+// read bf16 at three quarters and int8 at half the speed of 16 and 16)
+#if defined(__AVX512F__) || !defined(__AVX__)
 constexpr int kLanes = 16;
 constexpr int kChains = 16;
 #else
@@ -127,7 +129,8 @@ inline vf halves_to_floats(vu16 h) {
   __m256i v;
   std::memcpy(&v, &h, 32);
   return (vf)_mm512_cvtph_ps(v);
-#elif defined(__F16C__)
+#elif defined(__F16C__)  // with AVX: 8 lanes
+  static_assert(kLanes == 8, "F16C widens 8 halves at a time");
   __m128i v;
   std::memcpy(&v, &h, 16);
   return (vf)_mm256_cvtph_ps(v);
@@ -273,6 +276,14 @@ inline bool has_e4m3_nan(const void* p, int64_t begin, int64_t n) {
     found = _mm256_or_si256(found, _mm256_cmpeq_epi8(v, magnitude));
   }
   any = uint64_t(_mm256_movemask_epi8(found) != 0);
+#elif defined(__SSE2__) && !defined(__AVX512F__)  // the x86-64 baseline: the same, 16 bytes at a time
+  const __m128i magnitude = _mm_set1_epi8(0x7f);
+  __m128i found = _mm_setzero_si128();
+  for (; i + 16 <= n; i += 16) {
+    const __m128i v = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)), magnitude);
+    found = _mm_or_si128(found, _mm_cmpeq_epi8(v, magnitude));
+  }
+  any = uint64_t(_mm_movemask_epi8(found) != 0);
 #else
   vu8x64 found{};
   for (; i + 64 <= n; i += 64) {
