@@ -287,10 +287,35 @@ MUTATIONS = [
          "tests/compact/test_narrow_matvec.py::test_outputs_match_fp32_for_many_shapes_rows_and_biases"),
     ),
     Mutation(
-        "kernel (issue 35): int8 on an AVX2 host: the upper 8 values come from the upper 8 bytes",
+        "kernel on AVX2 (issue 35): int8 is widened with its sign",
         "src/torchsurgery/compact/narrow_matvec.cpp",
-        "_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))", "_mm256_cvtepi8_epi32(_mm_srli_si128(b, 0))",
-        ("tests/compact/test_narrow_matvec.py::test_the_kernel_built_for_avx2_alone_is_exact",),
+        "_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(", "_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(",
+        ("tests/compact/test_narrow_matvec.py::test_the_kernel_built_for_avx2_avx_or_the_x86_64_baseline_is_exact[haswell]",),
+    ),
+    Mutation(
+        "kernel on AVX2 (issue 35): the e4m3fn NaN scan compares every 32 bytes",
+        "src/torchsurgery/compact/narrow_matvec.cpp",
+        "found = _mm256_or_si256(found, _mm256_cmpeq_epi8(v, magnitude));", "found = _mm256_or_si256(found, _mm256_setzero_si256());",
+        ("tests/compact/test_narrow_matvec.py::test_the_kernel_built_for_avx2_avx_or_the_x86_64_baseline_is_exact[haswell]",),
+    ),
+    Mutation(
+        "kernel on AVX2 (issue 35): fp8 widened 16 bytes at a time: the second vector is the upper 8",
+        "src/torchsurgery/compact/narrow_matvec.cpp",
+        "b = (vf)_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));", "b = (vf)_mm256_cvtph_ps(_mm256_castsi256_si128(h));",
+        ("tests/compact/test_narrow_matvec.py::test_the_kernel_built_for_avx2_avx_or_the_x86_64_baseline_is_exact[haswell]",),
+    ),
+    Mutation(
+        "kernel on the x86-64 baseline (issue 35): the e4m3fn NaN scan compares every 16 bytes",
+        "src/torchsurgery/compact/narrow_matvec.cpp",
+        "found = _mm_or_si128(found, _mm_cmpeq_epi8(v, magnitude));", "found = _mm_or_si128(found, _mm_setzero_si128());",
+        ("tests/compact/test_narrow_matvec.py::test_the_kernel_built_for_avx2_avx_or_the_x86_64_baseline_is_exact[x86-64]",),
+    ),
+    Mutation(
+        "kernel (issue 35): e4m3fn widened whole reads a negative NaN as NaN (its pattern reads -480)",
+        "src/torchsurgery/compact/narrow_matvec.cpp",
+        "vu32 nan = (vu32)((f == 480.0f) | (f == -480.0f));", "vu32 nan = (vu32)(f == 480.0f);",
+        ("tests/compact/test_narrow_matvec.py::test_an_e4m3fn_nan_at_every_place_of_a_weight_stored_in_out_makes_its_column_nan",
+         "tests/compact/test_narrow_matvec.py::test_the_kernel_built_for_avx2_avx_or_the_x86_64_baseline_is_exact[haswell]"),
     ),
     Mutation(
         "fp8 in 64-byte blocks: x is laid out in the order the byte unpacks leave the weights in",
