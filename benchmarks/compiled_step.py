@@ -1,12 +1,16 @@
 """A compiled decoding step of an offloaded model against its eager step and the fp32 model's.
 
-The Llama-shaped model of ``benchmarks/offload.py`` (hidden 1024, 8 layers), one token with
-a KV cache of 8, weights stored in bf16 and computed in fp32. ``torch.compile`` (inductor,
+The Llama-shaped model of ``benchmarks/offload.py`` (hidden 1024 by default, ``--width 2048``
+for the model whose weights are about 90% of the step; 8 layers), one token with a KV cache of
+8, weights stored in bf16 (``--formats`` adds fp8 e4m3fn unscaled, ``fp8-chan`` and
+``int8-chan``: a scale per output channel) and computed in fp32. ``torch.compile`` (inductor,
 ``fullgraph=True``) of the offloaded model calls the narrow product operator where the plain
 model multiplies by a weight; the compiled step should cost what the eager step costs, or
-less. Prints medians of several rounds and the ratios.
+less. Prints medians of several rounds and the ratios to the eager and the compiled fp32
+model (compiled against compiled: what a user who compiles either model sees).
 
-Run: .venv/bin/python benchmarks/compiled_step.py [--rounds 5] [--threads 2]
+Run: .venv/bin/python benchmarks/compiled_step.py [--rounds 5] [--threads 2] [--width 2048]
+[--formats bf16,fp8,fp8-chan,int8-chan]
 """
 
 from __future__ import annotations
@@ -23,7 +27,12 @@ from torch import nn
 
 import torchsurgery
 from _machine import cpu_name
-from offload import make_llama
+from offload import DECODE_SHAPES, make_llama
+from torchsurgery.compact import Scaled
+
+FORMATS: dict[str, Any] = {
+    "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8-chan": Scaled(torch.float8_e4m3fn), "int8-chan": Scaled(torch.int8),
+}
 
 
 def step_time(model: nn.Module, prompt: torch.Tensor, token: torch.Tensor, steps: int) -> float:
@@ -43,33 +52,35 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--width", type=int, default=1024, choices=sorted(DECODE_SHAPES))
+    parser.add_argument("--formats", default="bf16", help=f"storage formats, of {','.join(FORMATS)}")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"machine: {cpu_name()}, {args.threads} threads, torch {torch.__version__}; bf16 storage, fp32 compute")
+    formats = args.formats.split(",")
+    print(f"machine: {cpu_name()}, {args.threads} threads, torch {torch.__version__}; {args.width}-wide, "
+          f"storage {', '.join(formats)}, fp32 compute")
     torch.manual_seed(0)
-    base = make_llama().eval()
-    offloaded = copy.deepcopy(base)
-    torchsurgery.offload(offloaded, storage_dtype=torch.bfloat16, dtype=torch.float32)
-    variants: dict[str, Any] = {
-        "fp32 model, eager": base,
-        "fp32 model, compiled": torch.compile(base, fullgraph=True),
-        "bf16 storage, eager": offloaded,
-        "bf16 storage, compiled": torch.compile(offloaded, fullgraph=True),
-    }
+    base = make_llama(hidden_size=args.width, intermediate_size=DECODE_SHAPES[args.width]).eval()
+    variants: dict[str, Any] = {"fp32 model, eager": base, "fp32 model, compiled": torch.compile(base, fullgraph=True)}
+    for name in formats:
+        offloaded = copy.deepcopy(base)
+        torchsurgery.offload(offloaded, storage_dtype=FORMATS[name], dtype=torch.float32)
+        variants[f"{name} storage, eager"] = offloaded
+        variants[f"{name} storage, compiled"] = torch.compile(offloaded, fullgraph=True)
     prompt, token = torch.randint(0, 32000, (1, 8), generator=torch.Generator().manual_seed(8)), torch.tensor([[5]])
     times: dict[str, list[float]] = {name: [] for name in variants}
     with torch.no_grad():
         for _ in range(args.rounds):
             for name, model in variants.items():
                 times[name].append(step_time(model, prompt, token, args.steps))
-    eager = statistics.median(times["bf16 storage, eager"])
-    fp32 = statistics.median(times["fp32 model, eager"])
+    fp32, fp32_compiled = (statistics.median(times[f"fp32 model, {how}"]) for how in ("eager", "compiled"))
     print(f"one decoding step, medians of {args.rounds} rounds x {args.steps} steps [range]")
+    print(f"{'variant':<26}{'step':>10}{'':<18}{'vs own eager':>13}{'vs fp32 eager':>15}{'vs fp32 compiled':>18}")
     for name, samples in times.items():
         t = statistics.median(samples)
-        print(f"{name:<24}{t * 1e3:8.2f} ms [{min(samples) * 1e3:.2f}-{max(samples) * 1e3:.2f}]"
-              f"{t / eager:8.2f}x bf16 eager{t / fp32:8.2f}x fp32 eager")
-
+        eager = statistics.median(times[name.replace("compiled", "eager")])
+        print(f"{name:<26}{t * 1e3:8.2f} ms [{min(samples) * 1e3:6.2f}-{max(samples) * 1e3:6.2f}]"
+              f"{t / eager:12.2f}x{t / fp32:14.2f}x{t / fp32_compiled:17.2f}x")
 
 if __name__ == "__main__":
     main()
