@@ -229,3 +229,39 @@ def test_on_the_accelerator_outputs_equal_the_dequantised_model(
     x = torch.randn(3, 32, device=accelerator)
     with torch.no_grad():  # dequantised for each product, as a streamed weight is into its ring slot
         torch.testing.assert_close(model(x), reference(x), **exact_on_tardy)
+
+
+def _every_pattern(fmt: Scaled, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Every value ``fmt``'s dtype holds (NaN and the infinities included) in each of 8 rows, and
+    a scale whose mantissa no compute dtype narrower than fp32 holds (per row, or one)."""
+    q = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(fmt.dtype).repeat(8, 1)
+    torch.manual_seed(31)
+    scale = torch.rand(8, 1) * 3 + 1e-3 if fmt.per == "channel" else torch.tensor(0.0123457)
+    return q.to(device), scale.to(device)
+
+
+def _bits_equal(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """The same dtype, the same NaNs, and every other value the same bits."""
+    nan = expected.isnan()
+    return got.dtype == expected.dtype and torch.equal(got.isnan(), nan) and torch.equal(got[~nan], expected[~nan])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_dequantize_is_the_formula_bit_for_bit_for_every_pattern(fmt: Scaled, dtype: torch.dtype) -> None:
+    # bf16 and fp16 are widened into the result and scaled there: the product must still be
+    # computed in fp32 and rounded once, as (q.float() * scale).to(dtype) is, a 0-d scale too
+    q, scale = _every_pattern(fmt)
+    assert _bits_equal(dequantize(q, scale, dtype), (q.float() * scale).to(dtype))
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_dequantize_on_the_accelerator_is_the_formula_on_the_host_bit_for_bit(
+    fmt: Scaled, accelerator: torch.device
+) -> None:
+    # as a streamed weight is widened into its ring slot, in the compute dtypes of the GPU
+    q, scale = _every_pattern(fmt)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        got = dequantize(q.to(accelerator), scale.to(accelerator), dtype)
+        assert got.device == accelerator and _bits_equal(got.cpu(), (q.float() * scale).to(dtype))

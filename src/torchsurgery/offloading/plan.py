@@ -489,9 +489,10 @@ def _widened_bytes(p: ParamPlan) -> int:
 
 
 def _through_fp32(p: ParamPlan) -> int:
-    """The fp32 copy a scaled weight is dequantised through on its way to a narrower compute dtype
-    (:func:`~torchsurgery.compact.scaled.dequantize`), for as long as the cast takes."""
-    if p.scaled is None or p.compute_dtype == torch.float32:
+    """The fp32 copy a scaled weight is dequantised through on its way to a compute dtype other
+    than fp32, bf16 and fp16 (:func:`~torchsurgery.compact.scaled.dequantize` widens into the
+    result itself for those three), for as long as the cast takes."""
+    if p.scaled is None or p.compute_dtype in (torch.float32, torch.bfloat16, torch.float16):
         return 0
     return p.nbytes // p.compute_dtype.itemsize * torch.float32.itemsize
 
