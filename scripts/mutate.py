@@ -311,6 +311,24 @@ MUTATIONS = [
         ("tests/compact/test_narrow_matvec.py::test_the_kernel_built_for_avx2_avx_or_the_x86_64_baseline_is_exact[x86-64]",),
     ),
     Mutation(
+        "residency: groups swapped in go back when the ring made again for the groups left does not fit",
+        "src/torchsurgery/offloading/measured_residency.py",
+        "            for tensor, replacement in reversed(swapped):\n                swap_in(tensor, replacement)\n", "",
+        ("tests/offloading/test_engine_edges.py::test_out_of_memory_making_the_ring_again_after_groups_went_resident_leaves_every_group_streaming",),
+    ),
+    Mutation(
+        "residency: the statistics go back with them",
+        "src/torchsurgery/offloading/measured_residency.py",
+        "            stats.resident_groups[:], stats.streamed_groups[:], stats.resident_bytes = before[1], before[2], before[3]\n", "",
+        ("tests/offloading/test_engine_edges.py::test_out_of_memory_making_the_ring_again_after_groups_went_resident_leaves_every_group_streaming",),
+    ),
+    Mutation(
+        "scaled (issue 35): bf16 and fp16 are dequantised in place, with no fp32 copy besides (the plan counts none)",
+        "src/torchsurgery/compact/scaled.py",
+        "_WIDENED_IN_PLACE = (torch.float32, torch.bfloat16, torch.float16)", "_WIDENED_IN_PLACE = (torch.float32,)",
+        ("tests/offloading/test_scaled_streaming.py::test_streamed_through_the_ring_a_scaled_weight_is_the_dequantised_weight_bit_for_bit",),
+    ),
+    Mutation(
         "kernel (issue 35): e4m3fn widened whole reads a negative NaN as NaN (its pattern reads -480)",
         "src/torchsurgery/compact/narrow_matvec.cpp",
         "vu32 nan = (vu32)((f == 480.0f) | (f == -480.0f));", "vu32 nan = (vu32)(f == 480.0f);",

@@ -160,6 +160,38 @@ def test_out_of_memory_in_the_first_forward_leaves_the_offload_working(on_tardy:
 
 
 @pytest.mark.accelerator
+def test_out_of_memory_making_the_ring_again_after_groups_went_resident_leaves_every_group_streaming(
+    on_tardy: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the groups' values fit, the ring made again for the groups left does not: the groups
+    # already swapped in go back to streaming (which of the two fails depended on timing:
+    # the groups chosen follow the measured stalls)
+    model = _model()
+    x, expected = _plain_and_inputs(model, on_tardy)
+    with _slow_link(on_tardy):
+        handle = offload(model, on_tardy, budget=_all_but_one_group(model))
+        streaming = handle._streaming
+        make_ring = streaming.start
+
+        def no_room() -> None:
+            monkeypatch.setattr(streaming, "start", make_ring)  # the next forward's ring fits
+            raise torch.OutOfMemoryError("the test device has no room for the ring")
+
+        monkeypatch.setattr(streaming, "start", no_room)
+        with torch.no_grad(), pytest.raises(torch.OutOfMemoryError, match="no room for the ring"):
+            model(x)
+        assert streaming.start == make_ring  # it was the residency's ring that failed
+        assert handle.stats().resident_groups == [] and handle.stats().resident_bytes == 0
+        assert handle.stats().streamed_groups == [g.name for g in handle.plan.groups]
+        assert all(stored_values(p).device.type == "cpu" and p.device == on_tardy for p in model.parameters())
+        with torch.no_grad():
+            for _ in range(2):  # the ring made again; residency chosen after the first of these
+                torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    assert handle.stats().resident_groups
+    handle.remove()
+
+
+@pytest.mark.accelerator
 def test_out_of_memory_while_making_groups_resident_leaves_every_group_streaming(on_tardy: torch.device) -> None:
     model = _model()
     x, expected = _plain_and_inputs(model, on_tardy)

@@ -60,8 +60,10 @@ class MeasuredResidency:
         Counted as :meth:`~torchsurgery.offloading.plan.OffloadPlan.device_bytes` counts the
         budget: the groups resident, next to a ring sized for the groups that still stream.
         The ring is freed first, every chosen group's values are put on the device, then
-        swapped in: an allocation that fails (out of memory) leaves every group streaming
-        and the ring is made again by the next forward (after which this runs again).
+        swapped in, and the ring is made again for the groups left: an allocation that fails
+        (out of memory), the values' or the new ring's, leaves every group streaming (the
+        groups already swapped in are swapped back) and the ring is made again by the next
+        forward (after which this runs again).
         """
         streaming, plan = self.streaming, self.plan
         budget = plan.budget
@@ -79,9 +81,23 @@ class MeasuredResidency:
             return
         streaming.drop_ring()
         values = [(name, self._resident_values(name)) for name in chosen]
-        for name, swaps in values:
-            self._make_resident(name, swaps)
-        streaming.start()
+        stats = streaming.stats
+        before = dict(streaming.packed), list(stats.resident_groups), list(stats.streamed_groups), stats.resident_bytes
+        swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            for name, swaps in values:
+                self._make_resident(name, swaps, swapped)
+            streaming.start()
+        except BaseException:  # the new ring did not fit next to the groups made resident: all stream again
+            for tensor, replacement in reversed(swapped):
+                swap_in(tensor, replacement)
+            for name, _ in values:
+                self.streamers[name].resident = False
+            streaming.packed.clear()
+            streaming.packed.update(before[0])
+            stats.resident_groups[:], stats.streamed_groups[:], stats.resident_bytes = before[1], before[2], before[3]
+            streaming.drop_ring()
+            raise
 
     def _may_stay(self, name: str, resident: set[str]) -> bool:
         """Whether group ``name`` can be made resident: each weight it shares with another group
@@ -118,12 +134,16 @@ class MeasuredResidency:
                 swaps.append((p, moved(p, device, dtype, data=values.get(id(p)))))
         return swaps
 
-    def _make_resident(self, name: str, swaps: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Group ``name`` keeps its weights on the device from now on (``swaps``: see :meth:`_resident_values`)."""
+    def _make_resident(
+        self, name: str, swaps: list[tuple[torch.Tensor, torch.Tensor]], swapped: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Group ``name`` keeps its weights on the device from now on (``swaps``: see
+        :meth:`_resident_values`; each pair swapped is appended to ``swapped``)."""
         self.streamers[name].resident = True
         self.streaming.stop_streaming(name)
         for tensor, replacement in swaps:
             swap_in(tensor, replacement)
+            swapped.append((tensor, replacement))
         stats = self.streaming.stats
         stats.resident_groups.append(name)
         stats.streamed_groups.remove(name)
