@@ -159,6 +159,19 @@ def test_out_of_memory_in_the_first_forward_leaves_the_offload_working(on_tardy:
     handle.remove()
 
 
+def _streaming_again_then_resident(
+    handle: Any, model: nn.Module, x: torch.Tensor, expected: torch.Tensor, device: torch.device
+) -> None:
+    """After a first forward that ran out of memory making groups resident: every weight is in host
+    memory again, reading as the plain model's on the device; the next forwards are exact, and
+    the first of them chooses the groups to keep resident."""
+    assert all(stored_values(p).device.type == "cpu" and p.device == device for p in model.parameters())
+    with torch.no_grad():
+        for _ in range(2):  # the ring made again; residency chosen after the first of these
+            torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    assert handle.stats().resident_groups
+
+
 @pytest.mark.accelerator
 def test_out_of_memory_making_the_ring_again_after_groups_went_resident_leaves_every_group_streaming(
     on_tardy: torch.device, monkeypatch: pytest.MonkeyPatch
@@ -183,11 +196,7 @@ def test_out_of_memory_making_the_ring_again_after_groups_went_resident_leaves_e
         assert streaming.start == make_ring  # it was the residency's ring that failed
         assert handle.stats().resident_groups == [] and handle.stats().resident_bytes == 0
         assert handle.stats().streamed_groups == [g.name for g in handle.plan.groups]
-        assert all(stored_values(p).device.type == "cpu" and p.device == on_tardy for p in model.parameters())
-        with torch.no_grad():
-            for _ in range(2):  # the ring made again; residency chosen after the first of these
-                torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
-    assert handle.stats().resident_groups
+        _streaming_again_then_resident(handle, model, x, expected, on_tardy)
     handle.remove()
 
 
@@ -206,11 +215,7 @@ def test_out_of_memory_while_making_groups_resident_leaves_every_group_streaming
             with pytest.raises(torch.OutOfMemoryError):
                 model(x)
             assert handle.stats().resident_groups == []  # no half-made residency
-            assert all(stored_values(p).device.type == "cpu" and p.device == on_tardy for p in model.parameters())
-        with torch.no_grad():
-            for _ in range(2):  # the ring made again; residency chosen after the first of these
-                torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
-    assert handle.stats().resident_groups
+        _streaming_again_then_resident(handle, model, x, expected, on_tardy)
     handle.remove()
 
 
