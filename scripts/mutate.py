@@ -311,6 +311,19 @@ MUTATIONS = [
         ("tests/compact/test_narrow_matvec.py::test_the_kernel_built_for_avx2_avx_or_the_x86_64_baseline_is_exact[x86-64]",),
     ),
     Mutation(
+        "import: a streamer's transfers run outside compiled regions once the first Streaming is made",
+        "src/torchsurgery/offloading/streams.py",
+        "    def __init__(self, device: OffloadDevice, stats: OffloadStats, prefetch: int = 1) -> None:\n        _transfers_outside_compiled()\n",
+        "    def __init__(self, device: OffloadDevice, stats: OffloadStats, prefetch: int = 1) -> None:\n",
+        ("tests/test_import.py::test_import_leaves_the_compiler_unimported_until_a_weight_is_made",),
+    ),
+    Mutation(
+        "import: the weight's entry points run as Python under the compiler once the first weight is made",
+        "src/torchsurgery/compact/tensor.py",
+        "        if not _skipped_by_the_compiler:\n            _skip_in_compiled_frames()\n", "",
+        ("tests/compact/test_compile.py::test_a_compiled_flex_model_over_an_offloaded_model_compiles_once_and_equals_eager",),
+    ),
+    Mutation(
         "residency: groups swapped in go back when the ring made again for the groups left does not fit",
         "src/torchsurgery/offloading/measured_residency.py",
         "            for tensor, replacement in reversed(swapped):\n                swap_in(tensor, replacement)\n", "",

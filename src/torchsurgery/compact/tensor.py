@@ -215,6 +215,8 @@ class OffloadedTensor(torch.Tensor):
         device: torch.device | None = None,
         scale: torch.Tensor | None = None,
     ) -> OffloadedTensor:
+        if not _skipped_by_the_compiler:
+            _skip_in_compiled_frames()
         self: OffloadedTensor = torch.Tensor._make_wrapper_subclass(
             cls,
             stored.shape,
@@ -404,16 +406,33 @@ class OffloadedTensor(torch.Tensor):
         return _widened(func, args, kwargs)
 
 
-# Compiled code inlines the weight's __torch_function__ into its graph. Called from eager
-# code that a compiled function runs (a hook between two graphs), it would otherwise become a
-# frame of its own (and so would the handlers it calls), compiled again for every function
-# it handles: it runs as Python there, with every frame it calls.
-# The same for __torch_dispatch__, which the dispatcher calls from C++ under eager code.
-for _entry in ("__torch_function__", "__torch_dispatch__"):
-    torch._dynamo.eval_frame.set_code_exec_strategy(
-        vars(OffloadedTensor)[_entry].__func__.__code__,
-        torch._dynamo.types.FrameExecStrategy(torch._dynamo.types.FrameAction.SKIP, torch._dynamo.types.FrameAction.SKIP),
-    )
+_skip_lock = threading.Lock()
+_skipped_by_the_compiler = False
+
+
+def _skip_in_compiled_frames() -> None:
+    """Have the compiler run the weight's entry points as Python, once per process.
+
+    Compiled code inlines the weight's ``__torch_function__`` into its graph. Called from
+    eager code that a compiled function runs (a hook between two graphs), it would otherwise
+    become a frame of its own (and so would the handlers it calls), compiled again for every
+    function it handles: it runs as Python there, with every frame it calls. The same for
+    ``__torch_dispatch__``, which the dispatcher calls from C++ under eager code. Done when
+    the first weight is made (no frame of theirs runs before) rather than at import:
+    ``torch._dynamo`` takes longer to import than torch itself, and a process that never
+    makes a weight of ours needs none of it.
+    """
+    global _skipped_by_the_compiler
+    with _skip_lock:
+        if _skipped_by_the_compiler:
+            return
+        from torch._dynamo import eval_frame
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        for entry in ("__torch_function__", "__torch_dispatch__"):
+            code = vars(OffloadedTensor)[entry].__func__.__code__
+            eval_frame.set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+        _skipped_by_the_compiler = True
 
 
 def _rebuild(

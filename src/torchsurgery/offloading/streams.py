@@ -337,6 +337,7 @@ class Streaming:
     _SETTLE_EVERY = 1024  # pending measurements before they are read anyway (bounds their events)
 
     def __init__(self, device: OffloadDevice, stats: OffloadStats, prefetch: int = 1) -> None:
+        _transfers_outside_compiled()
         self.device = device
         self.stats = stats
         self.current = 0
@@ -356,6 +357,7 @@ class Streaming:
         return {**state, "ring": None, "pending": [], "restart": self.ring is not None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        _transfers_outside_compiled()
         self.__dict__.update(state)
         self.lock = _ForwardLock()
 
@@ -571,6 +573,29 @@ def _through(narrow: torch.dtype | None) -> torch.dtype | None:
     return narrow if narrow is not None and not torch.is_grad_enabled() else None
 
 
+_outside_lock = threading.Lock()
+_transfers_outside = False
+
+
+def _transfers_outside_compiled() -> None:
+    """Have compiled code run every streamer's :meth:`GroupStreamer.bring_in` and
+    :meth:`GroupStreamer.release` outside its graphs (``torch.compiler.disable``), once per process.
+
+    The transfers stay out of compiled regions; the group's compute between them compiles.
+    Applied when the first :class:`Streaming` is made or unpickled (no streamer runs before
+    one is) rather than as decorators at import: ``torch.compiler.disable`` imports
+    ``torch._dynamo``, which takes longer than torch itself, and a process that never streams
+    a weight needs none of it.
+    """
+    global _transfers_outside
+    with _outside_lock:
+        if _transfers_outside:
+            return
+        GroupStreamer.bring_in = torch.compiler.disable(GroupStreamer.bring_in)  # type: ignore[method-assign]
+        GroupStreamer.release = torch.compiler.disable(GroupStreamer.release)  # type: ignore[method-assign]
+        _transfers_outside = True
+
+
 class GroupStreamer:
     """Brings one group's weights in for its forward and puts the stored ones back after.
 
@@ -620,8 +645,7 @@ class GroupStreamer:
             self.scales = [s if s is None else s.to(v.device) for v, s in self.packed.scaled_views(views)]
         return list(zip(views, self.scales, strict=True))
 
-    @torch.compiler.disable  # transfers stay outside compiled regions; the group's compute compiles
-    def bring_in(self) -> None:
+    def bring_in(self) -> None:  # outside compiled regions (_transfers_outside_compiled); the group's compute compiles
         self.streaming.lock.acquire()  # held until the matching release(), by this thread
         self.depth += 1
         if self.depth > 1 or self.resident:
@@ -702,8 +726,7 @@ class GroupStreamer:
             owner._parameters[pname] = view  # type: ignore[assignment]
         return fresh
 
-    @torch.compiler.disable
-    def release(self) -> None:
+    def release(self) -> None:  # outside compiled regions, as bring_in
         try:
             self._put_back()
         finally:
