@@ -324,6 +324,13 @@ MUTATIONS = [
         ("tests/compact/test_compile.py::test_a_compiled_flex_model_over_an_offloaded_model_compiles_once_and_equals_eager",),
     ),
     Mutation(
+        "pool: unload_all pushes every model back",
+        "src/torchsurgery/offloading/pool.py",
+        "        for member in self._members:\n            member.push_back()\n",
+        "        for member in self._members[:1]:\n            member.push_back()\n",
+        ("tests/offloading/test_pool.py::test_unload_all_pushes_every_model_back_and_frees_what_they_held",),
+    ),
+    Mutation(
         "residency: groups swapped in go back when the ring made again for the groups left does not fit",
         "src/torchsurgery/offloading/measured_residency.py",
         "            for tensor, replacement in reversed(swapped):\n                swap_in(tensor, replacement)\n", "",

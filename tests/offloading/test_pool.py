@@ -403,6 +403,36 @@ def test_on_the_accelerator_a_model_pushed_back_frees_what_it_held_not_what_it_w
     pool.close()
 
 
+@pytest.mark.accelerator
+def test_unload_all_pushes_every_model_back_and_frees_what_they_held(accelerator: torch.device) -> None:
+    # FramePack's unload_complete_models: whole and partly loaded models alike go back to the
+    # host, as they were, and the device holds nothing of them; loaded again they compute as before
+    gc.collect()
+    models = [blocks(2).requires_grad_(False), blocks(8).requires_grad_(False)]
+    x = X.to(accelerator)
+    expected = [copy.deepcopy(m).to(accelerator)(x) for m in models]
+    ids = [identity_map(m) for m in models]
+    torch.accelerator.synchronize()
+    before = torch.accelerator.memory_allocated()
+    pool = DevicePool(accelerator, budget=least_budget(models[1], accelerator) + 2 * BLOCK)
+    for name, model in zip("ab", models, strict=True):
+        pool.add(model, name=name)
+    pool.load(models[0])
+    pool.load(models[1])  # a keeps its place only if there is room: one of them at least is on the device
+    states = {pool.state(m) for m in models}
+    assert states - {"host"}
+    pool.unload_all()
+    assert [pool.state(m) for m in models] == ["host", "host"]
+    assert [identity_map(m) for m in models] == ids
+    torch.accelerator.synchronize()
+    assert torch.accelerator.memory_allocated() == before
+    for model, out in zip(models, expected, strict=True):
+        pool.load(model)
+        torch.testing.assert_close(model(x), out, rtol=0, atol=0)
+    pool.close()
+    assert [identity_map(m) for m in models] == ids
+
+
 def test_a_pool_hook_pickled_under_its_old_name_still_loads() -> None:
     # what a model pickled while in a pool holds: its detached forward hook, by the name it had
     payload = b"\x80\x02ctorchsurgery.offloading.pool\n_Touch\nNN\x86R."

@@ -529,15 +529,6 @@ def sizes(
     return whole, max(g.nbytes for g in plan), streaming
 
 
-def whole_bytes(groups: Sequence[GroupPlan], granule: int = 1) -> int:
-    """Device bytes the groups take kept whole: their weights as held, and the largest widened for a product.
-
-    A weight held in another dtype than it computes in is widened for each product that
-    reads it, one at a time: the widest such copy is part of what the model takes.
-    """
-    return device_bytes(groups, {g.name for g in groups}, 0, granule)
-
-
 def _reads_narrow(named: dict[str, nn.Module], group: GroupPlan, p: ParamPlan, options: _Options) -> bool:
     """Whether ``p`` is served by the narrow-weight layer path (CPU matmul layers)."""
     narrow = p.shadow_dtype or p.storage_dtype
