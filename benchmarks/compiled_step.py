@@ -57,6 +57,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     formats = args.formats.split(",")
+    # every variant compiles the same forward code for its own model: one recompilation each
+    # (the default limit, 8 per code object, is reached by four formats and the fp32 model)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * (len(formats) + 1))
     print(f"machine: {cpu_name()}, {args.threads} threads, torch {torch.__version__}; {args.width}-wide, "
           f"storage {', '.join(formats)}, fp32 compute")
     torch.manual_seed(0)
