@@ -339,13 +339,14 @@ MUTATIONS = [
     Mutation(
         "residency: the statistics go back with them",
         "src/torchsurgery/offloading/measured_residency.py",
-        "            stats.resident_groups[:], stats.streamed_groups[:], stats.resident_bytes = before[1], before[2], before[3]\n", "",
+        "            stats.resident_groups[:], stats.streamed_groups[:], stats.resident_bytes = resident_groups, streamed_groups, resident_bytes\n", "",
         ("tests/offloading/test_engine_edges.py::test_out_of_memory_making_the_ring_again_after_groups_went_resident_leaves_every_group_streaming",),
     ),
     Mutation(
         "scaled (issue 35): bf16 and fp16 are dequantised in place, with no fp32 copy besides (the plan counts none)",
         "src/torchsurgery/compact/scaled.py",
-        "_WIDENED_IN_PLACE = (torch.float32, torch.bfloat16, torch.float16)", "_WIDENED_IN_PLACE = (torch.float32,)",
+        "        return q.to(dtype, copy=True).mul_(scale if scale.dim() else scale.reshape(1))",
+        "        return q.to(torch.float32, copy=True).mul_(scale).to(dtype)",
         ("tests/offloading/test_scaled_streaming.py::test_streamed_through_the_ring_a_scaled_weight_is_the_dequantised_weight_bit_for_bit",),
     ),
     Mutation(

@@ -10,7 +10,7 @@ live; this package decides how they are read.
 """
 
 from torchsurgery.compact.narrow import Scratch, is_matmul_layer, prepare_kernel
-from torchsurgery.compact.scaled import Scaled, dequantize
+from torchsurgery.compact.scaled import Scaled, dequantize, dequantize_temporary_bytes
 from torchsurgery.compact.tensor import (
     OffloadedTensor,
     ReadContext,
@@ -38,6 +38,7 @@ __all__ = [
     # scaled formats
     "Scaled",
     "dequantize",
+    "dequantize_temporary_bytes",
     "own_scale",
     "load_scaled",
     # its reads

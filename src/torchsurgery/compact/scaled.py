@@ -25,7 +25,7 @@ import torch
 
 from torchsurgery.errors import ArgumentValueError
 
-__all__ = ["Scaled", "quantize_with", "dequantize", "scaled_product"]
+__all__ = ["Scaled", "quantize_with", "dequantize", "dequantize_temporary_bytes", "scaled_product"]
 
 _LARGEST: dict[torch.dtype, float] = {
     torch.float8_e4m3fn: float(torch.finfo(torch.float8_e4m3fn).max),  # 448
@@ -160,6 +160,18 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 _WIDENED_IN_PLACE = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def dequantize_temporary_bytes(numel: int, dtype: torch.dtype) -> int:
+    """Bytes :func:`dequantize` holds besides its result while it widens ``numel`` values to ``dtype``:
+    none where it widens into the result itself, an fp32 copy elsewhere.
+
+    Example:
+        >>> import torch
+        >>> dequantize_temporary_bytes(16, torch.bfloat16), dequantize_temporary_bytes(16, torch.float64)
+        (0, 64)
+    """
+    return 0 if dtype in _WIDENED_IN_PLACE else numel * torch.float32.itemsize
 
 
 def scaled_product(

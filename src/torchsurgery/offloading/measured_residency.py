@@ -82,7 +82,8 @@ class MeasuredResidency:
         streaming.drop_ring()
         values = [(name, self._resident_values(name)) for name in chosen]
         stats = streaming.stats
-        before = dict(streaming.packed), list(stats.resident_groups), list(stats.streamed_groups), stats.resident_bytes
+        packed, resident_groups, streamed_groups = dict(streaming.packed), list(stats.resident_groups), list(stats.streamed_groups)
+        resident_bytes = stats.resident_bytes
         swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
             for name, swaps in values:
@@ -94,8 +95,8 @@ class MeasuredResidency:
             for name, _ in values:
                 self.streamers[name].resident = False
             streaming.packed.clear()
-            streaming.packed.update(before[0])
-            stats.resident_groups[:], stats.streamed_groups[:], stats.resident_bytes = before[1], before[2], before[3]
+            streaming.packed.update(packed)
+            stats.resident_groups[:], stats.streamed_groups[:], stats.resident_bytes = resident_groups, streamed_groups, resident_bytes
             streaming.drop_ring()
             raise
 

@@ -37,6 +37,7 @@ from torchsurgery._validate import (
 )
 from torchsurgery.compact import (
     Scaled,
+    dequantize_temporary_bytes,
     is_matmul_layer,
     plain_reader,
     reads_elsewhere_only,
@@ -489,12 +490,11 @@ def _widened_bytes(p: ParamPlan) -> int:
 
 
 def _through_fp32(p: ParamPlan) -> int:
-    """The fp32 copy a scaled weight is dequantised through on its way to a compute dtype other
-    than fp32, bf16 and fp16 (:func:`~torchsurgery.compact.scaled.dequantize` widens into the
-    result itself for those three), for as long as the cast takes."""
-    if p.scaled is None or p.compute_dtype in (torch.float32, torch.bfloat16, torch.float16):
+    """What a scaled weight's dequantisation holds besides its result, for as long as the cast
+    takes (:func:`~torchsurgery.compact.dequantize_temporary_bytes`)."""
+    if p.scaled is None:
         return 0
-    return p.nbytes // p.compute_dtype.itemsize * torch.float32.itemsize
+    return dequantize_temporary_bytes(p.nbytes // p.compute_dtype.itemsize, p.compute_dtype)
 
 
 def sizes(
