@@ -1,21 +1,29 @@
 # Two commands a newcomer needs: `make demo` and `make test`.
 # Both create .venv on first use and install what they need into it.
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# torch is installed first and then pinned, so no later install can swap it
-# for a (multi-GB, CUDA) build from the registry.
+# The CPU build of TORCH_VERSION is installed first and then pinned, so no later install can swap
+# it for a (multi-GB, CUDA) build from the registry. Where that build is missing the install stops
+# and names the CPU builds there are: nothing else is taken in its place.
 TORCH_VERSION ?= 2.13.0
+TORCH_SPEC    ?= torch==$(TORCH_VERSION)+cpu
 CONSTRAINTS := $(VENV)/constraints.txt
 
-.PHONY: demo test lint unit slow docs bench soak oldest clean
+.PHONY: demo test test-newest lint unit slow docs bench soak clean
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# Prefer the local CPU build of the pinned version; fall back to the registry's torch.
-	$(PIP) install -q "torch==$(TORCH_VERSION)" || $(PIP) install -q torch
+	@$(PIP) install -q "$(TORCH_SPEC)" || { \
+	  echo "Makefile: $(TORCH_SPEC) cannot be installed here; no other torch is taken in its place" \
+	    "(the registry's plain torch is a CUDA build of several GB)." >&2; \
+	  echo "CPU builds of torch pip can install here:" \
+	    "$$($(PIP) index versions torch 2>/dev/null | grep -o '[0-9][0-9.]*+cpu' | sed 's/+cpu//' | sort -u | tr '\n' ' ')" >&2; \
+	  echo "Pick one with 'make test TORCH_VERSION=<version>', or run 'make test-newest'" \
+	    "for the newest torch of any build." >&2; \
+	  exit 1; }
 	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(CONSTRAINTS)
 	touch $@
 
@@ -65,27 +73,14 @@ test: lint unit docs
 soak: $(VENV)/.dev
 	TORCHSURGERY_HYPOTHESIS_EXAMPLES=5000 $(PY) -m pytest -q -p no:cacheprovider tests/test_undo.py -k SurgeryMachine
 
-# The oldest torch that pyproject.toml claims, in a venv of its own (.venv-oldest), runs the
-# suite less the slow tests: `make oldest` (not part of `make test`). `make oldest OLDEST_TORCH=2.11.0
-# OLDEST=.venv-2.11` tries another; on x86_64 the registry's torch is a CUDA build of several GB, run on the CPU.
-OLDEST_TORCH ?= 2.13.0
-OLDEST       := .venv-oldest
-OLDEST_PY    := $(OLDEST)/bin/python
-
-$(OLDEST)/.dev: pyproject.toml $(KERNEL)
-	$(PYTHON) -m venv $(OLDEST)
-	$(OLDEST_PY) -m pip install -q --upgrade pip
-	$(OLDEST_PY) -m pip install -q "torch==$(OLDEST_TORCH)"
-	echo "torch==$(OLDEST_TORCH)" > $(OLDEST)/constraints.txt
-	$(OLDEST_PY) -m pip install -q -c $(OLDEST)/constraints.txt -e ".[dev]"
-	touch $@
-
-oldest: $(OLDEST)/.dev
-	$(OLDEST_PY) -c "import torch; print('torch', torch.__version__)"
-	$(OLDEST_PY) -m pytest -q -p no:cacheprovider --timeout=600 -m "not slow" $(PYTEST_ARGS)
+# The suite (lint, types, tests, docs) on the newest torch pip offers this machine, whatever its
+# build (here a CUDA build of several GB, run on the CPU), in a venv of its own: not part of
+# `make test`. The venv keeps the torch it was made with: `rm -r .venv-newest` to take a newer one.
+test-newest:
+	$(MAKE) test VENV=.venv-newest TORCH_SPEC=torch
 
 bench: $(VENV)/.bench
 	@echo "benchmarks: $(PY) benchmarks/<name>.py (see docs/benchmarks.md)"
 
 clean:
-	rm -rf $(VENV) $(OLDEST) build dist site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf .venv .venv-newest build dist site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -114,6 +114,20 @@ MUTATIONS = [
         ("tests/compat/test_framepack.py::test_the_app_pattern_in_its_dtypes_equals_the_app_s_own_memory_module",),
     ),
     Mutation(
+        "a compiled backward multiplies by the widened weight, as eager's backward does",
+        "src/torchsurgery/compact/tensor.py",
+        "not torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1",
+        "not torch.is_grad_enabled()",
+        ("tests/compact/test_compile.py::test_a_compiled_backward_multiplies_by_the_widened_weight_as_eager_s_does",),
+    ),
+    Mutation(
+        "tardy runs the CPU's group norm, not PyTorch's composite one (channels-last inputs)",
+        "tests/tardy/tardy.cpp",
+        '  m.impl("native_group_norm", torch::CppFunction::makeFromBoxedFunction<&fallback>());\n',
+        "",
+        ("tests/tardy/test_tardy.py::test_norms_run_the_cpus_kernels_whatever_the_layout",),
+    ),
+    Mutation(
         "Tensor.to reaching the weight's dispatch whole (inference mode) is decomposed as PyTorch does",
         "src/torchsurgery/compact/tensor.py",
         "    **dict.fromkeys([_aten.to.dtype, _aten.to.device, _aten.to.dtype_layout, _aten.to.other], _decomposed),\n",

@@ -31,6 +31,23 @@ def test_plot_is_a_png_that_widens_with_the_modules(tmp_path: Path) -> None:
     assert sizes[0][1] == sizes[1][1] and 300 <= sizes[0][1] <= 4000
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_the_picture_gets_the_mode_the_users_umask_gives_any_file(tmp_path: Path, umask: int) -> None:
+    """As the safetensors beside it: a plain file written by the same process, the same mode."""
+    import os
+    import stat
+
+    previous = os.umask(umask)
+    try:
+        plot_stats(_stats(2), tmp_path / "trace.png", "two")
+        (tmp_path / "plain").write_bytes(b"")
+    finally:
+        os.umask(previous)
+    mode = stat.S_IMODE((tmp_path / "trace.png").stat().st_mode)
+    assert mode == stat.S_IMODE((tmp_path / "plain").stat().st_mode) == 0o666 & ~umask
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain", "trace.png"]  # no drawing left behind
+
+
 def test_trace_plot_option_draws_the_traced_modules(call: Callable[..., Any], tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     plot = tmp_path / "stats.png"

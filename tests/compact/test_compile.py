@@ -16,11 +16,13 @@ from typing import Any
 
 import pytest
 import torch
+from _kernel_paths import PATHS, use
 from _weight_kinds import KINDS, Case, make_case
 from torch import nn
 
 import torchsurgery
 from torchsurgery import FlexModel, HookFunction
+from torchsurgery.compact import narrow
 
 
 class _Halved(torchsurgery.Patch, nn.Linear):
@@ -82,19 +84,52 @@ def _max_difference(runs: list[dict[str, torch.Tensor]]) -> float:
     return max((run[k] - eager[k]).abs().max().item() for run in compiled for k in eager)
 
 
-@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-@pytest.mark.parametrize("setup", COMPILED_SETUPS)
-def test_aot_eager_compiled_forward_is_the_eager_forward_bit_for_bit(setup: str, grad: bool, tmp_path: Path, fresh_dynamo: None) -> None:
+# Products without gradients by a weight stored narrower than it computes run the native kernel,
+# eagerly and compiled: on every path it can take on this host (_kernel_paths), one setup per
+# storage dtype. Products that record gradients, and their backward, multiply widened values.
+_KERNEL_SETUPS = {"bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2"}
+_BITWISE_CASES = [
+    pytest.param(setup, grad, path, marks=[_FROM_FILE] if setup == "file" else [],
+                 id=f"{setup}-{'grad' if grad else 'no_grad'}-{path}")
+    for setup in SETUPS
+    for grad in (False, True)
+    for path in (PATHS if not grad and setup in _KERNEL_SETUPS else ["native"])
+]
+
+
+@pytest.mark.parametrize(("setup", "grad", "path"), _BITWISE_CASES)
+def test_aot_eager_compiled_forward_is_the_eager_forward_bit_for_bit(
+    setup: str, grad: bool, path: str, tmp_path: Path, fresh_dynamo: None
+) -> None:
     """The same operators on the same values: equal outputs (and, recording gradients, equal input gradients)."""
     case = _setup(setup, tmp_path)
     if grad and case.kind.file:
         pytest.skip("weights streamed from a file are inference only")
-    eager, *compiled = _compiled_runs(case.model, torch.randn(3, 8), "aot_eager", grad)
+    with use(path):
+        eager, *compiled = _compiled_runs(case.model, torch.randn(3, 8), "aot_eager", grad)
     for i, run in enumerate(compiled):
         for what, value in run.items():
             assert torch.equal(value, eager[what]), (
                 f"compiled call {i}: its {what} differs from eager's by up to {(value - eager[what]).abs().max().item():.3g}"
             )
+
+
+def test_a_compiled_backward_multiplies_by_the_widened_weight_as_eager_s_does(
+    tmp_path: Path, fresh_dynamo: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eager backward multiplies the output gradient by the widened copy its forward saved, with
+    the CPU's matmul; the compiled backward must too, not take the narrow kernel, whose sums run
+    in another order (one ulp apart from the matmul's on some hosts, equal on others: counted
+    here, so that the difference shows on every host)."""
+    case = _setup("bf16", tmp_path)
+    calls: list[int] = []
+    kernel = narrow.narrow_matvec
+    monkeypatch.setattr(narrow, "narrow_matvec", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
+    eager, *compiled = _compiled_runs(case.model, torch.randn(3, 8), "aot_eager", grad=True)
+    assert calls == []
+    with torch.no_grad():  # and without gradients both take the kernel
+        case.model(torch.randn(3, 8))
+    assert calls == [1] * 3
 
 
 @pytest.mark.slow  # inductor compiles take a while on a small machine

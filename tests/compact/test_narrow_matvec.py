@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from _kernel_paths import ARCHS, PATHS, libraries
 
 from torchsurgery.compact import native_build
 from torchsurgery.compact.narrow_matvec import (
@@ -420,39 +421,25 @@ def test_an_e4m3fn_nan_at_every_place_of_a_weight_stored_in_out_makes_its_column
         torch.testing.assert_close(got.nan_to_num(0.0), expected.nan_to_num(0.0), rtol=1e-5, atol=1e-4 * inp**0.5)
 
 
-def _has_avx2() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx2 " in f" {line.split(':', 1)[1]} " for line in f)
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _has_avx2(), reason="an x86-64 CPU with AVX2 runs the builds for AVX2, AVX and the baseline")
-@pytest.mark.parametrize("arch", ["haswell", "ivybridge", "x86-64"])
-def test_the_kernel_built_for_avx2_avx_or_the_x86_64_baseline_is_exact(tmp_path: Any, arch: str) -> None:
+@pytest.mark.skipif("avx2" not in PATHS, reason="an x86-64 CPU with AVX2 runs the builds for AVX2, AVX and the baseline")
+@pytest.mark.parametrize("arch", list(ARCHS.values()))
+def test_the_kernel_built_for_avx2_avx_or_the_x86_64_baseline_is_exact(arch: str) -> None:
     # the build for an AVX2 host without AVX-512 (most AMD CPUs before Zen 4, older Intel ones)
     # takes other intrinsics (8-lane vectors, F16C halves, fp8 widened 16 bytes at a time, its
     # own NaN scan), an AVX host without AVX2 (Ivy Bridge: 8 lanes, F16C halves, portable
     # conversions otherwise) and the x86-64 baseline (SSE2 alone) the portable vector code with
-    # scalar halves: each built here for such a host, and run, since this CPU has their
-    # instructions too; every dtype,
+    # scalar halves: each built for such a host (once per machine, _kernel_paths), and run,
+    # since this CPU has their instructions too; every dtype,
     # both layouts, row counts that take each widening (pairs of vectors for 1-4 rows, one
     # vector for more), and e4m3fn's NaN of either sign at places the vector loop reads
-    import concurrent.futures
-
     from torchsurgery.compact import narrow_matvec as module
 
-    kinds = {dtype: module._KINDS[dtype] for dtype in NATIVE_DTYPES}
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        built = pool.map(lambda k: native_build.build(k, str(tmp_path / f"{k}.so"), yielding=False, arch=arch), kinds.values())
-        why = dict(zip(kinds, built, strict=True))
-    assert not any(why.values()), why
+    built = libraries(arch)
     torch.manual_seed(12)
     cases = [((7, 5), False, 1), ((100, 149), True, 3), ((300, 1100), False, 8), ((33, 77), True, 5),
              ((40, 300), False, 2), ((24, 1024), False, 1), ((19, 250), False, 4), ((10, 130), False, 6)]
-    for dtype, kind in kinds.items():
-        fn = module.kernel_at(str(tmp_path / f"{kind}.so"))
+    for dtype, path in built.items():
+        fn = module.kernel_at(path)
         assert fn is not None
         for (out, inp), transposed, rows in cases:
             weight = _narrow((inp, out) if transposed else (out, inp), dtype)

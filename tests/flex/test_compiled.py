@@ -31,3 +31,28 @@ def test_hooks_and_groups_changed_after_a_compiled_call_take_effect() -> None:
     flex.restore()
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), plain)  # and removed ones stop
+
+
+def test_compiling_a_flex_model_warns_of_nothing() -> None:
+    """The compiler traces the hooks' way out of the graph without a warning (a cached function
+    there had it warn "Dynamo detected a call to a functools.lru_cache-wrapped function")."""
+    import warnings
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(2, 4)
+    edited = model[2](model[1](model[0](x) * 2)).detach()
+    out: dict[str, list[torch.Tensor]] = {}
+    flex = FlexModel(model, out)
+    flex.register_forward_hook(HookFunction("0", editing_function=lambda m, t, c, mods: t * 2))
+    compiled = torch.compile(flex, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        results = [compiled(x) for _ in range(2)]
+    assert [str(w.message) for w in caught] == []
+    for result in results:
+        torch.testing.assert_close(result, edited)
+    assert len(out["0"]) == 2
+    flex.restore()
+    torch._dynamo.reset()

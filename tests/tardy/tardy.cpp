@@ -1141,9 +1141,16 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
 
 // Composite operators that pick a kernel by backend would ask a PrivateUse1 backend for its
 // "overrideable" variants: taken whole through the fallback instead, they run as on the CPU.
+// Operators with a CPU (and CUDA) kernel and a composite one for every other backend would take
+// the composite one here, which computes otherwise (and group norm's refuses a channels-last
+// input, which CPU and CUDA accept): they too run the CPU's kernel through the fallback.
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("convolution", torch::CppFunction::makeFromBoxedFunction<&fallback>());
   m.impl("convolution_backward", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  m.impl("native_group_norm", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  m.impl("native_group_norm_backward", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  m.impl("native_layer_norm", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  m.impl("native_layer_norm_backward", torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

@@ -206,6 +206,43 @@ def test_autograd_and_convolutions_run_through_the_cpu_fallback() -> None:
     torch.testing.assert_close(conv.weight.grad.cpu(), expected, rtol=0, atol=0)  # type: ignore[union-attr]
 
 
+_NORMS = {
+    "group_norm": (lambda: torch.nn.GroupNorm(2, 8), (2, 8, 5, 5)),
+    "layer_norm": (lambda: torch.nn.LayerNorm(8), (2, 5, 8)),
+}
+
+
+def _norm_run(module: torch.nn.Module, x: torch.Tensor, device: str) -> list[torch.Tensor]:
+    """The output, then the input's, weight's and bias's gradients, of ``module`` on ``device``."""
+    module.zero_grad()
+    module.to(device)
+    xi = x.detach().to(device).requires_grad_(True)
+    y = module(xi)
+    y.square().sum().backward()
+    return [t.detach().cpu() for t in (y, xi.grad, module.weight.grad, module.bias.grad)]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("norm", list(_NORMS))
+def test_norms_run_the_cpus_kernels_whatever_the_layout(norm: str, layout: str) -> None:
+    # PyTorch gives every backend but the CPU and CUDA a composite group and layer norm, which
+    # computes otherwise and refuses a channels-last input (a diffusers UNet's group norms
+    # failed so on tardy): tardy runs the CPU's own kernels, bit for bit. Group norm's backward
+    # of a channels-last input alone differs in its last bits: PyTorch's derivative makes its
+    # tensors contiguous on every device but the CPU (CUDA too), so another CPU kernel runs
+    make, shape = _NORMS[norm]
+    module = make()
+    x = torch.randn(*shape)
+    if layout == "channels_last":
+        x = x.permute(0, *range(2, x.dim()), 1).contiguous().permute(0, x.dim() - 1, *range(1, x.dim() - 1))
+    got = _norm_run(module, x, "tardy")
+    want = _norm_run(module, x, "cpu")
+    exact = {"rtol": 0.0, "atol": 0.0}
+    torch.testing.assert_close(got[0], want[0], **exact)
+    for a, b in zip(got[1:], want[1:], strict=True):
+        torch.testing.assert_close(a, b, **({} if (norm, layout) == ("group_norm", "channels_last") else exact))
+
+
 def test_a_late_copy_inside_inference_mode_lands_and_bumps_no_version_when_it_lands() -> None:
     side = torch.Stream(device="tardy")
     source = torch.randn(4, 3)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 from _torchsurgery_command import removed_on_interrupt
@@ -15,7 +15,7 @@ def plot_stats(stats: dict[str, dict[str, float]], path: Path, title: str) -> No
     The picture is drawn to a file beside ``path`` and renamed to it when whole.
 
     Example:
-        >>> import tempfile
+        >>> import secrets
         >>> from pathlib import Path
         >>> out = Path(tempfile.mkdtemp()) / "s.png"
         >>> plot_stats({"a": {"mean": 0.1, "std": 1.0, "norm": 3.0}}, out, "demo")
@@ -41,8 +41,9 @@ def plot_stats(stats: dict[str, dict[str, float]], path: Path, title: str) -> No
     axes[-1].set_xticklabels(names, rotation=45, ha="right", fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    fd, drawing = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
+    # a fresh name beside the target, opened as any file the user writes (mkstemp's would keep
+    # mode 0600 through the rename, where the user's umask gives the other outputs 0644)
+    drawing = str(path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.png")
     try:
         with removed_on_interrupt(drawing):
             fig.savefig(drawing, dpi=110, format="png")

@@ -83,15 +83,20 @@ def _compiler() -> str:
     return os.environ.get("CXX", "c++")
 
 
-def library_name(kind: int) -> str:
+def library_name(kind: int, arch: str | None = None) -> str:
     """The file name of the library for ``kind``: a digest of its source, flags, compiler and machine.
+
+    Args:
+        kind: the weight dtype's entry in :data:`KINDS`.
+        arch: the ``-march`` of a build for another CPU (see :func:`build`), part of the digest;
+            None: this machine's own build.
 
     Raises:
         OSError: the source is missing from the install.
     """
     with open(source_path(), encoding="utf-8") as f:
         source = f.read()
-    parts = [source, *_flags(), _compiler(), _cpu_features(), str(kind)]
+    parts = [source, *_flags_for(arch), _compiler(), _cpu_features(), str(kind)]
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     return f"narrow_matvec_{kind}_{digest}.so"
 

@@ -748,9 +748,12 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         and all(v in (None, 1) for v in (kwargs.get("beta"), kwargs.get("alpha")))
     ):
         values = w._narrow()
-        # a product that records gradients multiplies by the widened values, as eager does
+        # a product that records gradients multiplies by the widened values, as eager does; so
+        # does one a backward pass computes (grad @ W): eager's backward multiplies by the widened
+        # copy its forward saved, with the CPU's matmul, whose order of sums the kernel's is not
         if (
-            not torch.is_grad_enabled() and values.dtype != x.dtype and values.device == x.device
+            not torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+            and values.dtype != x.dtype and values.device == x.device
             and values.dim() == 2 and x.dim() == 2
         ):
             narrow_bias = _narrow_operand(bias)  # as eager reads it: a master bias through its narrow copy

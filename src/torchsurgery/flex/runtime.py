@@ -141,10 +141,16 @@ class HookRuntime:
         return edited
 
 
-@functools.cache
+_EAGER_RUN: Callable[..., Any] | None = None
+
+
 def _eager_run() -> Callable[..., Any]:
-    # made on first use: torch._dynamo is slow to import and only needed under compilation
-    return torch.compiler.disable(HookRuntime._run, recursive=True)
+    # made on first use: torch._dynamo is slow to import and only needed under compilation (a
+    # plain global, not functools.cache: the compiler warns of every cached function it traces)
+    global _EAGER_RUN
+    if _EAGER_RUN is None:
+        _EAGER_RUN = torch.compiler.disable(HookRuntime._run, recursive=True)
+    return _EAGER_RUN
 
 
 class _TorchHook:

@@ -14,6 +14,7 @@ sizes, and why the rest does not run against torchsurgery;
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 from typing import Any
@@ -58,12 +59,13 @@ def _world(library: str, world: int) -> list[dict[str, dict[str, Any]]]:
     return runs
 
 
-def _marked(library: str) -> tuple[pytest.MarkDecorator, ...]:
-    return (pytest.mark.slow,) if library == "flex_model" else ()
+def _marked(library: str, world: int) -> tuple[pytest.MarkDecorator, ...]:
+    # every item that runs at 4 ranks runs at 2 too: the 4-rank world is left to `make slow`
+    return (pytest.mark.slow,) if library == "flex_model" or world == 4 else ()
 
 
 CASES = [
-    pytest.param(library, world, item.id, marks=_marked(library), id=f"{library}-{world}rank-{item.id}")
+    pytest.param(library, world, item.id, marks=_marked(library, world), id=f"{library}-{world}rank-{item.id}")
     for world in WORLDS
     for library in LIBRARIES
     for item in items(library, world)
@@ -99,15 +101,15 @@ def _plain_hook(model: nn.Module, module: str, input_ids: torch.Tensor) -> torch
     return seen[0]
 
 
-@pytest.mark.parametrize("library", [pytest.param(library, marks=_marked(library)) for library in LIBRARIES])
-def test_examples_capture_what_a_plain_torch_hook_sees(library: str) -> None:
-    # single_gpu_example prints the captures of layer 24 of the 7b stand-in
-    (activations,) = _world(library, 1)[0]["examples/single_gpu_example.py"]["printed"]
-    assert list(activations) == ["model.layers.24"]
-    input_ids = tokenizer()("Where is the best spot for lunch?", return_tensors="pt")["input_ids"]
-    seen = _plain_hook(llama_2_7b(), "model.layers.24", input_ids)
-    torch.testing.assert_close(activations["model.layers.24"][0], seen, rtol=0, atol=0)
+_WORLD_CASES = [
+    pytest.param(library, world, marks=_marked(library, world), id=f"{library}-{world}rank")
+    for library in LIBRARIES
+    for world in WORLDS
+]
 
+
+@functools.cache
+def _fsdp_example_reference() -> torch.Tensor:
     # fsdp_example: rank 0 prints the MLP output of layer 30 of the 13b stand-in for four
     # prompts padded with EOS to 512 tokens, whatever the number of ranks sharing them
     prompts = ["It's a nice day we're having", "The capital of Canada is",
@@ -117,28 +119,38 @@ def test_examples_capture_what_a_plain_torch_hook_sees(library: str) -> None:
     input_ids = padded(prompts, padding="max_length", max_length=512, return_tensors="pt")["input_ids"]
     seen = _plain_hook(llama_2_13b(), "model.layers.30.mlp", input_ids)
     assert seen.shape == (4, 512, 5120) and seen.dtype == torch.bfloat16
-    for world in WORLDS:
-        shape, activation = _world(library, world)[0]["examples/fsdp_example.py"]["printed"]
-        assert shape == "Activation shape: torch.Size([4, 512, 5120])", world
-        torch.testing.assert_close(activation, seen, rtol=0, atol=0, msg=f"{world} rank(s)")
+    return seen
 
 
-def test_a_wrong_hint_that_flex_model_ignores_is_told_once() -> None:
+@pytest.mark.parametrize(("library", "world"), _WORLD_CASES)
+def test_examples_capture_what_a_plain_torch_hook_sees(library: str, world: int) -> None:
+    if world == 1:  # single_gpu_example prints the captures of layer 24 of the 7b stand-in
+        (activations,) = _world(library, 1)[0]["examples/single_gpu_example.py"]["printed"]
+        assert list(activations) == ["model.layers.24"]
+        input_ids = tokenizer()("Where is the best spot for lunch?", return_tensors="pt")["input_ids"]
+        seen = _plain_hook(llama_2_7b(), "model.layers.24", input_ids)
+        torch.testing.assert_close(activations["model.layers.24"][0], seen, rtol=0, atol=0)
+    shape, activation = _world(library, world)[0]["examples/fsdp_example.py"]["printed"]
+    assert shape == "Activation shape: torch.Size([4, 512, 5120])"
+    torch.testing.assert_close(activation, _fsdp_example_reference(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world", [case.values[1] for case in _WORLD_CASES if case.values[0] == "torchsurgery"])
+def test_a_wrong_hint_that_flex_model_ignores_is_told_once(world: int) -> None:
     # its fairscale full_backward tests hint (None, None, 20) for column_parallel_linear's
     # input gradient, 10 wide; in the DDP run (tensor_parallel_size 1) nothing needs the hint
     told = {
         "_test/multi_gpu/core/test_fairscale_mpu_vs_ddp.py::test_full_backward_hooks_fairscale",
         "_test/multi_gpu/core/test_fairscale_mpu_vs_ddp.py::test_full_backward_pre_hooks_fairscale",
     }
-    for world in WORLDS:
-        for rank in _world("torchsurgery", world):
-            for item, result in rank.items():
-                if item not in told:
-                    assert result["hints"] == [], item
-                    continue
-                (message,) = result["hints"]
-                assert "[None, None, 20] of 'module.column_parallel_linear'" in message
-                assert f"its shape [{4 // world}, 42, 10]" in message and "tensor_parallel_size is 1" in message
+    for rank in _world("torchsurgery", world):
+        for item, result in rank.items():
+            if item not in told:
+                assert result["hints"] == [], item
+                continue
+            (message,) = result["hints"]
+            assert "[None, None, 20] of 'module.column_parallel_linear'" in message
+            assert f"its shape [{4 // world}, 42, 10]" in message and "tensor_parallel_size is 1" in message
 
 
 def _table() -> list[list[str]]:

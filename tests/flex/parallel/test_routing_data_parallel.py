@@ -189,7 +189,10 @@ def _grad_worker(rank: int, world: int, prefix: str, captures_on: str) -> dict[s
     return {"out": out, "grads": {n: p.grad for n, p in model.named_parameters()}}
 
 
-@pytest.mark.parametrize(("world", "prefix", "captures_on"), [(2, "module.", "every_rank"), (4, "", "first_rank")])
+@pytest.mark.parametrize(
+    ("world", "prefix", "captures_on"),
+    [(2, "module.", "every_rank"), (2, "", "first_rank"), pytest.param(4, "", "first_rank", marks=pytest.mark.slow)],
+)
 def test_gradient_captures_and_edits_match_one_process(world: int, prefix: str, captures_on: str) -> None:
     results = spawn(_grad_worker, world, prefix, captures_on)
     torch.manual_seed(0)

@@ -115,8 +115,17 @@ def _subgroup(ranks: Sequence[int], cache: dict[tuple[int, ...], dist.ProcessGro
     key = tuple(ranks)
     if key not in cache:
         # only the members take part, so each rank builds just the groups it is in
-        cache[key] = dist.new_group(list(key), use_local_synchronization=True)
+        cache[key] = _new_group(key)
     return cache[key]
+
+
+def _new_group(ranks: Sequence[int]) -> dist.ProcessGroup:
+    """A process group of ``ranks``, built by its members alone (this rank among them)."""
+    group = dist.new_group(list(ranks), use_local_synchronization=True)
+    # torch types the result as a group or "not a member" (a constant): a member always gets the group
+    if not isinstance(group, dist.ProcessGroup):
+        raise RuntimeError(f"{_WHAT}: rank {dist.get_rank()} got no process group for ranks {list(ranks)}")
+    return group
 
 
 def _from_ranks(
@@ -185,7 +194,7 @@ def _mesh_ranks(
         return ranks, process_group
     if len(ranks) == dist.get_world_size():
         return ranks, _world()
-    return ranks, dist.new_group(list(ranks), use_local_synchronization=True)
+    return ranks, _new_group(ranks)
 
 
 def make_layout(
