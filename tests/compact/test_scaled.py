@@ -265,3 +265,27 @@ def test_dequantize_on_the_accelerator_is_the_formula_on_the_host_bit_for_bit(
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         got = dequantize(q.to(accelerator), scale.to(accelerator), dtype)
         assert got.device == accelerator and _bits_equal(got.cpu(), (q.float() * scale).to(dtype))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_narrow_compute_dtype_sums_scaled_values_as_the_plain_layer_does(fmt: Scaled, compiled: bool) -> None:
+    # fp16 compute: summing the unscaled values (e4m3's reach 448, int8's 127) in fp16 overflowed
+    # rows of 1024 (e4m3), 64 (e5m2) or 4096 (int8) positive products to inf, where the plain
+    # fp16 layer holding the dequantised values gives about 5, 0.3 and 22
+    torch._dynamo.reset()
+    for width in (64, 1024, 4096):
+        layer = nn.Linear(width, 3, bias=False)
+        with torch.no_grad():
+            layer.weight.uniform_(0.001, 0.01)
+        handle = offload(layer, storage_dtype=fmt, dtype=torch.float16, groups=[""])
+        plain = nn.Linear(width, 3, bias=False).half()
+        with torch.no_grad():
+            plain.weight.copy_(layer.weight)  # the values the weight reads as, in fp16
+            x = torch.rand(2, width, dtype=torch.float16)
+            run = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
+            got, want = run(x), plain(x)
+        assert bool(want.isfinite().all()) and bool(got.isfinite().all()), (width, got)
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-3)
+        handle.remove()
+    torch._dynamo.reset()

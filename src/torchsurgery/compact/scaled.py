@@ -180,10 +180,12 @@ def scaled_product(
     """``x @ (q * scale).T + bias`` without gradients, the scale applied to the sums where it can be.
 
     ``scale`` is broadcast to ``q``'s shape ([out, in]). Where it is constant along each row
-    (per output channel, or per tensor), the sums are taken from ``q`` itself by ``product``
-    and scaled there (the native kernel reads fp8 and int8 rows in place and scales each sum):
-    ``(x @ q.T) * scale + bias``. Otherwise (a transposed view of a per-channel weight) the
-    weight is dequantised first.
+    (per output channel, or per tensor) and ``x`` is fp32 or wider, the sums are taken from
+    ``q`` itself by ``product`` and scaled there (the native kernel reads fp8 and int8 rows in
+    place and scales each sum): ``(x @ q.T) * scale + bias``. Otherwise the weight is
+    dequantised first: a transposed view of a per-channel weight, and a narrower ``x``, whose
+    dtype would sum the unscaled values (e4m3's reach 448) where the plain layer sums scaled
+    ones: an fp16 row of 1024 such products overflows to ``inf`` where the plain layer gives 5.
 
     Example:
         >>> import torch
@@ -195,6 +197,6 @@ def scaled_product(
         >>> scaled_product(torch.ones(1, 2), q, scale, torch.tensor([1.0]), plain).tolist()
         [[4.0]]
     """
-    if scale.dim() != 2 or scale.stride(1) != 0:
+    if scale.dim() != 2 or scale.stride(1) != 0 or x.dtype.itemsize < torch.float32.itemsize:
         return product(x, dequantize(q, scale, x.dtype), None, bias)
     return product(x, q, scale[:, 0], bias)  # one scale per output: applied to the sums
