@@ -289,3 +289,24 @@ def test_a_narrow_compute_dtype_sums_scaled_values_as_the_plain_layer_does(fmt: 
         torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-3)
         handle.remove()
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+def test_a_weight_with_an_inf_or_nan_is_refused_by_name_and_the_model_is_left_as_it_was(fmt: Scaled, bad: float) -> None:
+    # its channel's scale (per tensor: the weight's) would be inf or NaN, and every value it
+    # scales NaN, with remove() giving the NaNs back: refused before anything changes
+    model = mlp()
+    with torch.no_grad():
+        model[3].weight[2, 5] = bad
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = [id(p) for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"'3\.weight': 1 of its values are inf or NaN") as refused:
+        offload(model, storage_dtype=fmt, dtype=torch.float32)
+    assert torchsurgery.surgery_log(model) == [] and [id(p) for p in model.parameters()] == ids
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0, equal_nan=True)
+    way_out = str(refused.value).split("(skip=")[1].split(")")[0]  # the way out the message names
+    handle = offload(model, storage_dtype=fmt, dtype=torch.float32, skip=eval(way_out))
+    assert not isinstance(model[3].weight, OffloadedTensor) and isinstance(model[0].weight, OffloadedTensor)
+    handle.remove()

@@ -600,13 +600,26 @@ def _check_plain_readers(named: dict[str, nn.Module], groups: list[GroupPlan]) -
 
 
 def _check_values(named: dict[str, nn.Module], groups: list[GroupPlan]) -> None:
-    """Refuse weights without values (on the meta device) when there is no checkpoint to read them from."""
+    """Refuse weights without values (on the meta device) when there is no checkpoint to read them
+    from, and weights a scaled format cannot keep: an inf or NaN makes its channel's scale (or, per
+    tensor, the weight's) inf or NaN, and every value it scales NaN."""
     empty = [p.name for g in groups for p in g.params if p.lookup_in(named).is_meta]
     if empty:
         raise ValueError(
             f"{_WHAT}: {len(empty)} weights are on the meta device (no values), e.g. {empty[:3]}; "
             "stream them from their checkpoint with storage='model.safetensors', or load them first"
         )
+    for p in (p for g in groups for p in g.params if p.scaled is not None and p.tied_to is None):
+        values = p.lookup_in(named).detach()
+        bad = int(values.numel() - torch.isfinite(values).sum())
+        if bad:
+            raise ArgumentValueError(
+                _WHAT, "storage_dtype", p.scaled,
+                f"{p.scaled} cannot keep {p.name!r}: {bad} of its values are inf or NaN, which would make the scale of "
+                "its channel (or, per tensor, of the whole weight) inf or NaN and every value it scales NaN",
+                f"leave the module out (skip=lambda module, name: name == {p.module!r}), keep the model in a plain "
+                "storage_dtype such as torch.bfloat16 (which keeps inf as inf), or replace those values first",
+            )
 
 
 def streaming_bytes(group: GroupPlan, granule: int = 1) -> tuple[int, int]:
