@@ -94,7 +94,7 @@ from torchsurgery._checkpoint import (
 from torchsurgery._names import near_matches
 from torchsurgery._swap import swap_blocker, swap_in, wrap_like
 from torchsurgery._validate import check_device, check_dtype
-from torchsurgery.compact import OffloadedTensor, dequantize, load_scaled, own_scale, stored_values
+from torchsurgery.compact import OffloadedTensor, dequantize, load_scaled, own_scale, rescale, stored_values
 
 __all__ = ["swap_on_conversion", "convert_", "load_", "LoadResult", "skeleton", "CheckpointError"]
 
@@ -797,8 +797,14 @@ def _read_in_place(reader: Source, in_place: list[tuple[torch.Tensor, str]], sto
     """Write each tensor's checkpoint values into it; a scaled entry's as the values ``q * scale`` stand for."""
     plain = [(t, key) for t, key in in_place if key not in scales]
     for run in _in_chunks(plain, [stored[key].dtype.itemsize * t.numel() for t, key in plain]):
-        reader.read_many([(key, t.detach()) for t, key in run])
+        # a scaled weight given plain values takes a scale chosen from them, not the one of the
+        # values they replace (values 100x the old ones read back at 1%): read, then rescaled
+        plain_values = {id(t): torch.empty(t.shape, dtype=t.dtype) for t, _ in run if own_scale(t) is not None}
+        reader.read_many([(key, plain_values.get(id(t), t.detach())) for t, key in run])
         for t, _ in run:
+            if id(t) in plain_values:
+                rescale(t, plain_values[id(t)])  # type: ignore[arg-type]
+                continue
             # the bytes went straight into memory: count it as the in-place write it is, so
             # whoever keeps a copy by version (an offload's streamed groups) sees the change
             torch.autograd.graph.increment_version(t)

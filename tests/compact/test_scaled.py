@@ -310,3 +310,27 @@ def test_a_weight_with_an_inf_or_nan_is_refused_by_name_and_the_model_is_left_as
     handle = offload(model, storage_dtype=fmt, dtype=torch.float32, skip=eval(way_out))
     assert not isinstance(model[3].weight, OffloadedTensor) and isinstance(model[0].weight, OffloadedTensor)
     handle.remove()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize("file_dtype", [torch.float32, torch.float8_e4m3fn], ids=["fp32-file", "fp8-file-without-scale"])
+def test_load_of_plain_values_chooses_a_scale_from_them(fmt: Scaled, file_dtype: torch.dtype, tmp_path: Any) -> None:
+    # values 100x those offloaded: a load that kept the old scale saturated them (read back at
+    # about 1%); the weight must hold what the format keeps of the file's values, as the plain
+    # model loaded from the same file and quantised by the same format holds them
+    from safetensors.torch import save_file
+
+    model = mlp()
+    new = {k: (v * 100).to(file_dtype if v.dim() == 2 else v.dtype) for k, v in mlp().state_dict().items()}
+    save_file(new, tmp_path / "new.safetensors")
+    plain = mlp()
+    plain.load_state_dict({k: v.float() for k, v in new.items()})
+    reference = dequantised(plain, fmt)
+    handle = offload(model, storage_dtype=fmt, dtype=torch.float32)
+    torchsurgery.load_(model, tmp_path / "new.safetensors")
+    for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+    x = torch.randn(3, 32)
+    with torch.no_grad():  # the sums of q, scaled, against the plain matmul: fp32 apart (outputs near 100)
+        torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-3)
+    handle.remove()

@@ -21,6 +21,7 @@ from torchsurgery.compact.tensor import (
     plain_reader,
     reads_elsewhere_only,
     rehome,
+    rescale,
     stored_state,
     stored_values,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "dequantize_temporary_bytes",
     "own_scale",
     "load_scaled",
+    "rescale",
     # its reads
     "ReadContext",
     "Scratch",

@@ -1006,16 +1006,50 @@ def load_scaled(tensor: OffloadedTensor, q: torch.Tensor, scale: torch.Tensor) -
         [[0.5, 0.5], [0.5, 0.5]]
         >>> _ = handle.remove()
     """
+    own = _own_scale_of(tensor, "load_scaled")
+    if q.dtype != tensor.stored.dtype:
+        rescale(tensor, dequantize(q, scale, torch.float32))
+        return
+    with torch.no_grad():
+        tensor.stored.copy_(q)  # counts in the stored values' version counter: copies kept by version see it
+        own.copy_(scale)
+
+
+def rescale(tensor: OffloadedTensor, values: torch.Tensor) -> None:
+    """Give the scaled weight ``tensor`` the plain ``values``, with a new scale chosen from them.
+
+    The scale has the weight's granularity (one per channel, or one for the tensor), chosen as
+    :meth:`~torchsurgery.compact.scaled.Scaled.quantize` chooses it: a load of new values must
+    not keep the scale of the values it replaces (a write, such as an optimizer step, keeps it).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import torchsurgery
+        >>> from torchsurgery.compact import Scaled
+        >>> from torchsurgery.compact.tensor import rescale
+        >>> layer = nn.Linear(2, 2)
+        >>> handle = torchsurgery.offload(layer, storage_dtype=Scaled(torch.int8), groups=[""])
+        >>> rescale(layer.weight, torch.tensor([[100.0, -50.0], [0.5, 0.25]]))
+        >>> layer.weight.tolist()
+        [[100.0, -50.0], [0.5, 0.25]]
+        >>> _ = handle.remove()
+    """
+    own = _own_scale_of(tensor, "rescale")
+    stored = tensor.stored
+    fmt = Scaled(stored.dtype, "channel" if own.numel() > 1 or stored.dtype == torch.int8 else "tensor")
+    q, scale = fmt.quantize(values.to(stored.device))
+    with torch.no_grad():
+        stored.copy_(q)
+        own.copy_(scale)
+
+
+def _own_scale_of(tensor: torch.Tensor, what: str) -> torch.Tensor:
     own = own_scale(tensor)
     if own is None:
-        raise TypeError(f"torchsurgery: load_scaled needs a weight stored with a scale, got one stored as {tensor.stored.dtype}")
-    stored = tensor.stored
-    if q.dtype != stored.dtype:
-        fmt = Scaled(stored.dtype, "channel" if own.numel() > 1 or stored.dtype == torch.int8 else "tensor")
-        q, scale = fmt.quantize(dequantize(q, scale, torch.float32))
-    with torch.no_grad():
-        stored.copy_(q)  # counts in the stored values' version counter: copies kept by version see it
-        own.copy_(scale)
+        dtype = tensor.stored.dtype if isinstance(tensor, OffloadedTensor) else tensor.dtype
+        raise TypeError(f"torchsurgery: {what} needs a weight stored with a scale, got one stored as {dtype}")
+    return own
 
 
 def reads_elsewhere_only(tensor: torch.Tensor) -> bool:
