@@ -94,7 +94,14 @@ from torchsurgery._checkpoint import (
 from torchsurgery._names import near_matches
 from torchsurgery._swap import swap_blocker, swap_in, wrap_like
 from torchsurgery._validate import check_device, check_dtype
-from torchsurgery.compact import OffloadedTensor, dequantize, load_scaled, own_scale, rescale, stored_values
+from torchsurgery.compact import (
+    OffloadedTensor,
+    dequantize,
+    load_scaled,
+    own_scale,
+    rescale,
+    stored_values,
+)
 
 __all__ = ["swap_on_conversion", "convert_", "load_", "LoadResult", "skeleton", "CheckpointError"]
 
@@ -803,7 +810,7 @@ def _read_in_place(reader: Source, in_place: list[tuple[torch.Tensor, str]], sto
         reader.read_many([(key, plain_values.get(id(t), t.detach())) for t, key in run])
         for t, _ in run:
             if id(t) in plain_values:
-                rescale(t, plain_values[id(t)])  # type: ignore[arg-type]
+                rescale(t, plain_values[id(t)])
                 continue
             # the bytes went straight into memory: count it as the in-place write it is, so
             # whoever keeps a copy by version (an offload's streamed groups) sees the change
