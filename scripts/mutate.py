@@ -221,8 +221,8 @@ MUTATIONS = [
     Mutation(
         "a library's name carries the CPU features it was built for",
         "src/torchsurgery/compact/native_build.py",
-        "    parts = [source, *_flags(), _compiler(), _cpu_features(), str(kind)]\n",
-        "    parts = [source, *_flags(), _compiler(), str(kind)]\n",
+        "    parts = [source, *_flags_for(arch), _compiler(), _cpu_features(), str(kind)]\n",
+        "    parts = [source, *_flags_for(arch), _compiler(), str(kind)]\n",
         ("tests/compact/test_narrow_matvec.py::test_a_library_built_on_another_machine_is_not_loaded",),
     ),
     Mutation(
@@ -734,13 +734,13 @@ MUTATIONS = [
     ),
     Mutation(
         "the command: Ctrl-C is handled from before torch's import",
-        "src/_torchsurgery_command.py",
+        "src/_torchsurgery_interrupt.py",
         "    signal.signal(signal.SIGINT, _interrupted)\n", "    pass\n",
         ("tests/cli/test_interrupt.py::test_an_interrupt_at_any_point_is_one_line_exit_130_and_no_partial_file",),
     ),
     Mutation(
         "the command: an interrupt removes the files being written",
-        "src/_torchsurgery_command.py",
+        "src/_torchsurgery_interrupt.py",
         "    for path in reversed(_partial):\n", "    for path in []:\n",
         ("tests/cli/test_interrupt.py::test_an_interrupt_removes_what_was_being_written_and_nothing_else",),
     ),

@@ -189,6 +189,38 @@ def test_no_cycle_between_rooms_and_the_root() -> None:
     assert cycles == [], f"rooms on an import cycle: {cycles}; edges: {sorted(room_edges)}"
 
 
+# The command's own top-level modules (``src/*.py``): they import the standard library first
+COMMAND_MODULES = {path.stem: path for path in sorted(SRC.glob("*.py"))}
+
+
+def _module_edges() -> dict[str, set[str]]:
+    """Every module of the package and the command, and the modules it imports (lazy imports too)."""
+    edges: dict[str, set[str]] = {}
+    for module, path in {**MODULES, **COMMAND_MODULES}.items():
+        targets = edges.setdefault(module, set())
+        targets.update(t for t, _ in _imports(module, path) if t in MODULES and t != module)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            targets.update(n for n in names if n in COMMAND_MODULES and n != module)
+    return edges
+
+
+def test_no_module_is_on_an_import_cycle() -> None:
+    # lazy imports count: a cycle through one still ties the two modules to each other
+    edges = _module_edges()
+    reach = {m: set(t) for m, t in edges.items()}
+    changed = True
+    while changed:  # transitive closure
+        changed = False
+        for m in reach:
+            more = set().union(*(reach[t] for t in reach[m] if t in reach)) - reach[m]
+            if more:
+                reach[m] |= more
+                changed = True
+    cycles = sorted(m for m in reach if m in reach[m])
+    assert cycles == [], f"modules on an import cycle: {cycles}"
+
+
 def test_no_module_imports_another_modules_private_names() -> None:
     _, private, _ = _graph()
     assert sorted(private) == []

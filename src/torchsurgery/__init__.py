@@ -18,7 +18,7 @@ buffer objects.
 """
 
 # `python -m torchsurgery`: Ctrl-C is the command's from here on, before torch is imported
-from _torchsurgery_command import install_if_run_as_module as _command_start
+from _torchsurgery_interrupt import install_if_run_as_module as _command_start
 
 _command_start()
 

@@ -1,6 +1,6 @@
 """``python -m torchsurgery``: the same as the ``torchsurgery`` command."""
 
-from _torchsurgery_command import run_to_the_end
+from _torchsurgery_interrupt import run_to_the_end
 from torchsurgery.cli import main
 
 if __name__ == "__main__":

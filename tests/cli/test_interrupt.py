@@ -93,7 +93,7 @@ def test_an_interrupt_removes_what_was_being_written_and_nothing_else(tmp_path: 
     # the handler alone, in a process that interrupts itself while a folder and a file are
     # being written: both go, a finished file stays
     program = (
-        "import os, signal, time, _torchsurgery_command as command\n"
+        "import os, signal, time, _torchsurgery_interrupt as command\n"
         "command.install()\n"
         "open('done', 'w').close()\n"
         "os.mkdir('spill'); open('spill/part', 'w').close(); open('drawing', 'w').close()\n"

@@ -6,7 +6,7 @@ import os
 import secrets
 from pathlib import Path
 
-from _torchsurgery_command import removed_on_interrupt
+from _torchsurgery_interrupt import removed_on_interrupt
 
 
 def plot_stats(stats: dict[str, dict[str, float]], path: Path, title: str) -> None:

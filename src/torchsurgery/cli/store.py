@@ -6,7 +6,7 @@ beside the output as they arrive (rows concatenated along the first dimension); 
 writes the header and streams the spill files into a file in that folder, renames it to
 the output and removes the folder. Memory use is one batch, whatever the total size. Nothing
 is written outside the output's folder, and the output appears whole or not at all: an
-interrupt of the command removes the folder (``_torchsurgery_command.removed_on_interrupt``).
+interrupt of the command removes the folder (``_torchsurgery_interrupt.removed_on_interrupt``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import BinaryIO
 
 import torch
 
-from _torchsurgery_command import removed_on_interrupt
+from _torchsurgery_interrupt import removed_on_interrupt
 from torchsurgery._validate import safetensors_code
 
 

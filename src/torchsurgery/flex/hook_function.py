@@ -28,6 +28,9 @@ GRADIENT_HOOK_TYPES: tuple[HookType, ...] = ("full_backward", "full_backward_pre
 Shape = tuple[int | None, ...]
 """A shape whose ``None`` entries match any size."""
 
+Edit = Callable[[torch.Tensor], torch.Tensor]
+"""Runs a hook's editing function on the full tensor (and checks what it returns)."""
+
 
 def shape_hint(value: Sequence[int | None] | None, what: str) -> Shape | None:
     """``value`` checked as an ``expected_shape``: sizes or ``None`` entries, as a tuple.

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from torchsurgery.flex.captures import Captures
-from torchsurgery.flex.hook_function import Binding, HookType, Shape
+from torchsurgery.flex.hook_function import Binding, Edit, HookType, Shape
 from torchsurgery.flex.parallel.request import ParallelRequest, ParallelSizes
 from torchsurgery.flex.shape_hints import HintCheck
 
@@ -34,8 +34,6 @@ __all__ = [
     "routing_for",
 ]
 
-Edit = Callable[[torch.Tensor], torch.Tensor]
-"""Runs a hook's editing function on the full tensor (and checks what it returns)."""
 
 class Routing(Protocol):
     """How a :class:`~torchsurgery.FlexModel` moves activations for its hooks."""

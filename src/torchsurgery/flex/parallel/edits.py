@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from torchsurgery.flex.hook_function import Binding, HookType
+from torchsurgery.flex.hook_function import Binding, Edit, HookType
 from torchsurgery.flex.parallel.collectives import (
     agree_on_failure,
     broadcast_from_root,
@@ -28,7 +28,6 @@ from torchsurgery.flex.parallel.collectives import (
     piece_sizes,
 )
 from torchsurgery.flex.parallel.layout import Layout
-from torchsurgery.flex.routing import Edit
 
 __all__ = ["replica_scale", "StageEdits"]
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from torchsurgery.flex.captures import Captures
-from torchsurgery.flex.hook_function import GRADIENT_HOOK_TYPES, Binding, HookType, Shape
+from torchsurgery.flex.hook_function import GRADIENT_HOOK_TYPES, Binding, Edit, HookType, Shape
 from torchsurgery.flex.parallel.edits import StageEdits
 from torchsurgery.flex.parallel.gradients import TrainableGradients
 from torchsurgery.flex.parallel.layout import Layout, make_layout
@@ -34,7 +34,6 @@ from torchsurgery.flex.parallel.pipeline import Pipeline
 from torchsurgery.flex.parallel.request import CapturesOn, ParallelRequest, ParallelSizes
 from torchsurgery.flex.parallel.shipping import CaptureShipping
 from torchsurgery.flex.parallel.tensor_parallel import TensorParallel
-from torchsurgery.flex.routing import Edit
 
 __all__ = ["DistributedRouting", "distributed_routing"]
 
