@@ -33,9 +33,10 @@ def test_hooks_and_groups_changed_after_a_compiled_call_take_effect() -> None:
         torch.testing.assert_close(compiled(x), plain)  # and removed ones stop
 
 
-def test_compiling_a_flex_model_warns_of_nothing() -> None:
+def test_compiling_a_flex_model_warns_of_nothing_and_compiles_once() -> None:
     """The compiler traces the hooks' way out of the graph without a warning (a cached function
-    there had it warn "Dynamo detected a call to a functools.lru_cache-wrapped function")."""
+    there had it warn "Dynamo detected a call to a functools.lru_cache-wrapped function") and
+    without a guard that fails on the next call (a function kept in a global had one)."""
     import warnings
 
     torch._dynamo.reset()
@@ -47,12 +48,12 @@ def test_compiling_a_flex_model_warns_of_nothing() -> None:
     flex = FlexModel(model, out)
     flex.register_forward_hook(HookFunction("0", editing_function=lambda m, t, c, mods: t * 2))
     compiled = torch.compile(flex, backend="aot_eager")
-    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
         warnings.simplefilter("always")
-        results = [compiled(x) for _ in range(2)]
+        results = [compiled(x) for _ in range(3)]  # and compiled once
     assert [str(w.message) for w in caught] == []
     for result in results:
         torch.testing.assert_close(result, edited)
-    assert len(out["0"]) == 2
+    assert len(out["0"]) == 3
     flex.restore()
     torch._dynamo.reset()

@@ -15,7 +15,7 @@ def plot_stats(stats: dict[str, dict[str, float]], path: Path, title: str) -> No
     The picture is drawn to a file beside ``path`` and renamed to it when whole.
 
     Example:
-        >>> import secrets
+        >>> import tempfile
         >>> from pathlib import Path
         >>> out = Path(tempfile.mkdtemp()) / "s.png"
         >>> plot_stats({"a": {"mean": 0.1, "std": 1.0, "norm": 3.0}}, out, "demo")

@@ -100,7 +100,9 @@ class HookRuntime:
         if torch.compiler.is_compiling():
             # Traced, the group choice would be frozen into the graph: run outside it, so the
             # choice is made on every call (and captures happen as in eager mode).
-            return _eager_run()(self, binding, module, obj)
+            # (made where it is traced: it runs only under the compiler, which is then imported; a
+            # function kept in a global would be a guard, one in a cache a warning, on every user's compile)
+            return torch.compiler.disable(HookRuntime._run, recursive=True)(self, binding, module, obj)
         return self._run(binding, module, obj)
 
     def _run(self, binding: Binding, module: nn.Module | None, obj: Any) -> Any:
@@ -141,16 +143,6 @@ class HookRuntime:
         return edited
 
 
-_EAGER_RUN: Callable[..., Any] | None = None
-
-
-def _eager_run() -> Callable[..., Any]:
-    # made on first use: torch._dynamo is slow to import and only needed under compilation (a
-    # plain global, not functools.cache: the compiler warns of every cached function it traces)
-    global _EAGER_RUN
-    if _EAGER_RUN is None:
-        _EAGER_RUN = torch.compiler.disable(HookRuntime._run, recursive=True)
-    return _EAGER_RUN
 
 
 class _TorchHook:
