@@ -135,7 +135,7 @@ def test_examples_capture_what_a_plain_torch_hook_sees(library: str, world: int)
     torch.testing.assert_close(activation, _fsdp_example_reference(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("world", [case.values[1] for case in _WORLD_CASES if case.values[0] == "torchsurgery"])
+@pytest.mark.parametrize("world", [pytest.param(world, marks=_marked("torchsurgery", world)) for world in WORLDS])
 def test_a_wrong_hint_that_flex_model_ignores_is_told_once(world: int) -> None:
     # its fairscale full_backward tests hint (None, None, 20) for column_parallel_linear's
     # input gradient, 10 wide; in the DDP run (tensor_parallel_size 1) nothing needs the hint
