@@ -334,3 +334,38 @@ def test_load_of_plain_values_chooses_a_scale_from_them(fmt: Scaled, file_dtype:
     with torch.no_grad():  # the sums of q, scaled, against the plain matmul: fp32 apart (outputs near 100)
         torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-3)
     handle.remove()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_an_all_zero_channel_reads_as_zeros(fmt: Scaled) -> None:
+    # a pruned output channel: its largest magnitude is 0, and a scale of 0 would make it 0 / 0
+    layer = nn.Linear(16, 4)
+    with torch.no_grad():
+        layer.weight[2] = 0.0
+    plain = dequantised(layer, fmt)
+    handle = offload(layer, storage_dtype=fmt, dtype=torch.float32, groups=[""])
+    assert torch.equal(layer.weight[2], torch.zeros(16)) and not bool(layer.weight.isnan().any())
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), plain(x))
+        assert torch.equal(layer(x)[:, 2], layer.bias[2].expand(3))  # the channel adds its bias alone
+    handle.remove()
+    assert torch.equal(layer.weight[2], torch.zeros(16))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_a_write_past_a_rows_range_saturates_and_never_wraps_around(fmt: Scaled) -> None:
+    # the scale stays (docs/offload.md): a value past the row's largest is stored as the largest,
+    # with its sign; int8 values converted without a clamp wrap around (300 -> 44, -300 -> -44)
+    layer = nn.Linear(8, 3, bias=False)
+    handle = offload(layer, storage_dtype=fmt, dtype=torch.float32, groups=[""])
+    largest = layer.weight.detach().abs().amax(dim=1, keepdim=fmt.per == "channel")
+    if fmt.per == "tensor":
+        largest = layer.weight.detach().abs().amax().expand(3, 1)
+    with torch.no_grad():
+        layer.weight[:, 0] = 1000.0 * largest[:, 0]
+        layer.weight[:, 1] = -1000.0 * largest[:, 0]
+    read = layer.weight.detach()
+    torch.testing.assert_close(read[:, 0], largest[:, 0], rtol=0, atol=0)
+    torch.testing.assert_close(read[:, 1], -largest[:, 0], rtol=0, atol=0)
+    handle.remove()
