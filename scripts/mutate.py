@@ -114,6 +114,13 @@ MUTATIONS = [
         ("tests/compat/test_framepack.py::test_the_app_pattern_in_its_dtypes_equals_the_app_s_own_memory_module",),
     ),
     Mutation(
+        "DynamicSwapInstaller: a copy read in inference mode is not reused where a gradient is needed",
+        "src/torchsurgery/offloading/dynamic_swap.py",
+        "                if cached.requires_grad or not tensor.requires_grad or not torch.is_grad_enabled():\n",
+        "                if True:\n",
+        ("tests/offloading/test_dynamic_swap.py::test_a_read_under_no_grad_first_does_not_cost_the_weight_its_gradient",),
+    ),
+    Mutation(
         "scaled: an all-zero channel keeps a scale of one (zeros, not 0 / 0)",
         "src/torchsurgery/compact/scaled.py",
         "        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero channel\n",

@@ -128,11 +128,12 @@ def test_attribute_errors_are_plain_attribute_errors() -> None:
     assert type(layer) is nn.Linear
 
 
-def test_a_read_under_no_grad_first_does_not_cost_the_weight_its_gradient() -> None:
+@pytest.mark.parametrize("without_graph", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_a_read_under_no_grad_first_does_not_cost_the_weight_its_gradient(without_graph: Any) -> None:
     class NormedFirst(nn.Linear):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                scale = self.weight.norm()  # a statistic read first, without a graph
+            with without_graph():
+                scale = self.weight.norm().item()  # a statistic read first, without a graph
             return F.linear(x, self.weight, self.bias) / scale
 
     layer = NormedFirst(3, 2).double()
