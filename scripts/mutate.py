@@ -114,6 +114,13 @@ MUTATIONS = [
         ("tests/compat/test_framepack.py::test_the_app_pattern_in_its_dtypes_equals_the_app_s_own_memory_module",),
     ),
     Mutation(
+        "pending backwards: each step's backward is marked, though the last step's mark object lives on",
+        "src/torchsurgery/offloading/pending.py",
+        "            if mark is None or mark not in self._marks:\n",
+        "            if mark is None:\n",
+        ("tests/offloading/test_engine_edges.py::test_each_steps_pending_backward_is_watched_while_the_last_steps_loss_lives",),
+    ),
+    Mutation(
         "DynamicSwapInstaller: a copy read in inference mode is not reused where a gradient is needed",
         "src/torchsurgery/offloading/dynamic_swap.py",
         "                if cached.requires_grad or not tensor.requires_grad or not torch.is_grad_enabled():\n",

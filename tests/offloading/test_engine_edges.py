@@ -330,6 +330,32 @@ def test_remove_is_refused_while_a_backward_through_the_offloaded_weights_is_pen
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 
+@pytest.mark.accelerator
+@pytest.mark.parametrize("storage", [None, torch.bfloat16], ids=["same-dtype", "bf16"])
+def test_each_steps_pending_backward_is_watched_while_the_last_steps_loss_lives(
+    storage: torch.dtype | None, accelerator: torch.device
+) -> None:
+    # a training loop: step 1's backward has run (its mark is gone from the accumulators, but
+    # the mark object stays in their metadata while `loss` lives); step 2's forward must mark
+    # its own pending backward, so that remove() is refused until that one runs too
+    model = _model()
+    options: dict[str, Any] = {} if storage is None else {"storage_dtype": storage, "dtype": torch.float32}
+    handle = offload(model, accelerator, budget=_needed(model, accelerator, **options), **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = X.to(accelerator)
+    loss = model(x).square().sum()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    loss = model(x).square().sum()  # step 2: the previous loss was alive during this forward
+    before = _fingerprint(model)
+    with pytest.raises(RuntimeError, match=r"backward through its offloaded weight '[\w.]+' is pending"):
+        handle.remove()
+    assert _fingerprint(model) == before and handle.active
+    loss.backward()
+    handle.remove()
+
+
 # ---------------------------------------------------------------------- 5. a removed handle
 
 
