@@ -121,6 +121,13 @@ MUTATIONS = [
         ("tests/offloading/test_engine_edges.py::test_each_steps_pending_backward_is_watched_while_the_last_steps_loss_lives",),
     ),
     Mutation(
+        "pending backwards: a torch.func transform's forward leaves none to watch",
+        "src/torchsurgery/offloading/pending.py",
+        " and not torch._C._are_functorch_transforms_active():\n",
+        ":\n",
+        ("tests/offloading/test_engine_edges.py::test_torch_func_transforms_run_while_an_earlier_forwards_backward_is_pending",),
+    ),
+    Mutation(
         "DynamicSwapInstaller: a copy read in inference mode is not reused where a gradient is needed",
         "src/torchsurgery/offloading/dynamic_swap.py",
         "                if cached.requires_grad or not tensor.requires_grad or not torch.is_grad_enabled():\n",

@@ -482,3 +482,33 @@ def test_weights_made_resident_after_the_first_forward_go_back_to_the_host_on_re
     for name, t in model.state_dict(keep_vars=True).items():
         assert t.device.type == "cpu", name
         torch.testing.assert_close(t.detach(), reference[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev"])
+def test_torch_func_transforms_run_while_an_earlier_forwards_backward_is_pending(transform: str) -> None:
+    # the watcher of pending backwards read the gradient edge of a weight inside the transform,
+    # where it has none (an internal AttributeError); the transform differentiates by its own
+    # levels and leaves nothing of autograd's pending: its results are the plain model's
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    plain = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32, groups="leaves")
+    x = torch.randn(3, 4)
+    pending = model(x).sum()  # an earlier forward's graph, its backward still to run
+
+    def run(m: nn.Module) -> Any:
+        if transform == "grad":
+            params = dict(m.named_parameters())
+            return torch.func.grad(lambda p: torch.func.functional_call(m, p, (x,)).square().sum())(params)
+        if transform == "vjp":
+            return torch.func.vjp(m, x)[1](torch.ones(3, 1))
+        return torch.func.jacrev(lambda v: m(v).square().sum())(x)
+
+    torch.testing.assert_close(run(model), run(plain))
+    with pytest.raises(RuntimeError, match="is pending"):  # the earlier forward's backward: still watched
+        handle.remove()
+    pending.backward()
+    handle.remove()

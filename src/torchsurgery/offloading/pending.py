@@ -110,5 +110,7 @@ class WatchBackward:
         self.originals = originals
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # a torch.func transform (grad, vjp, jacrev) differentiates by its own levels, not through
+        # the weights' gradient accumulators: nothing of autograd's is left pending by its forward
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
             self.pending.watch(self.originals)
