@@ -128,6 +128,13 @@ MUTATIONS = [
         ("tests/offloading/test_engine_edges.py::test_torch_func_transforms_run_while_an_earlier_forwards_backward_is_pending",),
     ),
     Mutation(
+        "offload refuses a part of a model offloaded whole",
+        "src/torchsurgery/offloading/plan.py",
+        "    holder = _undo.holder_of_any(model.parameters())\n",
+        "    holder = None\n",
+        ("tests/offloading/test_engine_edges.py::test_an_offload_of_a_part_of_an_offloaded_model_is_refused_before_anything_changes",),
+    ),
+    Mutation(
         "DynamicSwapInstaller: a copy read in inference mode is not reused where a gradient is needed",
         "src/torchsurgery/offloading/dynamic_swap.py",
         "                if cached.requires_grad or not tensor.requires_grad or not torch.is_grad_enabled():\n",

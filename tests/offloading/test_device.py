@@ -475,7 +475,9 @@ def test_the_planner_runs_on_the_test_devices_timings(on_tardy: torch.device, wi
         filled = simulate(costs, in_order(costs, budget, 1), bandwidth)[1]
         # the best choice the offload can afford: its slots are aligned, so the plain count (in
         # which all three large groups fit resident beside two small slots) may not fit
-        assert ours < filled and ours <= 1.10 * best_stall(costs, budget, bandwidth, 1, fits=fits)
+        # (where the machine is so loaded that a group's compute outlasts its copy, neither choice
+        # stalls at all: both are then the best)
+        assert (ours < filled or ours == filled == 0) and ours <= 1.10 * best_stall(costs, budget, bandwidth, 1, fits=fits)
         for _ in range(2):
             exact(model(x), reference(x))
         handle.remove()

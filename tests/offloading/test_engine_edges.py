@@ -512,3 +512,27 @@ def test_torch_func_transforms_run_while_an_earlier_forwards_backward_is_pending
         handle.remove()
     pending.backward()
     handle.remove()
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("where", ["cpu", "accelerator"])
+def test_an_offload_of_a_part_of_an_offloaded_model_is_refused_before_anything_changes(
+    where: str, accelerator: torch.device
+) -> None:
+    # accepted, it put a second offload on weights the first streams: the outer forwards failed
+    device = accelerator if where == "accelerator" else torch.device("cpu")
+    options: dict[str, Any] = {"storage_dtype": torch.bfloat16, "dtype": torch.float32}
+    model = _model()
+    handle = offload(model, device, groups="leaves", budget=_needed(model, device, **options), **options)
+    x = X.to(device)
+    with torch.no_grad():
+        before = model(x)
+    part = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    fingerprint = _fingerprint(model)
+    with pytest.raises(RuntimeError, match="held by an active offload of a model it is part of"):
+        offload(part, device, **options)
+    assert _fingerprint(model) == fingerprint and torchsurgery.surgery_log(part) == []
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+    handle.remove()
+    offload(part, device, **options).remove()  # once the model's offload is gone: accepted

@@ -306,6 +306,13 @@ def already_offloaded(model: nn.Module) -> str | None:
             return f"{name or '<root>'} carries an accelerate hook (cpu_offload/dispatch_model); remove it first"
         if getattr(module, "_diffusers_hook", None) is not None:
             return f"{name or '<root>'} carries a diffusers hook (group offloading/layerwise casting); remove it first"
+    # a part of a model offloaded whole: the offload is on the model, its hold on every weight
+    holder = _undo.holder_of_any(model.parameters())
+    if holder is not None:
+        return (
+            f"its weights are held by {holder} of a model it is part of; remove() that offload first, or "
+            "choose this module's treatment through that offload's groups, skip and budget"
+        )
     return None
 
 
