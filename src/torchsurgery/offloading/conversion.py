@@ -15,6 +15,7 @@ module back in the dtypes it was converted to.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -27,7 +28,7 @@ from torchsurgery.compact import OffloadedTensor, converted_by
 from torchsurgery.offloading.plan import OffloadPlan, sizes
 from torchsurgery.offloading.streams import GroupStreamer
 
-__all__ = ["Conversion", "Changes", "dtype_changes", "check_convertible", "grown_budget", "convert_values"]
+__all__ = ["Conversion", "Changes", "dtype_changes", "check_convertible", "grown_budget", "convert_values", "warn_if_unscaled"]
 
 _WHAT = "torchsurgery.offload"
 
@@ -154,3 +155,20 @@ def convert_values(module: nn.Module, changes: Changes, fn: Callable[[torch.Tens
         for m in module.modules():
             if any(isinstance(t, OffloadedTensor) and id(t) in changes for t in [*m._parameters.values(), *m._buffers.values()]):
                 m._apply(fn, recurse=False)
+
+
+def warn_if_unscaled(plan: OffloadPlan, named: Mapping[str, nn.Module], changes: Changes) -> None:
+    """One warning where a conversion takes weights out of a :class:`~torchsurgery.compact.Scaled`
+    format: converted, they are kept whole (the values of the plain module converted alike: a
+    scale chosen again from them would change them), which takes 2 to 8 times the memory."""
+    found = [(p, changes[id(p.lookup_in(named))]) for g in plan.groups for p in g.params
+             if p.scaled is not None and p.tied_to is None and id(p.lookup_in(named)) in changes]
+    if found:
+        (first, (_, _, dtype)), count = found[0], len(found)
+        warnings.warn(
+            f"{_WHAT}: converting to {dtype} takes {count} weight(s) out of the scaled format {first.scaled} "
+            f"(e.g. {first.name!r}): they are no longer kept as narrow values and a scale, but whole (2 to 8 "
+            "times the memory), with the values of the plain module converted alike; to keep them scaled, remove "
+            f"the offload, convert the model, and offload it again with storage_dtype={first.scaled}",
+            UserWarning, stacklevel=5,
+        )

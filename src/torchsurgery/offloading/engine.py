@@ -53,6 +53,7 @@ from torchsurgery.offloading.conversion import (
     convert_values,
     dtype_changes,
     grown_budget,
+    warn_if_unscaled,
 )
 from torchsurgery.offloading.install import Installer
 from torchsurgery.offloading.measured_residency import MeasuredResidency
@@ -215,6 +216,7 @@ class OffloadHandle:
         # the converted model must be offloadable again within the budget: checked before
         # anything changes (a refusal leaves the model as it was, offloaded)
         plan_converted(model, seam, converted, offloaded_ok=True, **options)
+        warn_if_unscaled(self.plan, dict(model.named_modules()), changes)
         self.remove()
         convert_values(module, changes, fn)
         # planned and installed again on this handle, so that references to it stay valid
