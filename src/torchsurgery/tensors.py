@@ -805,7 +805,7 @@ def _read_in_place(reader: Source, in_place: list[tuple[torch.Tensor, str]], sto
     plain = [(t, key) for t, key in in_place if key not in scales]
     for run in _in_chunks(plain, [stored[key].dtype.itemsize * t.numel() for t, key in plain]):
         # a scaled weight given plain values takes a scale chosen from them, not the one of the
-        # values they replace (values 100x the old ones read back at 1%): read, then rescaled
+        # values they replace (larger values would saturate at the old range): read, then rescaled
         plain_values = {id(t): torch.empty(t.shape, dtype=t.dtype) for t, _ in run if own_scale(t) is not None}
         reader.read_many([(key, plain_values.get(id(t), t.detach())) for t, key in run])
         for t, _ in run:

@@ -1030,9 +1030,9 @@ def rescale(tensor: OffloadedTensor, values: torch.Tensor) -> None:
         >>> from torchsurgery.compact.tensor import rescale
         >>> layer = nn.Linear(2, 2)
         >>> handle = torchsurgery.offload(layer, storage_dtype=Scaled(torch.int8), groups=[""])
-        >>> rescale(layer.weight, torch.tensor([[100.0, -50.0], [0.5, 0.25]]))
-        >>> layer.weight.tolist()
-        [[100.0, -50.0], [0.5, 0.25]]
+        >>> rescale(layer.weight, torch.tensor([[127.0, -64.0], [0.5, 0.25]]))
+        >>> layer.weight[0].tolist(), torchsurgery.compact.own_scale(layer.weight).flatten().tolist()
+        ([127.0, -64.0], [1.0, 0.003937007859349251])
         >>> _ = handle.remove()
     """
     own = _own_scale_of(tensor, "rescale")
