@@ -128,6 +128,13 @@ MUTATIONS = [
         ("tests/offloading/test_engine_edges.py::test_torch_func_transforms_run_while_an_earlier_forwards_backward_is_pending",),
     ),
     Mutation(
+        "a conversion's check plans the offload's own weights as the plain tensors they will be",
+        "src/torchsurgery/offloading/plan.py",
+        " or reads_elsewhere_only(t) or _undo.holder_of_any([t]) is not None\n",
+        " or reads_elsewhere_only(t)\n",
+        ("tests/offloading/test_engine_edges.py::test_a_conversion_the_least_budget_cannot_hold_is_refused_before_anything_changes",),
+    ),
+    Mutation(
         "offload refuses a part of a model offloaded whole",
         "src/torchsurgery/offloading/plan.py",
         "    holder = _undo.holder_of_any(model.parameters())\n",

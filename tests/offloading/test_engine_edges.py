@@ -536,3 +536,28 @@ def test_an_offload_of_a_part_of_an_offloaded_model_is_refused_before_anything_c
         torch.testing.assert_close(model(x), before, rtol=0, atol=0)
     handle.remove()
     offload(part, device, **options).remove()  # once the model's offload is gone: accepted
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("where", ["cpu", "accelerator"])
+def test_a_conversion_the_least_budget_cannot_hold_is_refused_before_anything_changes(
+    where: str, accelerator: torch.device
+) -> None:
+    # fp64 weights need larger casts than the least budget holds: refused, on every device. On an
+    # accelerator the check planned the weights
+    # of the offload itself as foreign tensor subclasses (converted at each run, no ring), passed,
+    # and the offload came off before the real plan refused: plain fp64 weights on the host
+    device = accelerator if where == "accelerator" else torch.device("cpu")
+    options: dict[str, Any] = {"storage_dtype": torch.bfloat16, "dtype": torch.float32}
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 8))
+    handle = offload(model, device, budget=_needed(model, device, **options), **options)
+    x = torch.randn(2, 64, device=device)
+    with torch.no_grad():
+        before = model(x)
+    fingerprint = _fingerprint(model)
+    with pytest.raises(torchsurgery.BudgetError):
+        model.to(torch.float64)
+    assert _fingerprint(model) == fingerprint and handle.active
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+    handle.remove()

@@ -554,9 +554,10 @@ def _route(named: dict[str, nn.Module], groups: list[GroupPlan], options: _Optio
             first = where.get(p.tied_to) if p.tied_to else None
             host = options.device.host_compute
             # an installer's weight reading as another device is taken as its host values (the
-            # engine swaps them in before it moves anything)
+            # engine swaps them in before it moves anything), and a weight of the active offload
+            # being planned again (a conversion) as the plain tensor its removal gives back
             t = p.lookup_in(named)
-            plain = type(t) in (torch.Tensor, nn.Parameter) or reads_elsewhere_only(t)
+            plain = type(t) in (torch.Tensor, nn.Parameter) or reads_elsewhere_only(t) or _undo.holder_of_any([t]) is not None
             if group.resident or (first is not None and first[0] is Residency.RESIDENT):
                 p.residency = Residency.RESIDENT  # in its storage dtype, as when it streams
                 if not plain:  # a tensor subclass is not wrapped to read as it computes: kept as it computes
