@@ -135,6 +135,13 @@ MUTATIONS = [
         ("tests/offloading/test_engine_edges.py::test_a_conversion_the_least_budget_cannot_hold_is_refused_before_anything_changes",),
     ),
     Mutation(
+        "state_dict of a scaled weight streamed to an accelerator is made on the host",
+        "src/torchsurgery/compact/tensor.py",
+        "_own_storage(stored) if scale is None else dequantize(stored, scale.to(stored.device), value.dtype)\n",
+        "_own_storage(stored) if scale is None else _wide(value)\n",
+        ("tests/offloading/test_scaled_streaming.py::test_state_dict_of_a_streamed_scaled_model_is_made_on_the_host",),
+    ),
+    Mutation(
         "offload refuses a part of a model offloaded whole",
         "src/torchsurgery/offloading/plan.py",
         "    holder = _undo.holder_of_any(model.parameters())\n",

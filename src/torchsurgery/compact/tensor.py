@@ -1134,8 +1134,13 @@ def stored_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, loc
         entry = state_dict.get(prefix + name)
         # with keep_vars=True the entry is the tensor object itself: left as it is
         if isinstance(value, OffloadedTensor) and isinstance(entry, OffloadedTensor) and entry is not value:
-            # a scaled weight's values are q * scale: given in the compute dtype
-            state_dict[prefix + name] = _own_storage(value.stored) if value.__dict__[_SCALE] is None else _wide(value)
+            # a scaled weight's values are q * scale: given in the compute dtype, made where they are
+            # kept (the host, for a weight an accelerator streams: none of it stays on the device)
+            scale = value.__dict__[_SCALE]
+            stored = value.stored
+            state_dict[prefix + name] = (
+                _own_storage(stored) if scale is None else dequantize(stored, scale.to(stored.device), value.dtype)
+            )
 
 
 def _own_storage(values: torch.Tensor) -> torch.Tensor:
