@@ -561,3 +561,30 @@ def test_a_conversion_the_least_budget_cannot_hold_is_refused_before_anything_ch
     with torch.no_grad():
         torch.testing.assert_close(model(x), before, rtol=0, atol=0)
     handle.remove()
+
+
+@pytest.mark.parametrize("tool", ["cpu_offload", "dispatch_model"])
+def test_accelerate_over_an_offloaded_model_is_refused_naming_both_tools_and_the_weights_stay(tool: str, tmp_path: Any) -> None:
+    # accelerate rebuilds each parameter it takes over as type(param)(data, requires_grad=...):
+    # an internal "missing 1 required positional argument: 'dtype'" before; now a refusal that
+    # names both tools and the ways out, with the offload and every weight as they were
+    accelerate = pytest.importorskip("accelerate")
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        before = model(x)
+    fingerprint = _fingerprint(model)
+    with pytest.raises(TypeError, match=r"accelerate's cpu_offload.*handle\.remove\(\).*remove_hook_from_module"):
+        if tool == "cpu_offload":
+            accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+        else:
+            accelerate.dispatch_model(model, device_map={"0": "cpu", "2": "disk"}, offload_dir=str(tmp_path))
+    accelerate.hooks.remove_hook_from_module(model, recurse=True)  # what accelerate attached first
+    assert _fingerprint(model) == fingerprint and handle.active
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+    handle.remove()
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))  # the way out: then accepted
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before)

@@ -205,7 +205,7 @@ class OffloadedTensor(torch.Tensor):
     def __new__(
         cls,
         stored: torch.Tensor,
-        dtype: torch.dtype,
+        dtype: torch.dtype | None = None,
         *,
         requires_grad: bool = False,
         reads: ReadContext | None = None,
@@ -215,6 +215,17 @@ class OffloadedTensor(torch.Tensor):
         device: torch.device | None = None,
         scale: torch.Tensor | None = None,
     ) -> OffloadedTensor:
+        if dtype is None:
+            # type(weight)(data, requires_grad=...): how accelerate (cpu_offload, dispatch_model) and
+            # other libraries rebuild a parameter they take over, before they change anything
+            raise TypeError(
+                "torchsurgery: a weight of torchsurgery's offload cannot be rebuilt as type(weight)(data, ...), "
+                "as accelerate's cpu_offload and dispatch_model rebuild the parameters they take over: the "
+                "weight belongs to that offload, which is left as it was. Remove it first (handle.remove() or "
+                "torchsurgery.restore(model)), then hand the model to the other tool, or let torchsurgery alone "
+                "offload it; hooks accelerate attached before this point come off with "
+                "accelerate.hooks.remove_hook_from_module(model, recurse=True)"
+            )
         if not _skipped_by_the_compiler:
             _skip_in_compiled_frames()
         self: OffloadedTensor = torch.Tensor._make_wrapper_subclass(
