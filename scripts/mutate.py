@@ -142,6 +142,13 @@ MUTATIONS = [
         ("tests/offloading/test_scaled_streaming.py::test_state_dict_of_a_streamed_scaled_model_is_made_on_the_host",),
     ),
     Mutation(
+        "a conversion inside a streamed group's own forward is refused",
+        "src/torchsurgery/offloading/conversion.py",
+        "    running = [name for name, streamer in streamers.items() if streamer.depth > 0]\n",
+        "    running: list[str] = []\n",
+        ("tests/offloading/test_engine_edges.py::test_a_conversion_inside_a_streamed_groups_own_forward_is_refused_changing_nothing",),
+    ),
+    Mutation(
         "offload refuses a part of a model offloaded whole",
         "src/torchsurgery/offloading/plan.py",
         "    holder = _undo.holder_of_any(model.parameters())\n",

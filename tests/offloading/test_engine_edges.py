@@ -588,3 +588,35 @@ def test_accelerate_over_an_offloaded_model_is_refused_naming_both_tools_and_the
     accelerate.cpu_offload(model, execution_device=torch.device("cpu"))  # the way out: then accepted
     with torch.no_grad():
         torch.testing.assert_close(model(x), before)
+
+
+class _ConvertsItself(nn.Linear):
+    """A layer whose forward converts it (when told to), as a program might inside a forward."""
+
+    convert = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.convert:
+            self.to(torch.float64)
+        return super().forward(x)
+
+
+@pytest.mark.accelerator
+def test_a_conversion_inside_a_streamed_groups_own_forward_is_refused_changing_nothing(accelerator: torch.device) -> None:
+    # its weights are in the ring while it runs: refused by name, deterministically (the check
+    # had no test of its own; one that raced threads caught its removal 2 runs in 3)
+    model = nn.Sequential(_ConvertsItself(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    handle = offload(model, accelerator, groups="leaves", budget=_needed(model, accelerator, groups="leaves"))
+    assert "0" in handle.stats().streamed_groups
+    x = torch.randn(3, 8, device=accelerator)
+    with torch.no_grad():
+        before = model(x)
+    fingerprint = _fingerprint(model)
+    model[0].convert = True
+    with pytest.raises(RuntimeError, match="cannot convert 0 .* while the streamed group '0' runs"), torch.no_grad():
+        model(x)
+    model[0].convert = False
+    assert _fingerprint(model) == fingerprint and handle.active
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+    handle.remove()
