@@ -66,11 +66,15 @@ def test_narrow_path_matches_fp32_for_many_shapes_and_rows(transposed: bool, tie
     kernel_rows = NATIVE_MAX_ROWS if tier == "native" else _FUSED_MAX_ROWS
     torch.manual_seed(0)
     for i, (out, inp) in enumerate(SHAPES):
-        layer = make_layer(out, inp, transposed, bias=i % 3 != 0)
+        with_bias = i % 3 != 0
+        layer = make_layer(out, inp, transposed, bias=with_bias)
         handle = offload(layer, storage_dtype=torch.bfloat16, dtype=torch.float32, groups=[""])
         weight, bias = layer.weight, layer.bias
         assert (weight.dtype, weight.stored.dtype) == (torch.float32, torch.bfloat16)
-        for rows in range(1, 9):
+        # the compiled kernels: one compilation per (rows, bias or not); every row count, each with
+        # a bias and without, takes eight of them; odd counts without and even ones with take four
+        every = [r for r in range(1, 9) if tier == "native" or r > _FUSED_MAX_ROWS or transposed or r % 2 == int(not with_bias)]
+        for rows in every:
             x = torch.randn(rows, inp)
             with torch.no_grad():
                 got = layer(x)
@@ -79,7 +83,7 @@ def test_narrow_path_matches_fp32_for_many_shapes_and_rows(transposed: bool, tie
                 assert handle.stats().widened_bytes == 0, (out, inp, rows)
         # every product read the narrow weight in place (counted where the layer's F.linear or
         # addmm was served), none went through a widened copy of it
-        assert handle.stats().transfers == 8 and handle.stats().bytes_moved == 8 * weight.stored.nbytes
+        assert handle.stats().transfers == len(every) and handle.stats().bytes_moved == len(every) * weight.stored.nbytes
         handle.remove()
     assert not _fused.failed
 
