@@ -163,6 +163,20 @@ MUTATIONS = [
         ("tests/offloading/test_dynamic_swap.py::test_a_read_under_no_grad_first_does_not_cost_the_weight_its_gradient",),
     ),
     Mutation(
+        "scaled: a view the broadcast scale cannot take takes a scale per value",
+        "src/torchsurgery/compact/tensor.py",
+        "            scales = func(scale.contiguous(), *rest, **kwargs)  # a scale per value: the same numbers\n",
+        "            raise\n",
+        ("tests/compact/test_scaled.py::test_views_and_elements_of_a_scaled_weight_read_as_the_plain_weights",),
+    ),
+    Mutation(
+        "scaled: one element dequantises as a one-element tensor",
+        "src/torchsurgery/compact/scaled.py",
+        "    if q.dim() == 0:  # one element (w[0, 0]): as a one-element tensor, whose product promotes\n",
+        "    if False:\n",
+        ("tests/compact/test_scaled.py::test_views_and_elements_of_a_scaled_weight_read_as_the_plain_weights",),
+    ),
+    Mutation(
         "scaled: an all-zero channel keeps a scale of one (zeros, not 0 / 0)",
         "src/torchsurgery/compact/scaled.py",
         "        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero channel\n",

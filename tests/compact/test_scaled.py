@@ -394,3 +394,44 @@ def test_a_conversion_out_of_a_scaled_format_says_so_once_and_computes_as_the_pl
     assert plain_fp8[0].weight.stored.dtype == torch.float8_e4m3fn
     kept.remove()
     handle.remove()
+
+
+_VIEWS = {
+    "view(-1)": lambda t: t.view(-1),
+    "flatten": lambda t: t.flatten(),
+    "reshape": lambda t: t.reshape(6, 16),
+    "view(6, 16)": lambda t: t.view(6, 16),
+    "parameters_to_vector": lambda t: nn.utils.parameters_to_vector([t]),
+    "item": lambda t: torch.tensor(t[0, 0].item()),
+    "float": lambda t: torch.tensor(float(t[1][2])),
+    "scalar * 2": lambda t: t[2, 5] * 2,
+    "t().reshape(-1)": lambda t: t.t().reshape(-1),
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize("view", list(_VIEWS))
+def test_views_and_elements_of_a_scaled_weight_read_as_the_plain_weights(fmt: Scaled, view: str) -> None:
+    # per channel the scale is broadcast along each row: views that merge rows (view(-1),
+    # flatten, parameters_to_vector) raised, and so did every single element (w[0, 0].item())
+    layer = nn.Linear(16, 6)
+    plain = dequantised(layer, fmt)
+    handle = offload(layer, storage_dtype=fmt, dtype=torch.float32, groups=[""])
+    with torch.no_grad():
+        got, want = _VIEWS[view](layer.weight), _VIEWS[view](plain.weight)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    handle.remove()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_a_zero_size_weight_is_kept_scaled_as_the_plain_one(fmt: Scaled) -> None:
+    # a layer of no inputs: its largest magnitude is that of nothing (an IndexError from amax)
+    model = nn.Sequential(nn.Linear(0, 3), nn.Linear(3, 4))
+    plain = copy.deepcopy(model)
+    handle = offload(model, storage_dtype=fmt, dtype=torch.float32)
+    assert model[0].weight.shape == (3, 0) and own_scale(model[0].weight) is not None
+    with torch.no_grad():
+        torch.testing.assert_close(model[0](torch.randn(2, 0)), plain[0](torch.randn(2, 0)))
+    handle.remove()
+    assert model[0].weight.shape == (3, 0)

@@ -98,7 +98,10 @@ class Scaled:
             ([[64, -127], [127, 0]], [0.007874015718698502, 0.015748031437397003])
         """
         magnitude = values.detach().abs().float()
-        if self.per == "tensor" or values.dim() < 2:
+        per_tensor = self.per == "tensor" or values.dim() < 2
+        if values.numel() == 0:  # nothing to scale (a layer of zero inputs or outputs): a scale of one
+            largest = magnitude.new_zeros(() if per_tensor else (values.shape[0], *[1] * (values.dim() - 1)))
+        elif per_tensor:
             largest = magnitude.amax()
         else:
             largest = magnitude.amax(dim=tuple(range(1, values.dim())), keepdim=True)
@@ -151,6 +154,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
         >>> dequantize(torch.tensor([64, -127], dtype=torch.int8), torch.tensor(0.5), torch.float32).tolist()
         [32.0, -63.5]
     """
+    if q.dim() == 0:  # one element (w[0, 0]): as a one-element tensor, whose product promotes
+        return dequantize(q.reshape(1), scale.reshape(1), dtype).reshape(())
     if dtype in _WIDENED_IN_PLACE:
         # by type promotion a 0-d fp32 tensor does not lift a bf16 one to fp32: with one
         # dimension it does, and the product is computed in fp32 on every backend (the CPU's

@@ -619,7 +619,11 @@ def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if scale is not None:  # the same view of the values and of their scale
         if func is _aten.as_strided.default:  # the values' strides are not the scale's: no view of both
             return _widened(func, args, kwargs)
-        values, scales = func(t.stored, *rest, **kwargs), func(scale, *rest, **kwargs)
+        values = func(t.stored, *rest, **kwargs)
+        try:
+            scales = func(scale, *rest, **kwargs)
+        except RuntimeError:  # a view the values take but the broadcast scale cannot (w.view(-1) per channel)
+            scales = func(scale.contiguous(), *rest, **kwargs)  # a scale per value: the same numbers
         if isinstance(values, torch.Tensor):
             return t._rewrap(values, scale=scales)
         return [t._rewrap(v, scale=s) for v, s in zip(values, scales, strict=True)]  # split, unbind
