@@ -177,6 +177,20 @@ MUTATIONS = [
         ("tests/compact/test_scaled.py::test_views_and_elements_of_a_scaled_weight_read_as_the_plain_weights",),
     ),
     Mutation(
+        "tardy runs LSTM cells (PyTorch sends them to a fused kernel on every device but the CPU)",
+        "tests/tardy/tardy.cpp",
+        '  m.impl("_thnn_fused_lstm_cell", TORCH_FN(fused_lstm_cell));\n',
+        "",
+        ("tests/tardy/test_module_db.py::test_the_module_computes_on_the_device_what_it_computes_on_the_cpu",),
+    ),
+    Mutation(
+        "tardy runs the CPU's SiLU backward, not PyTorch's composite one",
+        "tests/tardy/tardy.cpp",
+        '  m.impl("silu_backward", torch::CppFunction::makeFromBoxedFunction<&fallback>());\n',
+        "",
+        ("tests/tardy/test_module_db.py::test_the_module_computes_on_the_device_what_it_computes_on_the_cpu",),
+    ),
+    Mutation(
         "scaled: an all-zero channel keeps a scale of one (zeros, not 0 / 0)",
         "src/torchsurgery/compact/scaled.py",
         "        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero channel\n",

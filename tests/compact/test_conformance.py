@@ -13,10 +13,6 @@ input it gives for fp32 on the CPU, with the weight in the sample input's place.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import types
-import unittest
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +24,8 @@ from _weight_kinds import KIND_IDS, KINDS, WRITABLE, Case, Kind, make_case, tiny
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from _torch_testing import internal
+
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -36,31 +34,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # ---------------------------------------------------------------------- 1. PyTorch's OpInfo database
-
-
-def _load_op_db() -> list[Any]:
-    """``torch.testing._internal``'s OpInfo list, loaded without changing what other tests see.
-
-    Its ``common_utils`` imports ``expecttest`` (a test-only package the project does not
-    depend on) for a TestCase base class only, and freezes ``torch.backends`` flags on import
-    (PyTorch's suite sets them in brackets only): a stand-in module is given for the first,
-    the flags are thawed again after. (It also wraps TorchScript's ``__call__`` in a
-    pass-through profiling hook, which changes nothing unless called with its own keyword.)
-    """
-    stand_in = importlib.util.find_spec("expecttest") is None
-    if stand_in:
-        module = types.ModuleType("expecttest")
-        module.TestCase = unittest.TestCase  # type: ignore[attr-defined]
-        sys.modules["expecttest"] = module
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from torch.testing._internal.common_methods_invocations import op_db
-    finally:
-        if stand_in:
-            del sys.modules["expecttest"]
-    torch.backends.__allow_nonbracketed_mutation_flag = True  # type: ignore[attr-defined]
-    return list(op_db)
 
 
 def _first_sample(op: Any) -> Any:
@@ -86,7 +59,7 @@ def _applicable(op: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.layout == torch.strided
 
 
-OPS = [op for op in _load_op_db() if _applicable(op)]
+OPS = [op for op in internal("common_methods_invocations", "op_db") if _applicable(op)]
 INPLACE_OPS = [op for op in OPS if op.inplace_variant is not None]
 # ops whose results hold no defined values (only their metadata is compared)
 _UNDEFINED_VALUES = {"empty_like", "new_empty", "new_empty_strided", "empty", "empty_strided", "empty_permuted"}

@@ -39,6 +39,8 @@
 #include <c10/core/InferenceMode.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/TensorImpl.h>
@@ -1122,6 +1124,68 @@ std::vector<int64_t> counters() {
   return {st.copies, st.pageable_copies, queued};
 }
 
+
+// ------------------------------------------------------------------ compute: fused RNN cells
+// PyTorch's LSTM and GRU cells call a fused kernel on every device but the CPU (CUDA has its
+// own; the CPU composes the cell from its ops) and no CPU kernel exists for the fallback to
+// run: here the same cell, from the device's own ops (each through the fallback), with the
+// activated gates as the workspace its backward reads. Below autograd, as CUDA's kernels are.
+
+bool defined(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell(
+    const at::Tensor& input_gates, const at::Tensor& hidden_gates, const at::Tensor& cx,
+    const std::optional<at::Tensor>& input_bias, const std::optional<at::Tensor>& hidden_bias) {
+  at::Tensor gates = input_gates + hidden_gates;
+  if (defined(input_bias)) gates = gates + *input_bias + *hidden_bias;
+  auto chunks = gates.chunk(4, 1);
+  at::Tensor i = chunks[0].sigmoid(), f = chunks[1].sigmoid(), g = chunks[2].tanh(), o = chunks[3].sigmoid();
+  at::Tensor cy = f * cx + i * g;
+  at::Tensor hy = o * cy.tanh();
+  return {hy, cy, at::cat({i, f, g, o}, 1)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell_backward(
+    const std::optional<at::Tensor>& grad_hy, const std::optional<at::Tensor>& grad_cy, const at::Tensor& cx,
+    const at::Tensor& cy, const at::Tensor& workspace, bool has_bias) {
+  auto gates = workspace.chunk(4, 1);
+  const at::Tensor &i = gates[0], &f = gates[1], &g = gates[2], &o = gates[3];
+  at::Tensor tanh_cy = cy.tanh();
+  at::Tensor ghy = defined(grad_hy) ? *grad_hy : at::zeros_like(cy);
+  at::Tensor gcy = ghy * o * (1 - tanh_cy * tanh_cy);
+  if (defined(grad_cy)) gcy = gcy + *grad_cy;
+  at::Tensor grad_gates = at::cat(
+      {gcy * g * i * (1 - i), gcy * cx * f * (1 - f), gcy * i * (1 - g * g), ghy * tanh_cy * o * (1 - o)}, 1);
+  at::Tensor grad_bias = has_bias ? grad_gates.sum(0) : at::Tensor();
+  return {grad_gates, gcy * f, grad_bias};
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_gru_cell(
+    const at::Tensor& input_gates, const at::Tensor& hidden_gates, const at::Tensor& hx,
+    const std::optional<at::Tensor>& input_bias, const std::optional<at::Tensor>& hidden_bias) {
+  at::Tensor in_gates = defined(input_bias) ? input_gates + *input_bias : input_gates;
+  at::Tensor hid_gates = defined(hidden_bias) ? hidden_gates + *hidden_bias : hidden_gates;
+  auto ic = in_gates.chunk(3, 1);
+  auto hc = hid_gates.chunk(3, 1);
+  at::Tensor r = (ic[0] + hc[0]).sigmoid(), z = (ic[1] + hc[1]).sigmoid();
+  at::Tensor n = (ic[2] + r * hc[2]).tanh();
+  at::Tensor hy = n + z * (hx - n);
+  return {hy, at::cat({r, z, n, hx, hc[2]}, 1)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_gru_cell_backward(
+    const at::Tensor& grad_hy, const at::Tensor& workspace, bool has_bias) {
+  auto parts = workspace.chunk(5, 1);
+  const at::Tensor &r = parts[0], &z = parts[1], &n = parts[2], &hx = parts[3], &hn = parts[4];
+  at::Tensor grad_n = grad_hy * (1 - z) * (1 - n * n);  // through the tanh
+  at::Tensor grad_r = grad_n * hn * r * (1 - r);
+  at::Tensor grad_z = grad_hy * (hx - n) * z * (1 - z);
+  at::Tensor grad_input_gates = at::cat({grad_r, grad_z, grad_n}, 1);
+  at::Tensor grad_hidden_gates = at::cat({grad_r, grad_z, grad_n * r}, 1);
+  return {grad_input_gates, grad_hidden_gates, grad_hy * z,
+          has_bias ? grad_input_gates.sum(0) : at::Tensor(), has_bias ? grad_hidden_gates.sum(0) : at::Tensor()};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tardy, m) {
@@ -1151,6 +1215,12 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("native_group_norm_backward", torch::CppFunction::makeFromBoxedFunction<&fallback>());
   m.impl("native_layer_norm", torch::CppFunction::makeFromBoxedFunction<&fallback>());
   m.impl("native_layer_norm_backward", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  m.impl("silu_backward", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  m.impl("mish_backward", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  m.impl("_thnn_fused_lstm_cell", TORCH_FN(fused_lstm_cell));
+  m.impl("_thnn_fused_lstm_cell_backward_impl", TORCH_FN(fused_lstm_cell_backward));
+  m.impl("_thnn_fused_gru_cell", TORCH_FN(fused_gru_cell));
+  m.impl("_thnn_fused_gru_cell_backward", TORCH_FN(fused_gru_cell_backward));
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
