@@ -191,6 +191,13 @@ MUTATIONS = [
         ("tests/tardy/test_module_db.py::test_the_module_computes_on_the_device_what_it_computes_on_the_cpu",),
     ),
     Mutation(
+        "checkpoints: ComfyUI's comfy_quant layers (weight_scale) are read as scaled fp8",
+        "src/torchsurgery/_checkpoint.py",
+        '_SCALE_KEYS, _INPUT_SCALE_KEYS = ("scale_weight", "weight_scale"), ("scale_input", "input_scale")\n',
+        '_SCALE_KEYS, _INPUT_SCALE_KEYS = ("scale_weight",), ("scale_input", "input_scale")\n',
+        ("tests/compact/test_comfy_checkpoint.py::test_comfy_quant_layers_load_into_a_plain_model_as_comfyui_dequantises_them",),
+    ),
+    Mutation(
         "scaled: an all-zero channel keeps a scale of one (zeros, not 0 / 0)",
         "src/torchsurgery/compact/scaled.py",
         "        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero channel\n",

@@ -487,17 +487,24 @@ class SafetensorsSource(Source):
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_SCALE_KEY, _INPUT_SCALE_KEY, _MARKER_KEY = "scale_weight", "scale_input", "scaled_fp8"
+# ComfyUI's "fp8 scaled" files, then the layers its quantisation ops load (a per-layer JSON marker)
+_SCALE_KEYS, _INPUT_SCALE_KEYS = ("scale_weight", "weight_scale"), ("scale_input", "input_scale")
+_FILE_MARKER, _LAYER_MARKER = "scaled_fp8", "comfy_quant"
 
 
 @dataclass(frozen=True)
 class ScaledKeys:
-    """The entries of ComfyUI's scaled fp8 layout in a checkpoint (all empty for other checkpoints).
+    """The entries of ComfyUI's scaled fp8 layouts in a checkpoint (all empty for other checkpoints).
 
-    In that layout ("fp8 scaled") a weight ``<prefix>.weight`` is stored in float8 and
-    stands for the values ``weight.float() * <prefix>.scale_weight`` (one fp32 number per
-    weight); ``<prefix>.scale_input`` (the activations' scale of fp8 matmuls) and a marker
-    ``scaled_fp8`` may come with it. Keys the module itself has are never taken as these.
+    In those layouts a weight ``<prefix>.weight`` is stored in float8 and stands for the values
+    ``weight.float() * scale``, its scale one fp32 number: ``<prefix>.scale_weight`` in the
+    "fp8 scaled" files, with a file marker ``scaled_fp8``; ``<prefix>.weight_scale`` in the
+    layers its quantisation ops load (``comfy/quant_ops.py``), each with a marker
+    ``<prefix>.comfy_quant`` (JSON naming the format, ``float8_e4m3fn``). An input scale
+    (``scale_input``, ``input_scale``: the activations' scale of fp8 matmuls) may come with a
+    weight. Keys the module itself has are never taken as these; a layer of another format
+    (int8 per row, block scales) is refused by its scale, which is not one fp32 number for a
+    float8 weight.
 
     Attributes:
         scales: each scaled weight's key -> its scale's key.
@@ -523,16 +530,16 @@ def scaled_keys(stored: Mapping[str, Entry], wanted: Collection[str]) -> ScaledK
     problems: list[str] = []
     for key, entry in stored.items():
         prefix, _, last = key.rpartition(".")
-        if key in wanted or last not in (_SCALE_KEY, _INPUT_SCALE_KEY, _MARKER_KEY):
+        if key in wanted or last not in (*_SCALE_KEYS, *_INPUT_SCALE_KEYS, _FILE_MARKER, _LAYER_MARKER):
             continue
         weight = f"{prefix}.weight" if prefix else "weight"
-        if last != _MARKER_KEY and not (weight in stored and weight in wanted):
+        if last != _FILE_MARKER and not (weight in stored and weight in wanted):
             continue
         understood.add(key)
-        problem = _scale_problem(key, entry, weight, stored[weight]) if last == _SCALE_KEY else None
+        problem = _scale_problem(key, entry, weight, stored[weight]) if last in _SCALE_KEYS else None
         if problem is not None:
             problems.append(problem)
-        elif last == _SCALE_KEY:
+        elif last in _SCALE_KEYS:
             scales[weight] = key
     return ScaledKeys(scales, frozenset(understood), problems)
 
@@ -540,15 +547,16 @@ def scaled_keys(stored: Mapping[str, Entry], wanted: Collection[str]) -> ScaledK
 def _scale_problem(key: str, scale: Entry, weight_key: str, weight: Entry) -> str | None:
     """Why ``key`` cannot scale ``weight_key`` in ComfyUI's layout, with the fix; ``None`` where it can."""
     dequantise = f"or save the values it stands for ({weight_key} * {key}) without the scale"
+    suffix = key.rpartition(".")[2]
     if weight.dtype not in _FP8:
         return (
-            f"{key!r} scales {weight_key!r}, which the checkpoint holds in {weight.dtype}: a scale_weight "
-            f"belongs to a float8_e4m3fn or float8_e5m2 weight (ComfyUI's scaled fp8 layout); save the weight's "
-            f"float8 values with it, {dequantise}"
+            f"{key!r} scales {weight_key!r}, which the checkpoint holds in {weight.dtype}: a {suffix} "
+            f"belongs to a float8_e4m3fn or float8_e5m2 weight (ComfyUI's scaled fp8 layouts; its int8 and "
+            f"block-scaled formats are not read); save the weight's float8 values with it, {dequantise}"
         )
     if not scale.dtype.is_floating_point or scale.dtype.itemsize > 4 or scale.dtype in _FP8:
         return (
-            f"{key!r} is stored in {scale.dtype}: a scale_weight is a float32 number (float16 and bfloat16 "
+            f"{key!r} is stored in {scale.dtype}: a {suffix} is a float32 number (float16 and bfloat16 "
             f"are read exactly too); save it as float32, {dequantise}"
         )
     if scale.shape not in ((), (1,)):

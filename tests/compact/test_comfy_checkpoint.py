@@ -9,6 +9,7 @@ loaded by plain PyTorch with the values the file stands for, ``weight.float() * 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -34,30 +35,48 @@ def llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(CONFIG).eval()
 
 
-def write_comfy(model: nn.Module, path: Path, fp8: torch.dtype = torch.float8_e4m3fn, scale_shape: Any = (1,)) -> dict[str, torch.Tensor]:
-    """``model`` saved in ComfyUI's scaled fp8 layout; returns what was written."""
+# "fp8 scaled": a scale_weight per weight and a scaled_fp8 marker for the file; "comfy_quant": the
+# layers ComfyUI's quantisation ops load (comfy/quant_ops.py), a weight_scale and an input_scale
+# per weight and a JSON marker per layer naming the format
+_LAYOUT_KEYS = {"fp8 scaled": ("scale_weight", "scale_input"), "comfy_quant": ("weight_scale", "input_scale")}
+
+
+def _comfy_quant_marker(fmt: str) -> torch.Tensor:
+    return torch.tensor(list(json.dumps({"format": fmt}).encode()), dtype=torch.uint8)
+
+
+def write_comfy(
+    model: nn.Module, path: Path, fp8: torch.dtype = torch.float8_e4m3fn, scale_shape: Any = (1,), layout: str = "fp8 scaled"
+) -> dict[str, torch.Tensor]:
+    """``model`` saved in one of ComfyUI's scaled fp8 layouts; returns what was written."""
+    scale_key, input_key = _LAYOUT_KEYS[layout]
     state: dict[str, torch.Tensor] = {}
     for i, (name, layer) in enumerate((n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)):
         weight = layer.weight.detach()
         scale = weight.abs().amax().float() / torch.finfo(fp8).max
         state[f"{name}.weight"] = (weight / scale).to(fp8)
-        state[f"{name}.scale_weight"] = scale.reshape(scale_shape)
+        state[f"{name}.{scale_key}"] = scale.reshape(scale_shape)
         if i % 2:
-            state[f"{name}.scale_input"] = torch.ones(())  # the activations' scale of fp8 matmuls: not needed
+            state[f"{name}.{input_key}"] = torch.ones(())  # the activations' scale of fp8 matmuls: not needed
+        if layout == "comfy_quant":
+            state[f"{name}.comfy_quant"] = _comfy_quant_marker(str(fp8).removeprefix("torch."))
         if layer.bias is not None:
             state[f"{name}.bias"] = layer.bias.detach().to(torch.bfloat16)
     for key, value in model.state_dict().items():
         state.setdefault(key, value.contiguous())  # norms and embeddings unscaled, in fp32
-    state["scaled_fp8"] = torch.empty(0, dtype=fp8)  # ComfyUI's marker
+    if layout == "fp8 scaled":
+        state["scaled_fp8"] = torch.empty(0, dtype=fp8)  # ComfyUI's marker
     save_file(state, path)
     return state
 
 
 def dequantised(state: dict[str, torch.Tensor]) -> LlamaForCausalLM:
-    """The plain model holding the values ``state`` stands for, loaded by plain PyTorch."""
+    """The plain model holding the values ``state`` stands for, loaded by plain PyTorch
+    (ComfyUI's dequantisation: the stored values in the compute dtype, times the scale)."""
     values = {}
     for key, value in state.items():
-        scale = state.get(key.removesuffix("weight") + "scale_weight") if key.endswith("weight") else None
+        prefix = key.removesuffix("weight")
+        scale = state.get(prefix + "scale_weight", state.get(prefix + "weight_scale")) if key.endswith("weight") else None
         values[key] = value.float() * scale if scale is not None else value.float()
     reference = llama()
     reference.load_state_dict({k: v for k, v in values.items() if k in reference.state_dict()})
@@ -325,3 +344,67 @@ def test_on_the_accelerator(accelerator: torch.device, comfy: tuple[Path, dict[s
     if how == "streamed":
         assert handle.stats().streamed_groups
         handle.remove()
+
+
+# ---------------------------------------------------------------------- ComfyUI's comfy_quant layers
+
+
+def test_comfy_quant_layers_load_into_a_plain_model_as_comfyui_dequantises_them(tmp_path: Path) -> None:
+    # refused before: "unexpected key 'lm_head.comfy_quant'"
+    path = tmp_path / "model_comfy_quant.safetensors"
+    state = write_comfy(llama(), path, layout="comfy_quant")
+    reference = dequantised(state)
+    model = llama()
+    result = load_(model, path)
+    assert result == torchsurgery.LoadResult([], [])
+    same_state(model, reference)
+    torch.testing.assert_close(outputs(model), outputs(reference), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("per", ["tensor", "channel"])
+def test_comfy_quant_layers_give_a_scaled_offload_their_float8_values_and_scale(tmp_path: Path, per: str) -> None:
+    path = tmp_path / "model_comfy_quant.safetensors"
+    state = write_comfy(llama(), path, layout="comfy_quant")
+    model = llama()
+    handle = offload(model, storage_dtype=Scaled(torch.float8_e4m3fn, per=per), dtype=torch.float32)
+    load_(model, path)
+    for name, layer in ((n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)):
+        assert torch.equal(layer.weight.stored.view(torch.uint8), state[f"{name}.weight"].view(torch.uint8)), name
+        assert torch.all(scale_of(layer.weight) == state[f"{name}.weight_scale"]), name
+    torch.testing.assert_close(outputs(model), outputs(dequantised(state)))
+    handle.remove()
+
+
+def test_a_model_streams_from_comfy_quant_layers(tmp_path: Path) -> None:
+    path = tmp_path / "model_comfy_quant.safetensors"
+    state = write_comfy(llama(), path, layout="comfy_quant")
+    with torchsurgery.skeleton():
+        model = llama()
+    handle = offload(model, storage=path, dtype=torch.float32, groups="leaves")
+    torch.testing.assert_close(outputs(model), outputs(dequantised(state)), rtol=1e-5, atol=1e-5)
+    handle.remove()
+
+
+def test_a_comfy_quant_format_not_read_is_refused_by_its_scale_and_nothing_changes(tmp_path: Path) -> None:
+    # int8 per row (int8_tensorwise): an int8 weight with a scale per output, not float8 with one number
+    model = llama()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    layer = "model.layers.0.mlp.up_proj"
+    weight = state[f"{layer}.weight"]
+    scale = weight.abs().amax(dim=1, keepdim=True) / 127
+    state[f"{layer}.weight"] = (weight / scale).round().to(torch.int8)
+    state[f"{layer}.weight_scale"] = scale.float()
+    state[f"{layer}.comfy_quant"] = _comfy_quant_marker("int8_tensorwise")
+    path = tmp_path / "int8.safetensors"
+    save_file(state, path)
+    target = llama()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(Exception, match=r"up_proj.weight_scale' scales .*torch.int8: a weight_scale belongs to a float8"):
+        load_(target, path)
+    same_state(target, _holding(before))
+
+
+def _holding(values: dict[str, torch.Tensor]) -> LlamaForCausalLM:
+    model = llama()
+    model.load_state_dict(values)
+    return model
