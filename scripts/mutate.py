@@ -213,7 +213,7 @@ MUTATIONS = [
     ),
     Mutation(
         "scaled: a load of plain values chooses a new scale from them",
-        "src/torchsurgery/tensors.py",
+        "src/torchsurgery/tensors/loading.py",
         "        plain_values = {id(t): torch.empty(t.shape, dtype=t.dtype) for t, _ in run if own_scale(t) is not None}\n",
         "        plain_values: dict[int, torch.Tensor] = {}\n",
         ("tests/compact/test_scaled.py::test_load_of_plain_values_chooses_a_scale_from_them",),
@@ -563,25 +563,25 @@ MUTATIONS = [
     ),
     Mutation(
         "load_ counts the bytes it writes straight into memory as an in-place write",
-        "src/torchsurgery/tensors.py",
+        "src/torchsurgery/tensors/loading.py",
         "            torch.autograd.graph.increment_version(t)\n", "",
         ("tests/offloading/test_device.py::test_groups_kept_in_the_ring_are_copied_again_when_their_host_weights_change",),
     ),
     Mutation(
         "a load that fails half-way puts back the values it had overwritten",
-        "src/torchsurgery/tensors.py",
+        "src/torchsurgery/tensors/loading.py",
         "        stash.restore()\n", "        pass\n",
         ("tests/test_tensors.py::test_a_read_failing_at_any_point_leaves_every_tensor_as_it_was",),
     ),
     Mutation(
         "load_(undoable=False) keeps nothing aside",
-        "src/torchsurgery/tensors.py",
+        "src/torchsurgery/tensors/loading.py",
         "stash = Stash(written) if undoable else None", "stash = Stash(written)",
         ("tests/test_tensors.py::test_a_read_failing_without_undo_says_the_module_is_partly_loaded",),
     ),
     Mutation(
         "load_(undoable=False) failing after its first write says the module is partly loaded",
-        "src/torchsurgery/tensors.py",
+        "src/torchsurgery/tensors/loading.py",
         "    elif in_place and isinstance(exc, Exception):", "    elif False:",
         ("tests/test_tensors.py::test_a_read_failing_without_undo_says_the_module_is_partly_loaded",),
     ),

@@ -818,7 +818,7 @@ def test_a_load_in_place_writes_the_files_values_into_the_same_memory(
     from torchsurgery import _checkpoint
 
     monkeypatch.setattr(_checkpoint, "_CHUNK", 1000)  # tensors split over several system calls
-    monkeypatch.setattr("torchsurgery.tensors._STAGE_BYTES", 4096)  # and the load over several runs
+    monkeypatch.setattr("torchsurgery.tensors.loading._STAGE_BYTES", 4096)  # and the load over several runs
     path = tmp_path / "m.safetensors"
     save_file(_Mixed().state_dict(), path)
     expected = load_file(path)

@@ -190,7 +190,7 @@ def test_another_float8_dtype_is_quantised_again_with_a_new_scale(tmp_path: Path
 def test_a_load_failing_half_way_leaves_every_weight_as_it_was(
     comfy: tuple[Path, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    from torchsurgery import tensors
+    from torchsurgery.tensors import loading
 
     path, _ = comfy
     model = llama()
@@ -200,7 +200,7 @@ def test_a_load_failing_half_way_leaves_every_weight_as_it_was(
     before = [copy.deepcopy(w.__dict__.get("_torchsurgery_stored", w.detach())) for w in weights]
     scales = [scale_of(w).clone() for w in weights] if kind == "scaled offload" else []
     name = "load_scaled" if kind == "scaled offload" else "dequantize"
-    real = getattr(tensors, name)
+    real = getattr(loading, name)
     calls = 0
 
     def flaky(*args: Any) -> Any:
@@ -210,7 +210,7 @@ def test_a_load_failing_half_way_leaves_every_weight_as_it_was(
             raise OSError("disk went away")
         return real(*args)
 
-    monkeypatch.setattr(tensors, name, flaky)
+    monkeypatch.setattr(loading, name, flaky)
     with pytest.raises(OSError, match="disk went away"):
         load_(model, path)
     for weight, old in zip(weights, before, strict=True):
