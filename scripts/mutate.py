@@ -102,7 +102,7 @@ MUTATIONS = [
     Mutation(
         "an offloaded module's .to(dtype) converts its weights (the offload is planned again)",
         "src/torchsurgery/offloading/conversion.py",
-        "swap_in(t, wrap_like(t, t.detach().to(read_as).to(dtype)), pending_backward_ok=True)",
+        "hand_over(t, wrap_like(t, t.detach().to(read_as).to(dtype)))",
         "pass",
         ("tests/offloading/test_engine.py::test_an_offloaded_model_takes_dtype_conversions_as_the_plain_model",),
     ),
