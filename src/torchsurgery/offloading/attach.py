@@ -5,7 +5,7 @@ Each kind of behaviour is attached by the one means that reaches it:
 * a streamed group's root module gets the :class:`~torchsurgery.offloading.streams.StreamedGroup`
   patch (a class swap, recorded in its undo log): its ``forward`` brings the group's weights in;
 * the model gets forward hooks around every forward (the lock, the order, the residency
-  chosen after the first forward, the backwards left pending);
+  chosen after the first forward);
 * each module holding a weight read as it computes gets a ``state_dict`` post-hook;
 * every module gets a :class:`~torchsurgery.offloading.conversion.Conversion` as its ``_apply``.
 
