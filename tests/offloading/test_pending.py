@@ -22,12 +22,13 @@ from torchsurgery.offloading import stored_values
 X = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))
 
 STORAGES: dict[str, dict[str, Any]] = {
-    "same-dtype": {},
+    # (on a CPU a weight stored in the dtype it computes in stays as it is: nothing to give back)
+    "fp64": {"storage_dtype": torch.float64, "dtype": torch.float32},
     "bf16": {"storage_dtype": torch.bfloat16, "dtype": torch.float32},
     "scaled": {"storage_dtype": Scaled(torch.float8_e4m3fn), "dtype": torch.float32},
     "master": {"storage_dtype": torch.bfloat16, "dtype": torch.float32, "master_dtype": torch.float32},
 }
-EXACT = ("same-dtype", "master")  # the weights given back hold the original values
+EXACT = ("fp64", "master")  # the weights given back hold the original values
 
 
 def _plain(model: nn.Module) -> nn.Module:
@@ -72,7 +73,7 @@ def test_a_graph_kept_past_the_block_backwards_again_and_differentiates_its_inpu
     model = mlp(blocks=2, d=16).eval()
     reference = copy.deepcopy(model)
     x, x_plain = X.clone().requires_grad_(), X.clone().requires_grad_()
-    with offload(model, groups="leaves"):
+    with offload(model, storage_dtype=torch.float64, dtype=torch.float32, groups="leaves"):
         y = model(x)
         y.sum().backward(retain_graph=True)  # into the offloaded weights: their gradients go back with them
     expected = reference(x_plain)
@@ -111,7 +112,7 @@ def test_a_training_step_whose_loss_outlives_the_offload_trains_as_the_plain_mod
     model = mlp(blocks=2, d=16)
     reference = copy.deepcopy(model)
     steps = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)]
-    with offload(model, groups="leaves"):
+    with offload(model, storage_dtype=torch.float64, dtype=torch.float32, groups="leaves"):
         loss = model(X).square().mean()
         loss.backward()
         steps[0].step()
