@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import io
 import os
 import pickle
