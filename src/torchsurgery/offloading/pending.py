@@ -1,16 +1,15 @@
 """Graphs that outlive an offload: their backwards give their gradients to the weights given back.
 
 After a forward that recorded gradients, its graph holds what each weight was while offloaded
-(the content the offload swapped into the parameter object: stored narrow, on the host or as
-the ring's copy's source) through the weight's gradient accumulator, and where it saved the
-weight for its backward. ``remove()`` gives every parameter object its own content back at
-once, without waiting for such graphs (``with offload(model): y = model(x)`` in grad mode,
-``y`` kept after the block, is how most people run a model). The graph keeps the offloaded
-content, so its backward computes with what its forward computed with; the gradient that
-backward accumulates into that content is handed on to the parameter object, converted to
-the device and dtype it has then, as the plain model's backward accumulates into the
-parameter itself. The graph holds the content it keeps, and nothing of the offload's else,
-until it is freed.
+(the content the offload swapped into the parameter object: kept narrow, on the host, or on
+the device where it is resident) through the weight's gradient accumulator, and where it
+saved the weight for its backward. ``remove()`` gives every parameter object its own content
+back at once, without waiting for such graphs (``with offload(model): y = model(x)`` in grad
+mode, ``y`` kept after the block, is how most people run a model). Each graph keeps the
+offloaded content it holds, so its backward computes with what its forward computed with; the
+gradient that backward accumulates into that content is handed on to the parameter object,
+converted to the device and dtype it has then, as the plain model's backward accumulates into
+the parameter itself. What the graph keeps is freed with it.
 """
 
 from __future__ import annotations
