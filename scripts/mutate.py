@@ -102,7 +102,7 @@ MUTATIONS = [
     Mutation(
         "an offloaded module's .to(dtype) converts its weights (the offload is planned again)",
         "src/torchsurgery/offloading/conversion.py",
-        "swap_in(t, wrap_like(t, t.detach().to(read_as).to(dtype)), pending_backward_ok=True)",
+        "hand_over(t, wrap_like(t, t.detach().to(read_as).to(dtype)))",
         "pass",
         ("tests/offloading/test_engine.py::test_an_offloaded_model_takes_dtype_conversions_as_the_plain_model",),
     ),
@@ -112,20 +112,6 @@ MUTATIONS = [
         "    if verbose:\n        print(line)",
         "    pass",
         ("tests/compat/test_framepack.py::test_the_app_pattern_in_its_dtypes_equals_the_app_s_own_memory_module",),
-    ),
-    Mutation(
-        "pending backwards: each step's backward is marked, though the last step's mark object lives on",
-        "src/torchsurgery/offloading/pending.py",
-        "            if mark is None or mark not in self._marks:\n",
-        "            if mark is None:\n",
-        ("tests/offloading/test_engine_edges.py::test_each_steps_pending_backward_is_watched_while_the_last_steps_loss_lives",),
-    ),
-    Mutation(
-        "pending backwards: a torch.func transform's forward leaves none to watch",
-        "src/torchsurgery/offloading/pending.py",
-        " and not torch._C._are_functorch_transforms_active():\n",
-        ":\n",
-        ("tests/offloading/test_engine_edges.py::test_torch_func_transforms_run_while_an_earlier_forwards_backward_is_pending",),
     ),
     Mutation(
         "a conversion's check plans the offload's own weights as the plain tensors they will be",
@@ -922,6 +908,60 @@ MUTATIONS = [
         " + max((r for _, r in streamed), default=0) + widened", " + widened",
         ("tests/offloading/test_engine_edges.py::"
          "test_the_device_peak_stays_within_the_least_budget_when_streamed_weights_are_cast[1]",),
+    ),
+    Mutation(
+        "pending backward: the offload's removal gives every weight back at once, also where a graph holds it",
+        "src/torchsurgery/offloading/engine.py",
+        "            hand_over(tensor, replacement)\n",
+        "            torch.utils.swap_tensors(tensor, replacement)\n",
+        ("tests/offloading/test_pending.py::test_a_with_block_in_grad_mode_exits_and_the_backward_after_it_reaches_the_restored_weights[bf16]",),
+    ),
+    Mutation(
+        "pending backward: a graph that holds a weight given back is not poisoned",
+        "src/torchsurgery/offloading/pending.py",
+        "pending_backward_ok=True, poison=not held)", "pending_backward_ok=True, poison=True)",
+        ("tests/offloading/test_pending.py::test_a_with_block_in_grad_mode_exits_and_the_backward_after_it_reaches_the_restored_weights[fp64]",),
+    ),
+    Mutation(
+        "pending backward: the gradient a graph gives the offloaded content goes on to the weight given back",
+        "src/torchsurgery/offloading/pending.py",
+        "        replacement.register_post_accumulate_grad_hook(functools.partial(_hand_on, tensor))\n",
+        "        pass\n",
+        ("tests/offloading/test_pending.py::test_a_with_block_in_grad_mode_exits_and_the_backward_after_it_reaches_the_restored_weights[scaled]",
+         "tests/offloading/test_engine_edges.py::test_remove_gives_the_weights_back_at_once_while_a_backward_is_pending_and_it_reaches_them[least-bf16]"),
+    ),
+    Mutation(
+        "pending backward: the gradient handed on comes on the weight's device, in its dtype",
+        "src/torchsurgery/offloading/pending.py",
+        "    grad = grad.to(device=owner.device, dtype=owner.dtype)\n", "",
+        ("tests/offloading/test_engine_edges.py::test_remove_gives_the_weights_back_at_once_while_a_backward_is_pending_and_it_reaches_them[whole-same-dtype]",
+         "tests/offloading/test_pending.py::test_a_conversion_while_a_backward_is_pending_hands_its_gradients_on_to_the_converted_weights"),
+    ),
+    Mutation(
+        "pending backward: a gradient that went back with its weight is not counted again by the graph's next backward",
+        "src/torchsurgery/offloading/pending.py",
+        "        replacement.grad = None\n", "",
+        ("tests/offloading/test_pending.py::test_a_graph_kept_past_the_block_backwards_again_and_differentiates_its_input",),
+    ),
+    Mutation(
+        "pending backward: the gradient handed on adds to the weight's own",
+        "src/torchsurgery/offloading/pending.py",
+        "        owner.grad += grad\n", "        owner.grad = grad\n",
+        ("tests/offloading/test_pending.py::test_a_graph_kept_past_the_block_backwards_again_and_differentiates_its_input",),
+    ),
+    Mutation(
+        "pending backward: with create_graph the gradient handed on adds out of place",
+        "src/torchsurgery/offloading/pending.py",
+        "    elif torch.is_grad_enabled():", "    elif False:",
+        ("tests/offloading/test_pending.py::test_a_gradient_penalty_after_the_block_differentiates_the_gradients_as_the_plain_model",),
+    ),
+    Mutation(
+        "pending backward: a conversion hands a pending graph's gradient on to the weights it converts",
+        "src/torchsurgery/offloading/conversion.py",
+        "hand_over(t, wrap_like(t, t.detach().to(read_as).to(dtype)))",
+        '__import__("torchsurgery._swap", fromlist=["swap_in"]).swap_in('
+        "t, wrap_like(t, t.detach().to(read_as).to(dtype)), pending_backward_ok=True)",
+        ("tests/offloading/test_pending.py::test_a_conversion_while_a_backward_is_pending_hands_its_gradients_on_to_the_converted_weights",),
     ),
 ]
 

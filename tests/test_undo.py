@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import io
 import os
 import pickle
@@ -628,16 +627,9 @@ class SurgeryMachine(RuleBasedStateMachine):
             torch.testing.assert_close(self.model(x), expected, rtol=0, atol=0)
 
     def restore(self) -> None:
-        """``torchsurgery.restore``; an offload refuses while kept outputs' backwards are pending
-        through its weights: those outputs are then dropped (their backwards never run) first."""
-        try:
-            torchsurgery.restore(self.model)
-        except RuntimeError as exc:
-            if "is pending" not in str(exc) or not self.alive:
-                raise
-            self.alive.clear()
-            gc.collect()  # graphs in reference cycles (a saved tensor's hooks) go with a collection
-            torchsurgery.restore(self.model)
+        """``torchsurgery.restore``: it does not wait for the graphs of kept outputs (an offload's
+        removal hands their gradients on to the weights it gives back)."""
+        torchsurgery.restore(self.model)
         self.pool = None
         self.on_device = False
         self.installed_on = None

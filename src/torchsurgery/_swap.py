@@ -117,7 +117,9 @@ def _poisoned(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
     )
 
 
-def swap_in(tensor: torch.Tensor, replacement: torch.Tensor, *, pending_backward_ok: bool = False) -> None:
+def swap_in(
+    tensor: torch.Tensor, replacement: torch.Tensor, *, pending_backward_ok: bool = False, poison: bool = True
+) -> None:
     """``torch.utils.swap_tensors(tensor, replacement)``, also where weak references to ``tensor`` exist.
 
     For a surgery's own undo and redo of tensors it converted itself: ``torch.compile``
@@ -135,6 +137,8 @@ def swap_in(tensor: torch.Tensor, replacement: torch.Tensor, *, pending_backward
     saved it in the graph too. The graph keeps the old content (what its forward computed
     with); a backward through it raises, as after ``swap_tensors`` (the AccumulateGrad node
     is poisoned), instead of accumulating into the object that now holds the old content.
+    Without ``poison`` that backward accumulates into ``replacement`` (which then holds the old
+    content): for a caller that hands that gradient on itself.
     """
     grad = tensor.grad
     if grad is not None and replacement.grad is None and replacement.requires_grad:
@@ -144,13 +148,13 @@ def swap_in(tensor: torch.Tensor, replacement: torch.Tensor, *, pending_backward
     if not pending_backward_ok and not weakref.getweakrefs(tensor):
         torch.utils.swap_tensors(tensor, replacement)
     else:  # swap_tensors refuses weak references (torch.compile's caches hold them) and a saved leaf, both of which we must swap
-        _swap_holding(tensor, replacement, pending_backward_ok)
+        _swap_holding(tensor, replacement, pending_backward_ok, poison)
     if held is not None:  # the __dict__ went with the content
         tensor.__dict__[HELD_KEY] = held
         replacement.__dict__.pop(HELD_KEY, None)
 
 
-def _swap_holding(tensor: torch.Tensor, replacement: torch.Tensor, pending_backward_ok: bool) -> None:
+def _swap_holding(tensor: torch.Tensor, replacement: torch.Tensor, pending_backward_ok: bool, poison: bool) -> None:
     """``swap_tensors`` where it would refuse: weak references, and (an undo) holders in a live graph."""
     # torch.utils.swap_tensors has no switch for either refusal, so its three steps are taken here
     slots = set(copyreg._slotnames(type(tensor)))  # type: ignore[attr-defined]
@@ -162,7 +166,7 @@ def _swap_holding(tensor: torch.Tensor, replacement: torch.Tensor, pending_backw
                 "cannot swap a tensor held elsewhere (by the graph of a pending backward, or by a view of it); "
                 "run backward and drop its outputs first"
             )
-    if tensor._use_count() > 1 and tensor.is_leaf and tensor.requires_grad:  # type: ignore[attr-defined]
+    if poison and tensor._use_count() > 1 and tensor.is_leaf and tensor.requires_grad:  # type: ignore[attr-defined]
         # the node would accumulate into ``replacement``, which gets the old content; a graph that
         # holds the replacement's content accumulates into ``tensor`` from now on, rightly
         torch.autograd.graph.get_gradient_edge(tensor).node.register_prehook(_poisoned)

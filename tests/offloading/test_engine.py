@@ -1400,17 +1400,21 @@ class _Gain(torchsurgery.Patch, nn.Linear):
         return super().forward(x) * self.gain  # the graph saves the (offloaded) gain itself
 
 
-def test_remove_waits_for_a_pending_backward_whose_graph_saved_a_weight() -> None:
+def test_remove_does_not_wait_for_a_pending_backward_whose_graph_saved_a_weight() -> None:
     model = nn.Sequential(nn.Linear(4, 4))
     reference = copy.deepcopy(model)
     torchsurgery.patch(model[0], _Gain)
+    patched = copy.deepcopy(model)
     handle = offload(model, storage_dtype=torch.float64, dtype=torch.float32, groups="leaves")
-    loss = model(torch.randn(2, 4)).sum()
-    with pytest.raises(RuntimeError, match="backward through its offloaded weight .* is pending"):
-        handle.remove()  # the backward would have no weight to put its gradient in
-    assert handle.active
-    loss.backward()
-    handle.remove()
+    x = torch.randn(2, 4)
+    loss = model(x).square().sum()
+    handle.remove()  # the graph keeps the offloaded gain it saved, and computes its backward with it
+    assert not handle.active and all(type(p) is nn.Parameter for p in model.parameters())
+    loss.backward()  # the gradients reach the weights given back, the gain's too
+    patched(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), patched.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
     torchsurgery.unpatch(model[0])
     assert type(model[0]) is nn.Linear and torchsurgery.surgery_log(model) == []
     assert all(type(p) is nn.Parameter for p in model.parameters())

@@ -19,6 +19,7 @@ from torch import nn
 import tardy
 import torchsurgery
 from torchsurgery import BudgetError, offload
+from torchsurgery.compact import Scaled
 from torchsurgery.offloading import stored_values
 from torchsurgery.offloading.plan import plan_offload
 
@@ -294,67 +295,69 @@ def _fingerprint(model: nn.Module) -> list[Any]:
     ]
 
 
+_PENDING_STORAGES: dict[str, dict[str, Any]] = {
+    "same-dtype": {},
+    "bf16": {"storage_dtype": torch.bfloat16, "dtype": torch.float32},
+    "scaled": {"storage_dtype": Scaled(torch.float8_e4m3fn), "dtype": torch.float32},
+    "master": {"storage_dtype": torch.bfloat16, "dtype": torch.float32, "master_dtype": torch.float32},
+}
+
+
 @pytest.mark.accelerator
-@pytest.mark.parametrize("storage", [None, torch.bfloat16], ids=["same-dtype", "bf16"])
-def test_remove_is_refused_while_a_backward_through_the_offloaded_weights_is_pending(
-    storage: torch.dtype | None, accelerator: torch.device
+@pytest.mark.parametrize("storage", list(_PENDING_STORAGES))
+@pytest.mark.parametrize("budget", ["least", "whole"])
+def test_remove_gives_the_weights_back_at_once_while_a_backward_is_pending_and_it_reaches_them(
+    storage: str, budget: str, accelerator: torch.device
 ) -> None:
+    # streamed groups keep the host weights their copies to the device came from in the graph,
+    # resident ones their device weights: either way the backward after the removal gives the
+    # restored (host) parameters the plain model's gradients on the device
     model = _model()
-    options: dict[str, Any] = {} if storage is None else {"storage_dtype": storage, "dtype": torch.float32}
-    reference = copy.deepcopy(model)
-    if storage is not None:  # the weights as the offload keeps them (norms keep theirs)
-        with torch.no_grad():
-            for m in reference.modules():
-                if isinstance(m, nn.Linear):
-                    for p in m.parameters():
-                        p.copy_(p.to(storage).float())
-    reference = reference.to(accelerator)
+    plain = _fingerprint(model)
+    options = _PENDING_STORAGES[storage]
     x = X.to(accelerator)
-    handle = offload(model, accelerator, budget=_needed(model, accelerator, **options), **options)
+    handle = offload(model, accelerator, budget=_needed(model, accelerator, **options) if budget == "least" else None, **options)
+    assert any(g.resident for g in handle.plan.groups) == (budget == "whole")
     loss = model(x).square().sum()
-    before = _fingerprint(model)
-    for undo in (handle.remove, lambda: torchsurgery.restore(model)):
-        with pytest.raises(RuntimeError, match=r"backward through its offloaded weight '[\w.]+' is pending.*Run the backward"):
-            undo()
-        assert _fingerprint(model) == before and handle.active  # nothing changed
-    loss.backward()  # runs, into the offloaded weights
+    (handle.remove if storage == "bf16" else lambda: torchsurgery.restore(model))()
+    assert _fingerprint(model) == plain and not handle.active and torchsurgery.surgery_log(model) == []
+    reference = copy.deepcopy(model).to(accelerator)  # the weights the offloaded model computed with
+    loss.backward()
     reference(x).square().sum().backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None, name
-        torch.testing.assert_close(p.grad.to(accelerator), q.grad, rtol=1e-4, atol=1e-5)
-    handle.remove()  # the backward ran (its outputs still alive): removed
-    # a graph dropped without its backward does not hold the removal either
-    handle = offload(model, accelerator, budget=_needed(model, accelerator, **options), **options)
-    loss = model(x).sum()
-    del loss
-    handle.remove()
-    assert all(p.device.type == "cpu" for p in model.parameters())
+        assert p.grad.device.type == "cpu" and p.grad.dtype == p.dtype, name
+        torch.testing.assert_close(p.grad.to(accelerator), q.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.accelerator
-@pytest.mark.parametrize("storage", [None, torch.bfloat16], ids=["same-dtype", "bf16"])
-def test_each_steps_pending_backward_is_watched_while_the_last_steps_loss_lives(
-    storage: torch.dtype | None, accelerator: torch.device
+@pytest.mark.parametrize("storage", ["same-dtype", "master"])
+def test_each_steps_pending_backward_reaches_the_weights_after_a_removal_while_the_last_steps_loss_lives(
+    storage: str, accelerator: torch.device
 ) -> None:
-    # a training loop: step 1's backward has run (its mark is gone from the accumulators, but
-    # the mark object stays in their metadata while `loss` lives); step 2's forward must mark
-    # its own pending backward, so that remove() is refused until that one runs too
+    # a training loop: step 1's backward has run, step 2's forward ran while step 1's loss was
+    # alive, and the offload is removed before step 2's backward: that backward and the step
+    # after it train the restored parameters as the plain model is trained
     model = _model()
-    options: dict[str, Any] = {} if storage is None else {"storage_dtype": storage, "dtype": torch.float32}
+    # (with a master, forwards that record gradients read the fp32 master values: the plain model's)
+    options = _PENDING_STORAGES[storage]
+    reference = copy.deepcopy(model).to(accelerator)
     handle = offload(model, accelerator, budget=_needed(model, accelerator, **options), **options)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    steps = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, reference)]
     x = X.to(accelerator)
-    loss = model(x).square().sum()
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    loss = model(x).square().sum()  # step 2: the previous loss was alive during this forward
-    before = _fingerprint(model)
-    with pytest.raises(RuntimeError, match=r"backward through its offloaded weight '[\w.]+' is pending"):
-        handle.remove()
-    assert _fingerprint(model) == before and handle.active
-    loss.backward()
-    handle.remove()
+    for m, step in zip((model, reference), steps, strict=True):
+        loss = m(x).square().sum()
+        loss.backward()
+        step.step()
+        step.zero_grad()
+        loss = m(x).square().sum()  # step 2: the previous loss was alive during this forward
+        if m is model:
+            handle.remove()
+        loss.backward()
+        step.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert p.device.type == "cpu" and type(p) is nn.Parameter, name
+        torch.testing.assert_close(p.to(accelerator), q, rtol=1e-5, atol=1e-6, msg=name)
 
 
 # ---------------------------------------------------------------------- 5. a removed handle
@@ -487,7 +490,7 @@ def test_weights_made_resident_after_the_first_forward_go_back_to_the_host_on_re
 
 @pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev"])
 def test_torch_func_transforms_run_while_an_earlier_forwards_backward_is_pending(transform: str) -> None:
-    # the watcher of pending backwards read the gradient edge of a weight inside the transform,
+    # a watcher of pending backwards once read the gradient edge of a weight inside the transform,
     # where it has none (an internal AttributeError); the transform differentiates by its own
     # levels and leaves nothing of autograd's pending: its results are the plain model's
     torch.manual_seed(3)
@@ -509,10 +512,12 @@ def test_torch_func_transforms_run_while_an_earlier_forwards_backward_is_pending
         return torch.func.jacrev(lambda v: m(v).square().sum())(x)
 
     torch.testing.assert_close(run(model), run(plain))
-    with pytest.raises(RuntimeError, match="is pending"):  # the earlier forward's backward: still watched
-        handle.remove()
+    handle.remove()  # the earlier forward's backward reaches the restored weights
     pending.backward()
-    handle.remove()
+    plain(x).sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 @pytest.mark.accelerator

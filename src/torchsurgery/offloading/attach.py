@@ -5,7 +5,7 @@ Each kind of behaviour is attached by the one means that reaches it:
 * a streamed group's root module gets the :class:`~torchsurgery.offloading.streams.StreamedGroup`
   patch (a class swap, recorded in its undo log): its ``forward`` brings the group's weights in;
 * the model gets forward hooks around every forward (the lock, the order, the residency
-  chosen after the first forward, the backwards left pending);
+  chosen after the first forward);
 * each module holding a weight read as it computes gets a ``state_dict`` post-hook;
 * every module gets a :class:`~torchsurgery.offloading.conversion.Conversion` as its ``_apply``.
 
@@ -72,11 +72,9 @@ class Attachments:
         # a hook stays: owners need not be patched (a class swap would show in patches() and type() for this alone)
         self.hooks.append(owner.register_state_dict_post_hook(stored_state))
 
-    def hook_forwards(
-        self, model: nn.Module, streaming: Streaming, after_first: Callable[[], None] | None, watch: Any
-    ) -> None:
+    def hook_forwards(self, model: nn.Module, streaming: Streaming, after_first: Callable[[], None] | None) -> None:
         """Hooks around every forward of ``model``: the lock and the order of the streamed groups (if
-        any), ``after_first`` after the first forward without gradients, ``watch`` after every forward."""
+        any), ``after_first`` after the first forward without gradients."""
         # hooks stay: the lock spans the user's own hooks (prepend, always_call), which a forward cannot
         if self.patched:
             # one thread at a time runs the model; the order streamed groups ran in is closed at
@@ -85,8 +83,6 @@ class Attachments:
             if after_first is not None:
                 self.hooks.append(model.register_forward_hook(AfterFirst(streaming, after_first)))
             self.hooks.append(model.register_forward_hook(EndForward(streaming), always_call=True))
-        # forwards that record gradients: the backward each leaves pending through the weights
-        self.hooks.append(model.register_forward_hook(watch, always_call=True))
 
     def guard_conversions(self, modules: Mapping[str, nn.Module], convert: weakref.WeakMethod[ConvertSubtree]) -> None:
         """``.to()``, ``.half()``, ``.cuda()``... of any of ``modules`` go through ``convert``."""

@@ -23,8 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchsurgery._swap import swap_in, wrap_like
+from torchsurgery._swap import wrap_like
 from torchsurgery.compact import OffloadedTensor, converted_by
+from torchsurgery.offloading.pending import hand_over
 from torchsurgery.offloading.plan import OffloadPlan, sizes
 from torchsurgery.offloading.streams import GroupStreamer
 
@@ -149,7 +150,8 @@ def convert_values(module: nn.Module, changes: Changes, fn: Callable[[torch.Tens
         for t, read_as, dtype in changes.values():
             if not isinstance(t, OffloadedTensor):
                 # as the offloaded module read it (the compute dtype), then converted
-                swap_in(t, wrap_like(t, t.detach().to(read_as).to(dtype)), pending_backward_ok=True)
+                # (a graph recorded before the conversion hands its gradient on to the converted weight)
+                hand_over(t, wrap_like(t, t.detach().to(read_as).to(dtype)))
         # weights that read as another dtype or device than they keep (an installer's): as
         # their own modules convert them, so that they go on reading as installed
         for m in module.modules():

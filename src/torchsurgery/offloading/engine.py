@@ -44,7 +44,6 @@ from torch import nn
 
 from torchsurgery import _undo
 from torchsurgery._device import OffloadDevice
-from torchsurgery._swap import swap_in
 from torchsurgery.compact import ReadContext, Scaled, Scratch
 from torchsurgery.offloading.attach import Attachments
 from torchsurgery.offloading.checkpoint_values import CheckpointValues
@@ -58,7 +57,7 @@ from torchsurgery.offloading.conversion import (
 from torchsurgery.offloading.install import Installer
 from torchsurgery.offloading.measured_residency import MeasuredResidency
 from torchsurgery.offloading.originals import Originals
-from torchsurgery.offloading.pending import PendingBackwards, WatchBackward
+from torchsurgery.offloading.pending import hand_over
 from torchsurgery.offloading.plan import DEFAULT_SKIP, OffloadPlan, plan_converted
 from torchsurgery.offloading.stats import OffloadStats
 from torchsurgery.offloading.streams import Streaming
@@ -129,7 +128,6 @@ class OffloadHandle:
         self._originals = Originals()  # every tensor the offload changed, in order
         self._file: CheckpointValues | None = None
         self._reads = ReadContext(self._stats, Scratch())
-        self._pending = PendingBackwards()  # backwards still to run through the weights
         self._hold: _undo.Hold | None = None
         self._record: OffloadRecord | None = None
 
@@ -188,7 +186,7 @@ class OffloadHandle:
         model, plan = self._live, self.plan
         measured = MeasuredResidency(plan, named, self._streaming, self._attached.streamers, self._originals, self._reads)
         after_first = measured if plan.measured_budget is not None else None
-        self._attached.hook_forwards(model, self._streaming, after_first, WatchBackward(self._pending, self._originals))
+        self._attached.hook_forwards(model, self._streaming, after_first)
         self._hold = _undo.hold([p.lookup_in(named) for p in plan.params], "an active offload")
         self._attached.guard_conversions(named, weakref.WeakMethod(self._convert_subtree))
         self._record = OffloadRecord(self)
@@ -235,19 +233,18 @@ class OffloadHandle:
         All or nothing: every value to put back is read (from the checkpoint file, for
         weights streamed from one) and converted first; if that fails (a file cut short,
         out of memory), the model, its hooks and its log are exactly as before and the error
-        says why. While the graph of a forward that recorded gradients holds a weight the
-        offload gives back (its backward is pending), the removal is refused, changing
-        nothing: giving the weight back would leave that backward nowhere to put its
-        gradient. Run the backward, or drop its outputs, first. The handle then holds
-        neither the model (see :attr:`model`) nor device memory.
+        says why. It does not wait for the graphs of forwards that recorded gradients
+        (``y = model(x)`` in grad mode, ``y`` kept): each keeps the offloaded weights it
+        holds until it is freed, and its backward, run before or after, gives each weight
+        its gradient as the plain model's does (:mod:`~torchsurgery.offloading.pending`).
+        The handle then holds neither the model (see :attr:`model`) nor device memory.
 
         Returns:
             The model.
 
         Raises:
-            RuntimeError: another thread is running the model, or a backward through its
-                offloaded weights is pending; nothing changed. Or the handle was removed
-                already and its model freed since.
+            RuntimeError: another thread is running the model; nothing changed. Or the
+                handle was removed already and its model freed since.
             torchsurgery.CheckpointError: the checkpoint file can no longer give back a
                 weight it holds; nothing changed.
         """
@@ -258,15 +255,14 @@ class OffloadHandle:
             return model
         model = self._live
         _undo.check_idle(model, f"{_WHAT}.remove")
-        self._pending.check(f"{_WHAT}.remove", type(model).__name__)
         # copies still in flight write into the ring's buffers and read the host buffers: the ring
         # goes once they have landed, before either is released (a removal that then fails leaves
         # the next forward to make a new ring)
         self._streaming.drop_ring()
         restored = self._originals.restored_values(self._file)
         self._attached.detach()
-        for tensor, replacement in restored:  # a graph whose backward ran may outlive it: nothing to wait for
-            swap_in(tensor, replacement, pending_backward_ok=True)
+        for tensor, replacement in restored:  # graphs that hold a weight give their gradients to it from now on
+            hand_over(tensor, replacement)
         # surgery applied after the offload (an installation over a loaded model) gives back
         # these values when it is undone, not the device copies it saw
         _undo.rebase_saved(model, self._record, [tensor for tensor, _ in restored])
