@@ -636,6 +636,23 @@ def read_scaled(reader: Source, keys: Sequence[tuple[str, str]]) -> list[tuple[t
     return [(q, scale.float().reshape(())) for q, scale in zip(taken[::2], taken[1::2], strict=True)]
 
 
+def _entry_of(folder: Path, name: object) -> Path | None:
+    """The file ``name`` of ``folder`` (symlinks followed), or ``None`` where that would leave the folder.
+
+    ``name`` must be a plain file name (no separator, not ``..``, not absolute) whose target
+    lies in ``folder`` itself, or, for a snapshot of the Hugging Face hub's cache
+    (``<repo>/snapshots/<revision>/``, each file a link into ``<repo>/blobs/``), in that
+    repository's ``blobs`` folder.
+    """
+    if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or os.sep in name:
+        return None
+    target = (folder / name).resolve()
+    homes = {folder.resolve()}
+    if folder.resolve().parent.name == "snapshots":
+        homes.add(folder.resolve().parent.parent / "blobs")
+    return target if target.parent in homes else None
+
+
 def _index_shards(index: Path) -> list[Path]:
     try:
         data = json.loads(index.read_text(encoding="utf-8"))
@@ -645,8 +662,12 @@ def _index_shards(index: Path) -> list[Path]:
         raise CheckpointError(f"{index}: not a valid sharded-checkpoint index ({exc})") from exc
     shards = []
     for name in files:
-        if not isinstance(name, str) or (shard := (index.parent / name).resolve()).parent != index.parent.resolve():
-            raise CheckpointError(f"{index}: shard {name!r} is not a file next to the index")
+        shard = _entry_of(index.parent, name)
+        if shard is None:  # a crafted index must not make us read elsewhere (an absolute path, .., a link out)
+            raise CheckpointError(
+                f"{index}: shard {name!r} is not a file next to the index (an absolute path, a '..' or a symbolic "
+                "link leading out of its folder); only files in the index's folder are read: put the shard there"
+            )
         if shard.exists() and not shard.is_file():
             raise CheckpointError(f"{index}: shard {name!r} is not a regular file (a pipe, socket or device)")
         if not shard.is_file():
@@ -674,6 +695,11 @@ def open_source(source: Any, what: str) -> Source:
     if path.is_dir():
         for candidate in ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin"):
             if (path / candidate).is_file():
+                if _entry_of(path, candidate) is None:
+                    raise CheckpointError(
+                        f"{what}: {path / candidate} is a symbolic link leading out of {path}; only files in the "
+                        "folder given are read: give the file's own path, or copy it into the folder"
+                    )
                 return open_source(path / candidate, what)
         raise FileNotFoundError(f"{what}: {path} holds no model.safetensors(.index.json) or pytorch_model.bin")
     if path.exists() and not path.is_file():
