@@ -31,6 +31,7 @@ import os
 import struct
 import tempfile
 import threading
+import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ _IOV_MAX = 1024  # the most buffers one preadv call fills (Linux's limit)
 _PARALLEL_BYTES = 64 * 1024 * 1024  # smaller reads are not worth a thread
 # reading threads: half the cores, at most 4; on 2 cores a second thread made loads slower
 _THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+_clock = time.perf_counter  # times the reads (the tests give another clock)
 
 
 class CheckpointError(ValueError):
@@ -392,6 +394,10 @@ class SafetensorsSource(Source):
     values read from a file changed in place since (truncated, rewritten) are refused
     rather than used, and a file deleted or replaced is reported, though what is read
     comes from the original, which the open file keeps.
+
+    Attributes:
+        bytes_read: bytes read by :meth:`read_many` so far.
+        seconds_reading: the wall time those reads took (their system calls, all threads).
     """
 
     def __init__(self, paths: list[Path]) -> None:
@@ -399,6 +405,8 @@ class SafetensorsSource(Source):
         self._maps: dict[Path, torch.Tensor] = {}  # each file's bytes, mapped on first use
         self._where: dict[str, _Located] = {}
         self._stamps: dict[Path, _Stamp] = {}
+        self.bytes_read = 0
+        self.seconds_reading = 0.0
         try:
             for path in paths:
                 f = open(path, "rb")  # noqa: SIM115 - kept open until close()
@@ -423,6 +431,8 @@ class SafetensorsSource(Source):
         self._maps = {}
         self._where = state["where"]
         self._stamps = state["stamps"]
+        self.bytes_read = 0
+        self.seconds_reading = 0.0
         try:
             for path in state["paths"]:
                 self._files[path] = open(path, "rb")  # noqa: SIM115 - kept open until close()
@@ -461,11 +471,14 @@ class SafetensorsSource(Source):
             if loc.nbytes:
                 spans.append((key, loc, _bytes_of(target)))
         batches = _batches(spans)
+        start = _clock()
         if len(batches) < 2 or _THREADS < 2 or sum(loc.nbytes for _, loc, _ in spans) < _PARALLEL_BYTES:
             for batch in batches:
                 self._fill(batch)
         else:
             self._fill_in_parallel(batches)
+        self.seconds_reading += _clock() - start
+        self.bytes_read += sum(loc.nbytes for _, loc, _ in spans)
         if check:
             self.check_unchanged({loc.path for _, loc, _ in spans})
         with torch.no_grad():

@@ -16,6 +16,7 @@ from torch import nn
 from torchsurgery._checkpoint import CheckpointError, SafetensorsSource, open_source
 from torchsurgery.compact import dequantize
 from torchsurgery.offloading.plan import OffloadPlan, ParamPlan, Residency
+from torchsurgery.offloading.stats import storage_hint
 
 __all__ = ["CheckpointValues"]
 
@@ -123,6 +124,10 @@ class CheckpointValues:
                     "the model's own values would be lost when the offload is removed. Save the model's weights "
                     "to the file first, or offload without storage="
                 )
+
+    def hint(self, where: str) -> str:
+        """:func:`~torchsurgery.offloading.stats.storage_hint` for the reads from the file so far."""
+        return storage_hint(where, self.source.bytes_read, self.source.seconds_reading)
 
     def close(self) -> None:
         """Close the checkpoint."""
