@@ -211,6 +211,15 @@ class _Stamp:
         return cls(st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino)
 
 
+def _changed(change: str) -> str:
+    """What to say of a file that changed since it was opened (``change``: how), with the fix."""
+    return (
+        f"changed since it was opened for reading: {change}. What is read from it no longer matches what was "
+        "checked when it was opened; open it again as it is now (for an offload: remove() it, then offload again "
+        "from the new file)"
+    )
+
+
 def _change(path: Path, opened: _Stamp, fd: int) -> str | None:
     """How the file opened as ``fd`` (stamped ``opened``) or its ``path`` changed since; ``None``: unchanged."""
     now = _Stamp.of(os.fstat(fd))
@@ -490,11 +499,7 @@ class SafetensorsSource(Source):
         for path in sorted(paths):
             change = self._change(path)
             if change is not None:
-                raise CheckpointError(
-                    f"{path}: changed since it was opened for reading: {change}. What is read from it no longer "
-                    "matches what was checked when it was opened; open it again as it is now (for an offload: "
-                    "remove() it, then offload again from the new file)"
-                )
+                raise CheckpointError(f"{path}: {_changed(change)}")
 
     def _change(self, path: Path) -> str | None:
         return _change(path, self._stamps[path], self._files[path].fileno())
@@ -528,8 +533,9 @@ class SafetensorsSource(Source):
             ) from exc
         if left is not None:
             key = batch.keys[len(batch.keys) - left[1]]
-            change = self._change(batch.path) or "was it truncated or rewritten after its header was read?"
-            raise CheckpointError(f"{batch.path}: {key!r} ends early (the file ends at byte {left[0]}; {change})")
+            change = self._change(batch.path)
+            why = _changed(change) if change else "was it truncated or rewritten after its header was read?"
+            raise CheckpointError(f"{batch.path}: {key!r} ends early (the file ends at byte {left[0]}); {why}")
 
     def mapped(self, key: str) -> torch.Tensor | None:
         loc = self._where[key]
