@@ -658,12 +658,12 @@ def read_scaled(reader: Source, keys: Sequence[tuple[str, str]]) -> list[tuple[t
 def _entry_of(folder: Path, name: object) -> Path | None:
     """The file ``name`` of ``folder`` (symlinks followed), or ``None`` where that would leave the folder.
 
-    ``name`` must be a plain file name (no separator, not ``..``, not absolute) whose target
-    lies in ``folder`` itself, or, for a snapshot of the Hugging Face hub's cache
-    (``<repo>/snapshots/<revision>/``, each file a link into ``<repo>/blobs/``), in that
-    repository's ``blobs`` folder.
+    The file, once every link is followed, must lie in ``folder`` itself (so no absolute
+    path, no ``..``, no subfolder, no link leading out), or, for a snapshot of the Hugging
+    Face hub's cache (``<repo>/snapshots/<revision>/``, each file a link into
+    ``<repo>/blobs/``), in that repository's ``blobs`` folder.
     """
-    if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or os.sep in name:
+    if not isinstance(name, str):
         return None
     target = (folder / name).resolve()
     homes = {folder.resolve()}

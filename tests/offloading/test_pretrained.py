@@ -50,7 +50,9 @@ def _handle(model: nn.Module) -> Any:
 def _save_llama(folder: Path, tied: bool) -> Path:
     """A bf16 Llama saved by ``save_pretrained`` in shards of about 20 KB, with its generation config."""
     config = transformers.LlamaConfig(**LLAMA, tie_word_embeddings=tied)
-    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder, max_shard_size="20KB")
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.repetition_penalty = 1.5  # read from the folder's generation_config.json
+    model.save_pretrained(folder, max_shard_size="20KB")
     assert len(list(folder.glob("model-*.safetensors"))) > 3 and (folder / "model.safetensors.index.json").is_file()
     return folder
 
