@@ -25,7 +25,7 @@ _WHAT = "torchsurgery.offload"
 
 def _checksum(values: torch.Tensor) -> int:
     """A CRC-32 of ``values``' bytes."""
-    return zlib.crc32(values.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()) if values.numel() else 0
+    return zlib.crc32(values.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data) if values.numel() else 0
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
