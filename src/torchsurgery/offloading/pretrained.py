@@ -140,16 +140,16 @@ def from_pretrained(
     buffers, however large the checkpoint. ``torchsurgery.restore(model)`` gives back the skeleton.
 
     Args:
-        cls: a transformers ``PreTrainedModel`` subclass (its ``config_class``, else
-            ``AutoConfig``, reads the config) or a diffusers ``ModelMixin`` subclass
-            (``cls.load_config`` and ``cls.from_config``).
+        cls: a transformers ``PreTrainedModel`` subclass (its ``config_class`` or ``AutoConfig``
+            reads the config) or a diffusers ``ModelMixin`` subclass (``cls.load_config``).
         path: the folder ``save_pretrained`` wrote (a local directory).
         subfolder: the model's folder inside ``path`` (diffusers pipelines: ``"unet"``).
         device: where the model computes (default: the CPU).
         dtype: the compute dtype of floating weights (default: transformers' the config's
             dtype, diffusers' float32, as their own loading gives).
-        storage_dtype, budget, host_budget: for :func:`~torchsurgery.offload` (``host_budget``
-            where it takes one; a ``storage_dtype`` it refuses with a checkpoint today).
+        storage_dtype: for :func:`~torchsurgery.offload` (which refuses it with a checkpoint today).
+        budget: device bytes the weights may take, for :func:`~torchsurgery.offload`.
+        host_budget: host bytes of weights, for :func:`~torchsurgery.offload` where it takes one.
         **kwargs: config attributes to override (``num_hidden_layers=2``).
 
     Returns:
