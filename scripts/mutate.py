@@ -928,7 +928,7 @@ MUTATIONS = [
         'from_pretrained: the model is built as a skeleton, never materialised in memory',
         'src/torchsurgery/offloading/pretrained.py',
         "        with skeleton():  # the library's default: the config's dtype (the checkpoint's)\n", '        if True:\n',
-        ('tests/offloading/test_pretrained.py::test_peak_memory_stays_two_groups_above_the_start',),
+        ('tests/offloading/test_pretrained.py::test_peak_memory_stays_two_groups_above_the_start[83MB]',),
     ),
     Mutation(
         "from_pretrained: buffers left out of the checkpoint are computed by the model's __init__",

@@ -190,10 +190,9 @@ _MEASURE = textwrap.dedent("""
 """)
 
 
-def _save_big_llama(folder: Path) -> int:
-    """A 165 MB fp32 Llama (12 layers of 13.6 MB, a small vocabulary) as 6 shards and their index: more
-    than two layers and 96 MiB, so that a model materialised in memory fails the check."""
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
+def _save_big_llama(folder: Path, layers: int) -> int:
+    """An fp32 Llama of ``layers`` layers of 13.6 MB (a small vocabulary) as 6 shards and their index."""
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1536, num_hidden_layers=layers,
                                       num_attention_heads=8, tie_word_embeddings=False)
     config.save_pretrained(folder)
     with torchsurgery.skeleton():
@@ -211,14 +210,17 @@ def _save_big_llama(folder: Path) -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resettable peak (VmHWM)")
-def test_peak_memory_stays_two_groups_above_the_start(tmp_path: Path) -> None:
-    """Loading and running a 165 MB checkpoint raises the peak resident size by at most two
-    streamed groups and 96 MiB: the model is never materialised, each group read as it runs."""
-    total = _save_big_llama(tmp_path)
+@pytest.mark.parametrize("layers", [pytest.param(12, marks=pytest.mark.slow), 6], ids=["165MB", "83MB"])
+def test_peak_memory_stays_two_groups_above_the_start(tmp_path: Path, layers: int) -> None:
+    """Loading and running a checkpoint raises the peak resident size by at most two streamed
+    groups and 96 MiB, and by less than the model (were it materialised, by more): each group
+    is read as it runs. At 165 MB, the model alone exceeds the first bound."""
+    total = _save_big_llama(tmp_path, layers)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path)], capture_output=True, text=True, env=env, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     found = json.loads(out.stdout.strip().splitlines()[-1])
     assert found["reset"] < 16 << 20, "writing 5 to /proc/self/clear_refs did not reset the peak"
-    assert found["meta"] and found["read"] >= total > 2 * found["group"] + (96 << 20)
-    assert found["growth"] <= 2 * found["group"] + (96 << 20), found
+    assert found["meta"] and found["read"] >= total
+    assert found["growth"] <= 2 * found["group"] + (96 << 20) and found["growth"] < total, found
+    print(f"peak RSS growth {found['growth'] / 2**20:.1f} MiB for {total / 2**20:.0f} MiB of weights")
