@@ -806,7 +806,8 @@ def test_a_file_cut_short_between_header_check_and_read_changes_nothing(
     make, copy = LOADS[load]
     model = make()
     snapshot = _snapshot(model)
-    with pytest.raises(CheckpointError, match="ends early"):
+    # a read coming short ("ends early"), or one that does not reach the cut, then the check after it
+    with pytest.raises(CheckpointError, match=r"its size went from \d+ to \d+ bytes"):
         load_(model, path, copy=copy)
     _unchanged(model, snapshot)
 
