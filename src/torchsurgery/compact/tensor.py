@@ -47,6 +47,7 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_map, tree_map_only
 
 from torchsurgery._swap import user_attributes
+from torchsurgery.compact.exporting import described_for_fakes
 from torchsurgery.compact.narrow import (
     Scratch,
     narrow_product,
@@ -850,6 +851,8 @@ def _data_ptr(t: OffloadedTensor) -> int:
 
 
 def _untyped_storage(t: OffloadedTensor) -> torch.UntypedStorage:
+    if described_for_fakes():  # torch.export's fake copy of the weight: the wrapper's own (compact/exporting.py)
+        return torch.Tensor.untyped_storage(t)
     return t.stored.untyped_storage()
 
 
