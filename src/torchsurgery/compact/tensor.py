@@ -54,7 +54,13 @@ from torchsurgery.compact.narrow import (
     narrow_product_op,
     prepare_kernel,
 )
-from torchsurgery.compact.scaled import Scaled, dequantize, quantize_with, scale_laid_out_as, scaled_product
+from torchsurgery.compact.scaled import (
+    Scaled,
+    dequantize,
+    quantize_with,
+    scale_laid_out_as,
+    scaled_product,
+)
 from torchsurgery.patching import Patch, patches
 
 __all__ = ["OffloadedTensor", "stored_values", "reads_elsewhere_only", "rehome"]
