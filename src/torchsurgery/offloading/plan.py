@@ -35,10 +35,10 @@ from torchsurgery._validate import (
     dtype_name,
     holds_exactly,
 )
-from torchsurgery.compact.foreign import foreign_subclass
 from torchsurgery.compact import (
     Scaled,
     dequantize_temporary_bytes,
+    foreign_subclass,
     is_matmul_layer,
     plain_reader,
     reads_elsewhere_only,

@@ -31,8 +31,14 @@ import torch
 from torch import nn
 
 from torchsurgery._device import OffloadDevice
-from torchsurgery.compact import OffloadedTensor, dequantize, own_scale, rehome, stored_values
-from torchsurgery.compact.exporting import refuse_file_export
+from torchsurgery.compact import (
+    OffloadedTensor,
+    dequantize,
+    own_scale,
+    refuse_file_export,
+    rehome,
+    stored_values,
+)
 from torchsurgery.offloading.order import OrderRecorder
 from torchsurgery.offloading.packing import (
     FlatLayout,
