@@ -1084,6 +1084,42 @@ MUTATIONS = [
         '        stats.hint = "; ".join(h for h in (stats.hint, slow) if h)\n', '',
         ('tests/offloading/test_checkpoint_faults.py::test_a_slow_filesystem_is_named_in_the_hint[slow]',),
     ),
+    # every scaled format under the op_db sweep; torch.export and torchao with an offload
+    Mutation(
+        "composes: as_strided_ and resize_ of a scaled weight take the same view of its scale",
+        "src/torchsurgery/compact/tensor.py",
+        "        scale = scale_laid_out_as(scale, t.stored) if laid_out else _aten.alias.default(scale)\n",
+        "        scale = _aten.alias.default(scale)\n",
+        ("tests/compact/test_conformance.py::test_inplace_op_on_the_weight_is_the_op_on_the_plain_parameter[resize_-float8_e4m3fn-channel]",
+         "tests/compact/test_conformance.py::test_inplace_op_on_the_weight_is_the_op_on_the_plain_parameter[as_strided_partial_views-float8_e5m2-tensor]"),
+    ),
+    Mutation(
+        "composes: torch.export's fakifier sees an offloaded weight's own storage",
+        "src/torchsurgery/compact/tensor.py",
+        "    if described_for_fakes():", "    if False:",
+        ("tests/compact/test_export.py::test_the_exported_program_computes_as_the_plain_model[bf16]",
+         "tests/compact/test_export.py::test_the_exported_program_computes_as_the_plain_model[int8-channel]"),
+    ),
+    Mutation(
+        "composes: a streamed group traces with the weights torch.export puts in their place",
+        "src/torchsurgery/offloading/streams.py",
+        "            current = [owner._parameters[pname] for owner, pname, _, _ in entries]\n",
+        "            current = [p for _, _, p, _ in entries]\n",
+        ("tests/compact/test_export.py::test_the_exported_program_computes_as_the_plain_model[streamed]",
+         "tests/compact/test_export.py::test_groups_streamed_to_the_accelerator_export[fp8-scaled]"),
+    ),
+    Mutation(
+        "composes: a group streamed from a checkpoint file is refused under torch.export",
+        "src/torchsurgery/offloading/streams.py",
+        "        if not streamer.traceable:\n            refuse_file_export(streamer.name)\n", "",
+        ("tests/compact/test_export.py::test_a_model_streamed_from_a_checkpoint_file_is_refused_as_it_was",),
+    ),
+    Mutation(
+        "composes: a weight of another library's tensor subclass (torchao) is kept as it is",
+        "src/torchsurgery/offloading/plan.py",
+        "floating = p.is_floating_point() and not foreign_subclass(p)", "floating = p.is_floating_point()",
+        ("tests/compact/test_foreign.py::test_torchao_weights_are_kept_as_they_are_and_the_rest_stored_as_asked[bf16]",),
+    ),
 ]
 
 

@@ -3,9 +3,11 @@
 A kind is one way torchsurgery keeps a weight that computes in fp32: narrow storage (bf16,
 fp16, fp8 e4m3fn, fp8 e5m2), a master copy with a narrow shadow, groups streamed from host
 under a budget, groups streamed from a safetensors file, and ``DynamicSwapInstaller``
-given a ``dtype``. The oracle of an offloaded weight is a plain ``nn.Parameter`` holding
-the same values, rounded to the storage dtype first, so that both hold exactly the same
-numbers; whatever PyTorch does with the one it must do with the other.
+given a ``dtype``; and every scaled format (``SCALED_KINDS``: fp8 e4m3fn and e5m2 per
+tensor and per channel, int8 per channel). The oracle of an offloaded weight is a plain
+``nn.Parameter`` holding the same values, rounded to the storage dtype first (a scaled
+weight's: the dequantised values ``q.float() * scale`` it was stored as), so that both hold
+exactly the same numbers; whatever PyTorch does with the one it must do with the other.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 
 import torchsurgery
-from torchsurgery.compact import offloaded_like
+from torchsurgery.compact import Scaled, offloaded_like, own_scale
 
 
 @dataclass(frozen=True)
@@ -41,18 +43,44 @@ class Kind:
     """``DynamicSwapInstaller.install_model(model, dtype=torch.float32)`` of a model stored in ``storage``."""
     control: bool = False
     """Not offloaded at all: every check holds for it, so a failure elsewhere is the offloaded weight's."""
+    scaled: Scaled | None = None
+    """The scaled format it is stored in (``storage`` is its narrow dtype)."""
 
-    def kept(self, values: torch.Tensor) -> torch.Tensor:
-        """What the weight keeps (``stored``) after ``values`` are written into it."""
+    def kept(self, values: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+        """What the weight ``like`` keeps (``stored``) after ``values`` are written into it.
+
+        A scaled weight keeps its scale: the values are rounded to its grid, saturating at
+        the format's largest value (int8: to the nearest integer, half to even).
+        """
+        if self.scaled is not None:
+            assert like is not None, "a scaled weight's rounding needs the weight (its scale)"
+            largest = 127.0 if self.storage == torch.int8 else float(torch.finfo(self.storage).max)
+            ratio = (values.detach().float() / _scale_of(like)).clamp(-largest, largest)
+            return (ratio.round() if self.storage == torch.int8 else ratio).to(self.storage)
         return values.detach().clone() if self.master else values.detach().to(self.storage)
 
-    def read(self, values: torch.Tensor) -> torch.Tensor:
-        """What the weight reads as (fp32) after ``values`` are written into it.
+    def read(self, values: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+        """What the weight ``like`` reads as (fp32) after ``values`` are written into it.
 
         Forwards that record gradients compute with these; so do those without, except with
         a master copy, whose shadow (``storage``-rounded) serves them.
         """
+        if self.scaled is not None:
+            return self.kept(values, like).float() * _scale_of(like)
         return self.kept(values).to(torch.float32)
+
+
+def _scale_of(weight: torch.Tensor | None) -> torch.Tensor:
+    scale = own_scale(weight) if weight is not None else None
+    assert scale is not None, f"not a scaled weight: {type(weight).__name__}"
+    return scale
+
+
+def dequantised(weight: torch.Tensor) -> torch.Tensor:
+    """What a weight reads as, from what it keeps: a scaled weight's ``q.float() * scale``, else its values."""
+    if own_scale(weight) is None:
+        return weight.detach().clone()
+    return weight.stored.float() * _scale_of(weight)
 
 
 KINDS = [
@@ -69,6 +97,13 @@ KINDS = [
 _FILES = itertools.count()  # names of the files weights are streamed from
 KIND_IDS = [k.name for k in KINDS]
 WRITABLE = [k for k in KINDS if not k.file]
+SCALED_KINDS = [
+    Kind(f"{str(dtype).removeprefix('torch.')}-{per}", dtype, {"storage_dtype": Scaled(dtype, per=per)}, scaled=Scaled(dtype, per=per))
+    for dtype, per in [
+        (torch.float8_e4m3fn, "channel"), (torch.float8_e4m3fn, "tensor"), (torch.float8_e5m2, "channel"),
+        (torch.float8_e5m2, "tensor"), (torch.int8, "channel"),  # int8 is per channel only (Scaled refuses per tensor)
+    ]
+]
 
 
 def round_(module: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -147,9 +182,13 @@ class Case:
 
 def make_case(kind: Kind, tmp_path: Path, build: Callable[[], nn.Module] = tiny) -> Case:
     """``build()`` with values rounded to the kind's storage, offloaded that way, and its plain copy."""
-    model = round_(build(), kind.storage)
+    model = build() if kind.scaled else round_(build(), kind.storage)
     plain = copy.deepcopy(model)
     undo = offloaded(kind, model, tmp_path)
+    if kind.scaled:  # the plain model holds what each weight was stored as, dequantised
+        with torch.no_grad():
+            for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+                p.copy_(dequantised(q))
     return Case(kind, model, plain, undo)
 
 
@@ -173,6 +212,8 @@ def weight_like(kind: Kind, values: torch.Tensor, tmp_path: Path) -> tuple[torch
     held the weight is dropped with its offload (nothing outside it changed), so a failed
     test's views of the weight need no undo.
     """
+    if kind.scaled is not None:
+        return _scaled_weight_like(kind.scaled, values, tmp_path)
     rounded = values.detach().to(kind.storage).to(torch.float32)
     oracle = nn.Parameter(rounded.clone(), requires_grad=False)
     if kind.master:
@@ -181,3 +222,22 @@ def weight_like(kind: Kind, values: torch.Tensor, tmp_path: Path) -> tuple[torch
     holder = round_(Holder(rounded), kind.storage)
     offloaded(kind, holder, tmp_path)
     return holder.held.weight, oracle
+
+
+def _scaled_weight_like(fmt: Scaled, values: torch.Tensor, tmp_path: Path) -> tuple[torch.Tensor, nn.Parameter]:
+    """A weight stored in ``fmt`` holding ``values`` and its oracle, the plain parameter holding its dequantised values.
+
+    The offload stores weights of two or more dimensions in a scaled format (a bias keeps the
+    compute dtype): those are made by it, in a model; one of fewer dimensions as the engine
+    makes a scaled weight (``offloaded_like`` with the scale it chooses: one for the tensor).
+    """
+    if values.dim() >= 2:
+        holder = Holder(values.detach().float())
+        torchsurgery.offload(holder, storage_dtype=fmt, dtype=torch.float32, skip=None)
+        weight: torch.Tensor = holder.held.weight
+    else:
+        plain = nn.Parameter(values.detach().float().clone(), requires_grad=False)
+        q, scale = fmt.quantize(plain)
+        weight = offloaded_like(plain, q, torch.float32, scale=scale)
+    assert own_scale(weight) is not None, f"{fmt} did not store a weight of shape {list(values.shape)} scaled"
+    return weight, nn.Parameter(dequantised(weight), requires_grad=False)

@@ -9,6 +9,8 @@ widening the whole weight, through the native kernel for a few rows. The offload
 live; this package decides how they are read.
 """
 
+from torchsurgery.compact.exporting import refuse_file_export
+from torchsurgery.compact.foreign import foreign_subclass
 from torchsurgery.compact.narrow import Scratch, is_matmul_layer, prepare_kernel
 from torchsurgery.compact.scaled import Scaled, dequantize, dequantize_temporary_bytes
 from torchsurgery.compact.tensor import (
@@ -43,6 +45,9 @@ __all__ = [
     "own_scale",
     "load_scaled",
     "rescale",
+    # other tools
+    "foreign_subclass",
+    "refuse_file_export",
     # its reads
     "ReadContext",
     "Scratch",

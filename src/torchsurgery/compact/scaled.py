@@ -25,7 +25,7 @@ import torch
 
 from torchsurgery.errors import ArgumentValueError
 
-__all__ = ["Scaled", "quantize_with", "dequantize", "dequantize_temporary_bytes", "scaled_product"]
+__all__ = ["Scaled", "quantize_with", "dequantize", "dequantize_temporary_bytes", "scaled_product", "scale_laid_out_as"]
 
 _LARGEST: dict[torch.dtype, float] = {
     torch.float8_e4m3fn: float(torch.finfo(torch.float8_e4m3fn).max),  # 448
@@ -205,3 +205,26 @@ def scaled_product(
     if scale.dim() != 2 or scale.stride(1) != 0 or x.dtype.itemsize < torch.float32.itemsize:
         return product(x, dequantize(q, scale, x.dtype), None, bias)
     return product(x, q, scale[:, 0], bias)  # one scale per output: applied to the sums
+
+
+def scale_laid_out_as(scale: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``scale`` (broadcast to ``values``' shape) as one number per value, laid out as ``values`` are.
+
+    The same shape, strides and storage offset over a storage of as many elements as
+    ``values``' own (the elements no value covers: a scale of one), so that an op given strides
+    or a storage offset (``as_strided_``, ``resize_``) takes the same view of both: a scale
+    kept once per channel or per tensor (broadcast, stride 0) has no memory such a view could
+    cover.
+
+    Example:
+        >>> import torch
+        >>> values = torch.zeros(4, dtype=torch.int8)[1:].view(3, 1)
+        >>> s = scale_laid_out_as(torch.tensor(0.5), values)
+        >>> s.stride(), s.storage_offset(), s.untyped_storage().nbytes() // 4
+        ((1, 1), 1, 4)
+    """
+    count = values.untyped_storage().nbytes() // values.element_size()
+    laid_out = torch.ones(count, dtype=scale.dtype, device=scale.device).as_strided(
+        values.shape, values.stride(), values.storage_offset()
+    )
+    return laid_out.copy_(scale.expand(values.shape))

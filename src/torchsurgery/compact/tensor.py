@@ -47,13 +47,20 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_map, tree_map_only
 
 from torchsurgery._swap import user_attributes
+from torchsurgery.compact.exporting import described_for_fakes
 from torchsurgery.compact.narrow import (
     Scratch,
     narrow_product,
     narrow_product_op,
     prepare_kernel,
 )
-from torchsurgery.compact.scaled import Scaled, dequantize, quantize_with, scaled_product
+from torchsurgery.compact.scaled import (
+    Scaled,
+    dequantize,
+    quantize_with,
+    scale_laid_out_as,
+    scaled_product,
+)
 from torchsurgery.patching import Patch, patches
 
 __all__ = ["OffloadedTensor", "stored_values", "reads_elsewhere_only", "rehome"]
@@ -648,11 +655,14 @@ def _reshape_in_place(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     t: OffloadedTensor = args[0]
     rest = tree_map_only(OffloadedTensor, _wide, args[1:])
     in_stored = _in_stored_frame(t, rest, kwargs) if func is _aten.as_strided_.default else (rest, kwargs)
+    scale = t.__dict__[_SCALE]
+    if scale is not None:  # the scale takes the same shape: where strides or the storage are given, in the values' layout
+        laid_out = func in _RESIZES or func is _aten.as_strided_.default
+        scale = scale_laid_out_as(scale, t.stored) if laid_out else _aten.alias.default(scale)
     reshaped = _aten.alias.default(t.stored)
     func(reshaped, *in_stored[0], **in_stored[1])
     t.__dict__[_STORED] = reshaped  # writes still counted in t's counter
-    if t.__dict__[_SCALE] is not None:  # the scale takes the same shape
-        scale = _aten.alias.default(t.__dict__[_SCALE])
+    if scale is not None:
         func(scale, *in_stored[0], **in_stored[1])
         t.__dict__[_SCALE] = scale
     with no_dispatch():
@@ -847,6 +857,8 @@ def _data_ptr(t: OffloadedTensor) -> int:
 
 
 def _untyped_storage(t: OffloadedTensor) -> torch.UntypedStorage:
+    if described_for_fakes():  # torch.export's fake copy of the weight: the wrapper's own (compact/exporting.py)
+        return torch.Tensor.untyped_storage(t)
     return t.stored.untyped_storage()
 
 

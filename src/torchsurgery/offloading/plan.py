@@ -38,6 +38,7 @@ from torchsurgery._validate import (
 from torchsurgery.compact import (
     Scaled,
     dequantize_temporary_bytes,
+    foreign_subclass,
     is_matmul_layer,
     plain_reader,
     reads_elsewhere_only,
@@ -420,7 +421,8 @@ def _collect(
             for attr, p in named[qual]._parameters.items():
                 if p is None:
                     continue
-                floating = p.is_floating_point()
+                # a weight of another library's tensor subclass (torchao's quantised weights) is kept as it is
+                floating = p.is_floating_point() and not foreign_subclass(p)
                 compute = dtype if (dtype is not None and floating) else p.dtype
                 narrow = storage_dtype if (storage_dtype is not None and floating and id(p) not in kept) else compute
                 scaled = narrow if isinstance(narrow, Scaled) and p.dim() >= 2 and id(p) not in (converted or {}) else None

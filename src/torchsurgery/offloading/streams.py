@@ -31,7 +31,14 @@ import torch
 from torch import nn
 
 from torchsurgery._device import OffloadDevice
-from torchsurgery.compact import OffloadedTensor, dequantize, own_scale, rehome, stored_values
+from torchsurgery.compact import (
+    OffloadedTensor,
+    dequantize,
+    own_scale,
+    refuse_file_export,
+    rehome,
+    stored_values,
+)
 from torchsurgery.offloading.order import OrderRecorder
 from torchsurgery.offloading.packing import (
     FlatLayout,
@@ -768,6 +775,8 @@ class StreamedGroup(Patch, nn.Module):
         streamer = self.offload_streamer
         if streamer.resident:
             return super().forward(*args, **kwargs)
+        if not streamer.traceable:
+            refuse_file_export(streamer.name)
         if torch.compiler.is_compiling() and streamer.traceable:
             # compiled: bringing the weights in is part of the graph (a copy and a cast per
             # weight, no ring, no prefetch, no per-call Python state), so fullgraph holds; on a
@@ -776,7 +785,9 @@ class StreamedGroup(Patch, nn.Module):
             # the group computes with plain weights, as its eager forward does
             entries = streamer.packed_entries + streamer.other_entries
             device = streamer.streaming.device.device
-            for (owner, pname, p, dtype), narrow, as_kept in zip(entries, streamer.narrow, streamer.as_kept, strict=True):
+            # the weights the module holds now: torch.export traces with fakes of its own in their place
+            current = [owner._parameters[pname] for owner, pname, _, _ in entries]
+            for (owner, pname, _, dtype), p, narrow, as_kept in zip(entries, current, streamer.narrow, streamer.as_kept, strict=True):
                 if as_kept:
                     continue
                 through = _through(narrow)
@@ -785,7 +796,7 @@ class StreamedGroup(Patch, nn.Module):
             try:
                 return super().forward(*args, **kwargs)
             finally:
-                for owner, pname, p, _ in entries:
+                for (owner, pname, _, _), p in zip(entries, current, strict=True):
                     owner._parameters[pname] = p
         streamer.bring_in()
         try:
