@@ -110,6 +110,8 @@ _pools: dict[torch.device, DevicePool] = {}
 # loaded with load_model_as_complete, pushed back by unload_complete_models; weak: a model
 # the app drops is freed
 _complete: list[weakref.ref[nn.Module]] = []
+# the models of a shared pool that were told to stream finer groups (said once while in it)
+_finer: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def _device(device: Any, function: str) -> torch.device:
@@ -143,6 +145,7 @@ def _to_host(model: nn.Module) -> None:
     if _is_shared(pool):
         assert pool is not None
         pool.discard(model)
+        _finer.discard(model)
     elif pool is not None:
         pool.unload(model)
     else:
@@ -163,8 +166,16 @@ def _shared_pool(target: torch.device) -> DevicePool:
     """The one pool of ``target`` that models join when a function moves them there."""
     pool = _pools.get(target)
     if pool is None:
-        pool = _pools[target] = DevicePool(target)
+        pool = _pools[target] = DevicePool(target, on_fallback=_say_finer)
     return pool
+
+
+def _say_finer(model: nn.Module, sentence: str) -> None:
+    """Print, once while ``model`` is in a shared pool, that its groups had no room and which finer
+    ones it streams instead (the memory left to it was too small for its blocks)."""
+    if model not in _finer:
+        _finer.add(model)
+        _say(f"Streaming {_name(model)} in smaller pieces: {sentence}")
 
 
 def _pool_for(model: nn.Module, target: torch.device) -> DevicePool:
@@ -219,12 +230,10 @@ def move_model_to_device_with_memory_preservation(
     _say(f"Moving {_name(model)} to {target_device} with preserved memory: {preserved_memory_gb} GB")
     pool = _pool_for(model, target)
     keep = None if pool.device.type == "cpu" else int(preserved_memory_gb * _GIB)
-    if pool.try_load(model, keep_free=keep) is None and _is_shared(pool):
-        # not even one block has room: module by module, as the app moves each module with a
-        # weight while memory allows (the rest streamed leaf by leaf)
-        pool.discard(model)
-        pool.add(model, groups="leaves", prefetch=0)
-        pool.try_load(model, keep_free=keep)  # not even one module fits: the model stays on the host
+    # where not even the ring's blocks have room, the shared pool streams single modules (as the
+    # app moves each module with a weight while memory allows) and says so (_say_finer); where
+    # not even one module fits, the model stays on the host
+    pool.try_load(model, keep_free=keep)
 
 
 def offload_model_from_device_for_memory_preservation(
@@ -257,6 +266,7 @@ def offload_model_from_device_for_memory_preservation(
         _to_host(model)
     elif pool.shrink(model, keep_free=keep) is None and _is_shared(pool):
         pool.discard(model)  # back on the host: out of the shared pool
+        _finer.discard(model)
 
 
 def load_model_as_complete(model: nn.Module, target_device: str | torch.device, unload: bool = True) -> None:
