@@ -15,10 +15,15 @@ its weights in their own dtype; a model you added yourself to a
 in that pool. What changes from moving modules one ``.to()`` at a time:
 
 * a model that does not fit is loaded *partly*: whole offload groups (transformer
-  blocks) stay resident up to the memory to preserve, or, where not even one block fits,
-  single modules (as the app moves each module with a ``weight`` while memory allows);
-  the rest are streamed by the offload engine at each forward; nothing runs out of
-  memory. :func:`offload_model_from_device_for_memory_preservation` takes back only as
+  blocks) stay resident up to the memory to preserve, the rest streamed by the offload
+  engine at each forward; nothing runs out of memory. Where the memory left is too small
+  even for the blocks streamed, single modules are streamed instead (as the app moves each
+  module with a ``weight`` while memory allows), one at a time if need be, and one line in
+  the app's style says so (``Streaming DynamicSwap_HunyuanVideoTransformer3DModelPacked in
+  smaller pieces: its groups need ... more than the ... it may take there; streaming single
+  modules (groups='leaves') instead``, once while the model is in the shared pool); only
+  where not even one module fits does the model stay on the host. Nothing the app's own
+  module runs is refused. :func:`offload_model_from_device_for_memory_preservation` takes back only as
   much as it must to leave the memory to preserve free, as the app does;
 * :func:`load_model_as_complete` pushes back other models least recently used first,
   only as far as needed, instead of all of them;
@@ -26,7 +31,8 @@ in that pool. What changes from moving modules one ``.to()`` at a time:
   out of its pool, back on the host as it was;
 * a loaded model takes ``.to(dtype)``, ``.float()``, ``.half()`` as the plain model does
   (the app's transformer converts its output projection to fp32 inside ``forward``): the
-  offload is planned again in the new dtype, and undoing it keeps the user's conversion;
+  offload is planned again in the new dtype (within the memory it was given, in finer
+  groups if need be), and undoing it keeps the user's conversion;
 * nothing is kept that the app does not need: a model pushed back to the host leaves the
   shared pool (its hook and undo record go with it), and the functions hold no strong
   reference to a model, so one the app drops is freed.
@@ -211,8 +217,9 @@ def move_model_to_device_with_memory_preservation(
     """Bring ``model`` to ``target_device`` while ``preserved_memory_gb`` GiB stay free there.
 
     What fits goes in as whole offload groups (transformer blocks), or module by module
-    where not even one group fits; the rest is streamed by the offload engine at each
-    forward. When not even one module fits, the model stays on the host. Prints the app's
+    where the memory left is too small for the groups streamed (one line says so); the rest
+    is streamed by the offload engine at each forward. When not even one module fits, the
+    model stays on the host. Prints the app's
     ``Moving ... with preserved memory: ... GB`` line first (see :data:`verbose`).
 
     Example:
