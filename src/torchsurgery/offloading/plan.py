@@ -425,7 +425,7 @@ def _collect(
                 floating = p.is_floating_point()
                 # a weight the user converted is planned as it will be once converted (a check before
                 # the conversion plans it in its old dtype): kept in its new dtype where no other is asked
-                own = p.dtype
+                own = converted.get(id(p), p.dtype) if converted is not None else p.dtype
                 compute = dtype if (dtype is not None and floating) else own
                 narrow = storage_dtype if (storage_dtype is not None and floating and id(p) not in kept) else compute
                 scaled = narrow if isinstance(narrow, Scaled) and p.dim() >= 2 and id(p) not in (converted or {}) else None
