@@ -952,11 +952,12 @@ MUTATIONS = [
          "tests/compat/test_framepack.py::test_too_little_memory_for_the_transformer_s_blocks_runs_as_the_app_s_own_module[modules]"),
     ),
     Mutation(
-        "compat: a conversion inside forward is checked with the converted weights in their new dtype",
+        "fallback: a conversion is checked with the converted weights in their new dtype (no refusal for a cast it will not make)",
         "src/torchsurgery/offloading/plan.py",
         "                own = converted.get(id(p), p.dtype) if converted is not None else p.dtype\n",
         "                own = p.dtype\n",
-        ("tests/compat/test_framepack.py::test_too_little_memory_for_the_transformer_s_blocks_runs_as_the_app_s_own_module[blocks]",),
+        ("tests/offloading/test_fallback.py::"
+         "test_a_conversion_within_an_explicit_budget_that_holds_the_converted_model_is_taken",),
     ),
     Mutation(
         "compat: the shared pools print, in the app's style, the finer groups a model streams",

@@ -145,3 +145,29 @@ def test_a_pool_without_a_budget_streams_single_modules_where_its_room_is_too_sm
     assert len(heard) == 1 and heard[0][0] is model and heard[0][1] == messages[0].split(": ", 2)[2]
     told.close()
     assert torchsurgery.surgery_log(model) == []
+
+
+@pytest.mark.accelerator
+def test_a_conversion_within_an_explicit_budget_that_holds_the_converted_model_is_taken(accelerator: torch.device) -> None:
+    """A bf16 model streamed within the least budget of its converted self: converting its head to
+    fp32 (as FramePack's transformer does inside its forward) is checked as the converted model is
+    planned, its head then kept in fp32 (no cast at each run), not refused for a cast it will not make."""
+    import copy
+
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[nn.Sequential(nn.Conv1d(32, 32, 3, padding=1), nn.Conv1d(32, 32, 3, padding=1)) for _ in range(4)])
+    model = nn.Sequential(blocks, nn.Conv1d(32, 8, 1)).to(torch.bfloat16)
+    plain = copy.deepcopy(model).to(accelerator)
+    plain[1].to(torch.float32)
+    options = {"dtype": None, "storage_dtype": None, "skip": None, "groups": "blocks"}
+    budget = sizes(copy.deepcopy(plain).cpu(), "test", **options, device=AcceleratorDevice(accelerator))[2]  # type: ignore[arg-type]
+    x = torch.randn(2, 32, 16, dtype=torch.bfloat16, device=accelerator)
+    with torch.no_grad():
+        expected = plain[1](plain[0](x).float())
+    handle = torchsurgery.offload(model, accelerator, budget=budget)
+    model[1].to(torch.float32)
+    assert handle.plan.budget == budget and all(not g.resident for g in handle.plan.groups)
+    with torch.no_grad():
+        assert torch.equal(model[1](model[0](x).float()), expected)
+    handle.remove()
+    assert model[1].weight.dtype == torch.float32 and model[0][0][0].weight.dtype == torch.bfloat16
