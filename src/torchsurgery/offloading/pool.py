@@ -144,11 +144,8 @@ class DevicePool:
         keep_free: instead of a budget: load only while this many bytes of the device
             stay free (measured when loading). Without either, an accelerator pool may use
             what is free, and a CPU pool is unlimited.
-        on_fallback: without a ``budget``, the room a model gets is the pool's, not yours:
-            where it is too small for the model's groups, the model is loaded with finer ones
-            (single modules, one at a time, down to its largest single weight) and
-            ``on_fallback(model, sentence)`` is told which (default: a warning). With a
-            ``budget``, a load that cannot fit the model's own groups is refused.
+        on_fallback: told ``(model, sentence)`` of the finer groups a model streams where, without a
+            ``budget``, its room is too small for its own (default: a warning; a budget refuses).
 
     Raises:
         ValueError: a device that does not exist, both limits, or a negative one.
@@ -169,18 +166,14 @@ class DevicePool:
         >>> pool.close()
     """
 
-    def __init__(
-        self, device: str | torch.device | None = None, *, budget: int | None = None, keep_free: int | None = None,
-        on_fallback: Callable[[nn.Module, str], None] | None = None,
-    ) -> None:
+    def __init__(self, device: str | torch.device | None = None, *, budget: int | None = None, keep_free: int | None = None, on_fallback: Callable[[nn.Module, str], None] | None = None) -> None:
         self._device = _pool_device(device)  # its index, free memory, allocation rounding
         self.device = self._device.device
         self.budget = check_bytes(budget, _WHAT, "budget")
         self.keep_free = check_bytes(keep_free, _WHAT, "keep_free")
         if self.budget is not None and self.keep_free is not None:
             raise ValueError(f"{_WHAT}: give budget= or keep_free=, not both")
-        self.on_fallback = on_fallback
-        self._members = Members(_WHAT)
+        self._members = Members(_WHAT, Fallback.maker(on_fallback) if self.budget is None else None)
         self._placement = _Placement(self, self._device, self._members)
 
     def add(
@@ -226,8 +219,6 @@ class DevicePool:
         options = {"dtype": dtype, "storage_dtype": storage_dtype, "groups": groups, "skip": skip,
                    "prefetch": prefetch, "pin_memory": pin_memory, "master_dtype": None, "storage": None}
         member = Member(model, name, options, self._device, _WHAT)
-        if self.budget is None:  # the room a load gets is not the user's: never refuse what can run
-            member.fallback = Fallback(self.on_fallback, member.ref, name)
         _check_budget(self.budget, member)
         self._members.join(model, member)
         member.record = PoolRecord(self, name)

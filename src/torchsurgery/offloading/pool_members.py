@@ -46,6 +46,11 @@ class Fallback:
         self.model = model  # the member's model, read weakly
         self.name = name
 
+    @staticmethod
+    def maker(say: Callable[[nn.Module, str], None] | None) -> Callable[[Member], Fallback]:
+        """What gives each member of a pool without a budget its :class:`Fallback` (telling ``say``)."""
+        return lambda member: Fallback(say, member.ref, member.name)
+
     def __call__(self, sentence: str) -> None:
         model = self.model()
         if self.say is not None and model is not None:
@@ -205,6 +210,9 @@ class Members:
 
     Args:
         what: the pool's name, for error messages.
+        fallback: where the pool has no budget (the room a load gets is not the user's): what
+            gives each member its :class:`Fallback` (finer groups, down to single weights,
+            where its room is too small for its own); ``None``: loads are refused.
 
     Example:
         >>> from torch import nn
@@ -213,8 +221,9 @@ class Members:
         ('Linear', [])
     """
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, fallback: Callable[[Member], Fallback] | None = None) -> None:
         self.what = what
+        self.fallback = fallback
         self._by_id: dict[int, Member] = {}
         self._clock = itertools.count(1)
 
@@ -239,6 +248,7 @@ class Members:
 
     def join(self, model: nn.Module, member: Member) -> None:
         """Hold ``member`` for ``model``: its forwards count as uses; dropped by its owner, it leaves."""
+        member.fallback = self.fallback(member) if self.fallback is not None else None
         member.hook = model.register_forward_pre_hook(Touch(self, member))
         key = id(model)
         # a model its owner drops leaves the pool (called before its id can be reused)
