@@ -1119,6 +1119,46 @@ MUTATIONS = [
         "src/torchsurgery/offloading/plan.py",
         "floating = p.is_floating_point() and not foreign_subclass(p)", "floating = p.is_floating_point()",
         ("tests/compact/test_foreign.py::test_torchao_weights_are_kept_as_they_are_and_the_rest_stored_as_asked[bf16]",),
+        "fallback: without a budget of the user's, groups too large fall back to finer ones",
+        "src/torchsurgery/offloading/plan.py",
+        "    for step, finer in _finer(options):\n", "    for step, finer in []:\n",
+        ("tests/offloading/test_fallback.py::test_without_a_budget_blocks_too_large_for_the_free_memory_stream_as_single_modules",
+         "tests/offloading/test_fallback.py::test_a_pool_without_a_budget_streams_single_modules_where_its_room_is_too_small"),
+    ),
+    Mutation(
+        "fallback: an explicit budget below the chosen groups is still refused",
+        "src/torchsurgery/offloading/plan.py",
+        "    if fallback is None and budget is None and not options.device.host_compute:\n",
+        "    if fallback is None:\n",
+        ("tests/offloading/test_fallback.py::test_an_explicit_budget_below_the_blocks_is_still_refused",),
+    ),
+    Mutation(
+        "fallback: only a single weight too large is refused, naming it and the least budget",
+        "src/torchsurgery/offloading/plan.py",
+        "    raise _least_refused(groups, last, options, buffers)\n", "    raise last\n",
+        ("tests/offloading/test_fallback.py::test_without_a_budget_only_a_single_weight_too_large_is_refused_naming_it",),
+    ),
+    Mutation(
+        "fallback: a pool without a budget loads a model whose room holds only its finest plan",
+        "src/torchsurgery/offloading/pool_members.py",
+        "        return self.least if self.fallback is not None else self.streamed\n",
+        "        return self.streamed\n",
+        ("tests/offloading/test_fallback.py::test_a_pool_without_a_budget_streams_single_modules_where_its_room_is_too_small",
+         "tests/compat/test_framepack.py::test_too_little_memory_for_the_transformer_s_blocks_runs_as_the_app_s_own_module[modules]"),
+    ),
+    Mutation(
+        "fallback: a conversion is checked with the converted weights in their new dtype (no refusal for a cast it will not make)",
+        "src/torchsurgery/offloading/plan.py",
+        "                own = converted.get(id(p), p.dtype) if converted is not None else p.dtype\n",
+        "                own = p.dtype\n",
+        ("tests/offloading/test_fallback.py::"
+         "test_a_conversion_within_an_explicit_budget_that_holds_the_converted_model_is_taken",),
+    ),
+    Mutation(
+        "compat: the shared pools print, in the app's style, the finer groups a model streams",
+        "src/torchsurgery/compat/framepack.py",
+        "DevicePool(target, on_fallback=_say_finer)", "DevicePool(target)",
+        ("tests/compat/test_framepack.py::test_too_little_memory_for_the_transformer_s_blocks_runs_as_the_app_s_own_module[modules]",),
     ),
 ]
 

@@ -13,6 +13,7 @@ import copy
 import gc
 import importlib.util
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -323,3 +324,91 @@ def test_the_memory_functions_leave_the_preserved_memory_free_as_the_app_s_do(ac
     assert all(0 <= g < (2 * block if on_tardy else 1 << 62) for g in got), (got, block)
     assert got[0] >= app[0] and got[2] >= app[2], (got, app)
     assert torchsurgery.surgery_log(ours) == [] and all(p.device.type == "cpu" for p in ours.parameters())
+
+
+# ---------------------------------------------------------------------- memory too small for the model's blocks
+
+
+def _streaming_need(model: nn.Module, device: torch.device, groups: str, prefetch: int) -> int:
+    """Device bytes ``model`` needs at the least streamed in ``groups``, as the offload counts them."""
+    from torchsurgery._device import AcceleratorDevice
+    from torchsurgery.offloading.plan import sizes
+
+    return sizes(model, "test", dtype=None, storage_dtype=None, groups=groups, skip=DEFAULT_SKIP,
+                 device=AcceleratorDevice(device), prefetch=prefetch)[2]
+
+
+def _taking(memory: Any, device: torch.device, take: int, fixed: list[float]) -> Any:
+    """``memory``'s functions with the amounts to preserve fixed at the first move of the first run
+    (kept in ``fixed`` for the runs that follow, which print the same lines): ``take`` bytes left to
+    the transformer then, and half as many when it is taken back for the VAE."""
+
+    def preserved(index: int) -> float:
+        if not fixed:
+            free = reference.get_cuda_free_memory_gb(device)
+            fixed.extend([free - take / (1 << 30), free - take / 2 / (1 << 30)])
+        return fixed[index]
+
+    def move(model: nn.Module, target: Any, preserved_memory_gb: float = 0) -> None:
+        memory.move_model_to_device_with_memory_preservation(model, target, preserved_memory_gb=preserved(0))
+
+    def offload(model: nn.Module, target: Any, preserved_memory_gb: float = 0) -> None:
+        memory.offload_model_from_device_for_memory_preservation(model, target, preserved_memory_gb=preserved(1))
+
+    return types.SimpleNamespace(
+        **{n: getattr(memory, n) for n in ("load_model_as_complete", "unload_complete_models", "fake_diffusers_current_device")},
+        move_model_to_device_with_memory_preservation=move, offload_model_from_device_for_memory_preservation=offload,
+    )
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("room", ["blocks", "modules"])
+def test_too_little_memory_for_the_transformer_s_blocks_runs_as_the_app_s_own_module(
+    accelerator: torch.device, room: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The bf16 transformer partly on the device, its forward converting its output projection to
+    fp32: with room for its blocks streamed only before that conversion ("blocks"), and with room
+    for less than its blocks streamed, only for single modules ("modules"), the job runs to the end
+    as with the app's own module, bit for bit, printing the app's lines and, where the blocks had no
+    room, one line saying what it streams instead."""
+    from torchsurgery._device import AcceleratorDevice
+
+    model = app.build_models(app_dtypes=True).transformer
+    blocks = _streaming_need(model, accelerator, "blocks", 1)
+    modules = _streaming_need(model, accelerator, "leaves", 0)  # one module at a time
+    granule = AcceleratorDevice(accelerator).allocation_granule
+    # what a cast of the output projection to fp32 at each run would add (its check counted that)
+    cast = sum(-(-p.numel() * 4 // granule) * granule for p in model.proj_out.parameters())
+    take = (blocks if room == "blocks" else modules) + cast // 2
+    assert modules + cast < blocks  # "modules": less than the blocks' room
+    gc.collect()
+    with tardy.settings(capacity=8 << 20) if accelerator.type == tardy.NAME else contextlib.nullcontext():
+        runs, fixed = [], []
+        # ours first: the amounts are fixed at its move, for the room it is given to be ``take``
+        # (the app's installer-less move of the Llama encoder's embedding takes 8 KiB more before it)
+        for memory in (framepack, reference):
+            models = app.build_models(app_dtypes=True)
+            for model in (models.transformer, models.text_encoder):
+                memory.DynamicSwapInstaller.install_model(model, device=accelerator)
+            got = app.run(models, _taking(memory, accelerator, take, fixed), accelerator, sections=1, steps=1, grad_off=torch.inference_mode)
+            runs.append((got, capsys.readouterr().out.splitlines(), models))
+            if memory is framepack:
+                _clean(models)
+            else:  # the app leaves its transformer partly on the device: the next run starts as this one did
+                for model in vars(models).values():
+                    model.to("cpu")
+                    reference.DynamicSwapInstaller.uninstall_model(model)
+            del models
+            gc.collect()
+            capsys.readouterr()  # what the clean-up printed
+    (got, lines, ours), (want, expected_lines, _) = runs
+    said = [line for line in lines if line.startswith("Streaming ")]
+    assert [line for line in lines if not line.startswith("Streaming ")] == expected_lines
+    assert len(said) == (room == "modules"), said
+    if said:
+        assert said[0].startswith("Streaming DynamicSwap_FramePackTransformer in smaller pieces: its groups need ")
+        assert "streaming single modules" in said[0]
+    for key in want:
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+    assert ours.transformer.proj_out.weight.dtype == torch.float32
+    assert all(p.device.type == "cpu" for m in vars(ours).values() for p in m.parameters())

@@ -389,8 +389,10 @@ def test_on_the_accelerator_a_model_pushed_back_frees_what_it_held_not_what_it_w
     model = blocks(8)
     ids = identity_map(model)
     pool = DevicePool(accelerator)  # the device's free memory is the limit
-    pool.add(model, name="m")
-    least = least_budget(model, accelerator)  # the ring's slots: what it needs streamed
+    # one module at a time: the finest plan, below which a pool without a budget refuses (above
+    # it, it would stream finer groups instead)
+    pool.add(model, name="m", prefetch=0)
+    least = least_budget(model, accelerator, prefetch=0)  # the ring's slot: what it needs streamed
     free = pool.free_bytes()
     pool.load(model, keep_free=free - (least + 4 * BLOCK))  # granted the ring and four blocks
     assert pool.state(model) == "partial"

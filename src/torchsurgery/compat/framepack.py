@@ -15,10 +15,15 @@ its weights in their own dtype; a model you added yourself to a
 in that pool. What changes from moving modules one ``.to()`` at a time:
 
 * a model that does not fit is loaded *partly*: whole offload groups (transformer
-  blocks) stay resident up to the memory to preserve, or, where not even one block fits,
-  single modules (as the app moves each module with a ``weight`` while memory allows);
-  the rest are streamed by the offload engine at each forward; nothing runs out of
-  memory. :func:`offload_model_from_device_for_memory_preservation` takes back only as
+  blocks) stay resident up to the memory to preserve, the rest streamed by the offload
+  engine at each forward; nothing runs out of memory. Where the memory left is too small
+  even for the blocks streamed, single modules are streamed instead (as the app moves each
+  module with a ``weight`` while memory allows), one at a time if need be, and one line in
+  the app's style says so (``Streaming DynamicSwap_HunyuanVideoTransformer3DModelPacked in
+  smaller pieces: its groups need ... more than the ... it may take there; streaming single
+  modules (groups='leaves') instead``, once while the model is in the shared pool); only
+  where not even one module fits does the model stay on the host. Nothing the app's own
+  module runs is refused. :func:`offload_model_from_device_for_memory_preservation` takes back only as
   much as it must to leave the memory to preserve free, as the app does;
 * :func:`load_model_as_complete` pushes back other models least recently used first,
   only as far as needed, instead of all of them;
@@ -26,7 +31,8 @@ in that pool. What changes from moving modules one ``.to()`` at a time:
   out of its pool, back on the host as it was;
 * a loaded model takes ``.to(dtype)``, ``.float()``, ``.half()`` as the plain model does
   (the app's transformer converts its output projection to fp32 inside ``forward``): the
-  offload is planned again in the new dtype, and undoing it keeps the user's conversion;
+  offload is planned again in the new dtype (within the memory it was given, in finer
+  groups if need be), and undoing it keeps the user's conversion;
 * nothing is kept that the app does not need: a model pushed back to the host leaves the
   shared pool (its hook and undo record go with it), and the functions hold no strong
   reference to a model, so one the app drops is freed.
@@ -110,6 +116,8 @@ _pools: dict[torch.device, DevicePool] = {}
 # loaded with load_model_as_complete, pushed back by unload_complete_models; weak: a model
 # the app drops is freed
 _complete: list[weakref.ref[nn.Module]] = []
+# the models of a shared pool that were told to stream finer groups (said once while in it)
+_finer: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def _device(device: Any, function: str) -> torch.device:
@@ -143,6 +151,7 @@ def _to_host(model: nn.Module) -> None:
     if _is_shared(pool):
         assert pool is not None
         pool.discard(model)
+        _finer.discard(model)
     elif pool is not None:
         pool.unload(model)
     else:
@@ -163,8 +172,16 @@ def _shared_pool(target: torch.device) -> DevicePool:
     """The one pool of ``target`` that models join when a function moves them there."""
     pool = _pools.get(target)
     if pool is None:
-        pool = _pools[target] = DevicePool(target)
+        pool = _pools[target] = DevicePool(target, on_fallback=_say_finer)
     return pool
+
+
+def _say_finer(model: nn.Module, sentence: str) -> None:
+    """Print, once while ``model`` is in a shared pool, that its groups had no room and which finer
+    ones it streams instead (the memory left to it was too small for its blocks)."""
+    if model not in _finer:
+        _finer.add(model)
+        _say(f"Streaming {_name(model)} in smaller pieces: {sentence}")
 
 
 def _pool_for(model: nn.Module, target: torch.device) -> DevicePool:
@@ -200,8 +217,9 @@ def move_model_to_device_with_memory_preservation(
     """Bring ``model`` to ``target_device`` while ``preserved_memory_gb`` GiB stay free there.
 
     What fits goes in as whole offload groups (transformer blocks), or module by module
-    where not even one group fits; the rest is streamed by the offload engine at each
-    forward. When not even one module fits, the model stays on the host. Prints the app's
+    where the memory left is too small for the groups streamed (one line says so); the rest
+    is streamed by the offload engine at each forward. When not even one module fits, the
+    model stays on the host. Prints the app's
     ``Moving ... with preserved memory: ... GB`` line first (see :data:`verbose`).
 
     Example:
@@ -219,12 +237,10 @@ def move_model_to_device_with_memory_preservation(
     _say(f"Moving {_name(model)} to {target_device} with preserved memory: {preserved_memory_gb} GB")
     pool = _pool_for(model, target)
     keep = None if pool.device.type == "cpu" else int(preserved_memory_gb * _GIB)
-    if pool.try_load(model, keep_free=keep) is None and _is_shared(pool):
-        # not even one block has room: module by module, as the app moves each module with a
-        # weight while memory allows (the rest streamed leaf by leaf)
-        pool.discard(model)
-        pool.add(model, groups="leaves", prefetch=0)
-        pool.try_load(model, keep_free=keep)  # not even one module fits: the model stays on the host
+    # where not even the ring's blocks have room, the shared pool streams single modules (as the
+    # app moves each module with a weight while memory allows) and says so (_say_finer); where
+    # not even one module fits, the model stays on the host
+    pool.try_load(model, keep_free=keep)
 
 
 def offload_model_from_device_for_memory_preservation(
@@ -257,6 +273,7 @@ def offload_model_from_device_for_memory_preservation(
         _to_host(model)
     elif pool.shrink(model, keep_free=keep) is None and _is_shared(pool):
         pool.discard(model)  # back on the host: out of the shared pool
+        _finer.discard(model)
 
 
 def load_model_as_complete(model: nn.Module, target_device: str | torch.device, unload: bool = True) -> None:

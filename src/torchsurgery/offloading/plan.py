@@ -14,8 +14,10 @@ first one in ``tied_to``.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
+import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -423,7 +425,10 @@ def _collect(
                     continue
                 # a weight of another library's tensor subclass (torchao's quantised weights) is kept as it is
                 floating = p.is_floating_point() and not foreign_subclass(p)
-                compute = dtype if (dtype is not None and floating) else p.dtype
+                # a weight the user converted is planned as it will be once converted (a check before
+                # the conversion plans it in its old dtype): kept in its new dtype where no other is asked
+                own = converted.get(id(p), p.dtype) if converted is not None else p.dtype
+                compute = dtype if (dtype is not None and floating) else own
                 narrow = storage_dtype if (storage_dtype is not None and floating and id(p) not in kept) else compute
                 scaled = narrow if isinstance(narrow, Scaled) and p.dim() >= 2 and id(p) not in (converted or {}) else None
                 if isinstance(narrow, Scaled):
@@ -517,14 +522,17 @@ def sizes(
     converted: Mapping[int, torch.dtype] | None = None,
     device: OffloadDevice | None = None,
     prefetch: int = 1,
+    least: bool = False,
 ) -> tuple[int, int, int]:
     """Device bytes ``model`` takes kept whole, its largest group's as held, and what it holds at
     the least streamed (every group in the ring at ``prefetch``), as an offload to ``device``
     counts them against its budget (:func:`device_bytes`: allocations rounded as the device
     rounds them, buffers moved there; default: plain bytes, no buffers). The dtypes are checked
-    by the caller.
+    by the caller. ``least``: in the finest plan a budget that is not the user's falls back to
+    (:func:`_fitted`): single modules, one at a time.
     """
     named = dict(model.named_modules())
+    groups, prefetch = ("leaves", 0) if least else (groups, prefetch)
     plan = _collect(named, find_groups(model, groups, what), dtype, storage_dtype, None, skip, converted)
     granule = device.allocation_granule if device is not None else 1
     buffers = _buffer_bytes(model, device) if device is not None else 0
@@ -731,6 +739,67 @@ def _check_budget(budget: int, groups: list[GroupPlan], options: _Options, buffe
     raise BudgetError(_WHAT, budget, needed, big.name, finer=options.finer_groups, holding=holding)
 
 
+def _warn(sentence: str) -> None:
+    """Say which finer groups an offload without a budget of the user's took (one warning)."""
+    warnings.warn(f"{_WHAT}: {sentence}", UserWarning, stacklevel=6)
+
+
+def _quiet(sentence: str) -> None:
+    """Say nothing (a plan made only to check another)."""
+
+
+def _finer(options: _Options) -> list[tuple[str, _Options]]:
+    """The finer plans to try, coarsest first, down to single weights: each module that holds
+    weights alone (a layer's weight and bias), then one of them in the ring at a time."""
+    leaves = dataclasses.replace(options, finer_groups=False)
+    steps = [("single modules (groups='leaves')", leaves)] if options.finer_groups else []
+    if options.prefetch:
+        steps.append(("single modules one at a time (groups='leaves', prefetch=0)", dataclasses.replace(leaves, prefetch=0)))
+    return steps
+
+
+def _fitted(
+    model: nn.Module, named: dict[str, nn.Module], groups: list[GroupPlan], converted: Mapping[int, torch.dtype] | None,
+    options: _Options, buffers: int, report: Callable[[str], None] | None,
+) -> tuple[list[GroupPlan], _Options, int | None, int | None]:
+    """The groups with their residency chosen within the budget: as chosen, or (with ``report``:
+    the budget is not the user's) the first finer plan that fits (:func:`_finer`), reported in one
+    sentence. Refused (:class:`BudgetError`) only where the finest cannot fit: its largest single weight."""
+    try:
+        return groups, options, *_choose_residency(named, groups, options, buffers)
+    except BudgetError as error:
+        if report is None:
+            raise
+        refused = last = error
+    for step, finer in _finer(options):
+        groups = _collect(named, find_groups(model, "leaves", _WHAT), options.dtype, options.storage_dtype,
+                          options.master_dtype, options.skip, converted)
+        try:
+            budget, measured = _choose_residency(named, groups, finer, buffers)
+        except BudgetError as error:
+            last = error
+            continue
+        report(
+            f"its groups need {human_bytes(refused.needed, binary=True)} on {options.device.device} at "
+            f"prefetch={options.prefetch}, more than the {human_bytes(refused.budget, binary=True)} it may take "
+            f"there; streaming {step} instead"
+        )
+        return groups, finer, budget, measured
+    raise _least_refused(groups, last, options, buffers)
+
+
+def _least_refused(groups: list[GroupPlan], error: BudgetError, options: _Options, buffers: int) -> BudgetError:
+    """The refusal of a budget below the least the model runs in: streamed one module at a time."""
+    granule = options.device.allocation_granule
+    weight = max((p for g in groups for p in g.params if p.tied_to is None), key=lambda p: held_bytes(p, granule))
+    holding = (
+        f"the model streamed one module at a time (groups='leaves', prefetch=0), the least it runs in: its largest "
+        f"single weight {weight.name!r} ({held_bytes(weight, granule)} bytes) in one ring slot, with a run's casts"
+        + (" and the model's buffers" if buffers else "") + f" ({error.needed} bytes)"
+    )
+    return BudgetError(_WHAT, error.budget, error.needed, weight.module, finer=False, holding=holding)
+
+
 def _held_by(group: GroupPlan, granule: int) -> int:
     """Device bytes ``group`` takes resident (:func:`held_bytes` of its parameters, tied ones once)."""
     return sum(held_bytes(p, granule) for p in group.params if p.tied_to is None)
@@ -882,11 +951,17 @@ def plan_converted(
     master_dtype: torch.dtype | None,
     storage: str | os.PathLike[str] | None,
     offloaded_ok: bool = False,
+    fallback: Callable[[str], None] | None = None,
 ) -> OffloadPlan:
     """:func:`plan_offload`, with the parameters the user converted while offloaded (see :func:`_collect`).
 
     ``offloaded_ok``: plan a model that is offloaded now (to check, before its offload is
     removed, that the converted model can be offloaded again).
+
+    ``fallback``: given where ``budget`` is not the user's (a pool's grant out of the free
+    memory): when the groups do not fit in it, finer ones are planned (:func:`_fitted`) and
+    ``fallback`` is called with one sentence naming the choice. With no ``budget`` on an
+    accelerator (the budget then comes from its free memory) the same, with a warning.
     """
     options = _check_options(
         model, device, dtype, storage_dtype, master_dtype, budget, prefetch, pin_memory, skip, groups, storage,
@@ -903,7 +978,12 @@ def plan_converted(
         _check_values(named, plan)
     from_file = storage is not None
     buffers = _buffer_bytes(model, options.device)
-    budget, measured = _choose_residency(named, plan, options, buffers)
+    if fallback is None and budget is None and not options.device.host_compute:
+        fallback = _warn  # the budget comes from the device's free memory: never refuse what can run
+    if fallback is not None and offloaded_ok:
+        fallback = _quiet  # a check before a conversion: the plan that follows it reports
+    plan, options, budget, measured = _fitted(model, named, plan, converted, options, buffers, fallback)
+    prefetch = options.prefetch
     _route(named, plan, options, from_file)
     _check_scaled_plain(named, plan)
     _check_plain_readers(named, plan)

@@ -44,7 +44,7 @@ from torchsurgery._validate import check_bytes, check_device, check_dtype
 from torchsurgery.compact import Scaled
 from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle
 from torchsurgery.offloading.plan import already_offloaded, check_storage_format
-from torchsurgery.offloading.pool_members import Member, Members, Touch
+from torchsurgery.offloading.pool_members import Fallback, Member, Members, Touch
 from torchsurgery.offloading.stats import OffloadStats
 
 __all__ = ["DevicePool", "PoolStats"]
@@ -144,6 +144,8 @@ class DevicePool:
         keep_free: instead of a budget: load only while this many bytes of the device
             stay free (measured when loading). Without either, an accelerator pool may use
             what is free, and a CPU pool is unlimited.
+        on_fallback: told ``(model, sentence)`` of the finer groups a model streams where, without a
+            ``budget``, its room is too small for its own (default: a warning; a budget refuses).
 
     Raises:
         ValueError: a device that does not exist, both limits, or a negative one.
@@ -164,16 +166,14 @@ class DevicePool:
         >>> pool.close()
     """
 
-    def __init__(
-        self, device: str | torch.device | None = None, *, budget: int | None = None, keep_free: int | None = None
-    ) -> None:
+    def __init__(self, device: str | torch.device | None = None, *, budget: int | None = None, keep_free: int | None = None, on_fallback: Callable[[nn.Module, str], None] | None = None) -> None:
         self._device = _pool_device(device)  # its index, free memory, allocation rounding
         self.device = self._device.device
         self.budget = check_bytes(budget, _WHAT, "budget")
         self.keep_free = check_bytes(keep_free, _WHAT, "keep_free")
         if self.budget is not None and self.keep_free is not None:
             raise ValueError(f"{_WHAT}: give budget= or keep_free=, not both")
-        self._members = Members(_WHAT)
+        self._members = Members(_WHAT, Fallback.maker(on_fallback) if self.budget is None else None)
         self._placement = _Placement(self, self._device, self._members)
 
     def add(

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -24,7 +25,38 @@ from torchsurgery._device import AcceleratorDevice
 from torchsurgery.offloading.engine import OffloadHandle, OffloadRecord, offload_converted
 from torchsurgery.offloading.plan import sizes
 
-__all__ = ["Member", "Members", "Touch"]
+__all__ = ["Member", "Members", "Touch", "Fallback"]
+
+
+class Fallback:
+    """Says which finer groups a model took where its pool's room (not a budget of the user's)
+    is too small for its own: to the pool's ``on_fallback(model, sentence)``, or in a warning.
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Linear(2, 2)
+        >>> said = []
+        >>> Fallback(lambda m, s: said.append((m is model, s)), lambda: model, "proj")("streaming single modules")
+        >>> said
+        [(True, 'streaming single modules')]
+    """
+
+    def __init__(self, say: Callable[[nn.Module, str], None] | None, model: Callable[[], nn.Module | None], name: str) -> None:
+        self.say = say
+        self.model = model  # the member's model, read weakly
+        self.name = name
+
+    @staticmethod
+    def maker(say: Callable[[nn.Module, str], None] | None) -> Callable[[Member], Fallback]:
+        """What gives each member of a pool without a budget its :class:`Fallback` (telling ``say``)."""
+        return lambda member: Fallback(say, member.ref, member.name)
+
+    def __call__(self, sentence: str) -> None:
+        model = self.model()
+        if self.say is not None and model is not None:
+            self.say(model, sentence)
+        elif self.say is None:
+            warnings.warn(f"torchsurgery.DevicePool.load: {self.name!r}: {sentence}", UserWarning, stacklevel=2)
 
 
 class Member:
@@ -67,7 +99,10 @@ class Member:
         # parameters (by id) the user converted with .to(dtype) while loaded, to the dtype:
         # later loads plan them in it
         self.converted: dict[int, torch.dtype] = {}
-        self.total = self.largest = self.streamed = 0
+        # where the pool has no budget of its own: finer groups, down to single weights, when
+        # its room is too small for the model's own (None: the budget is the user's, refused)
+        self.fallback: Fallback | None = None
+        self.total = self.largest = self.streamed = self.least = 0
         self.size()
 
     @property
@@ -90,8 +125,9 @@ class Member:
     @property
     def minimum(self) -> int:
         """Device bytes to run streamed, as the offload counts them: the ring's ``prefetch + 1``
-        slots for the largest group and a run's casts (or the whole model, where that is less)."""
-        return self.streamed
+        slots for the largest group and a run's casts (or the whole model, where that is less);
+        with a :attr:`fallback`, in the finest plan it falls back to (single modules, one at a time)."""
+        return self.least if self.fallback is not None else self.streamed
 
     @property
     def state(self) -> str:
@@ -110,6 +146,10 @@ class Member:
             self.model, f"{self.what}.add", dtype=o["dtype"], storage_dtype=o["storage_dtype"], groups=o["groups"],
             skip=o["skip"], converted=self.converted, device=self.device, prefetch=int(o["prefetch"]),
         )
+        self.least = sizes(
+            self.model, f"{self.what}.add", dtype=o["dtype"], storage_dtype=o["storage_dtype"], groups=o["groups"],
+            skip=o["skip"], converted=self.converted, device=self.device, least=True,
+        )[2]
 
     def refresh(self) -> Member:
         """Sizes and grant again after the user converted the loaded model's weights (``.to(dtype)``)."""
@@ -123,7 +163,8 @@ class Member:
 
     def offload(self, grant: int, keep: int | None) -> OffloadHandle:
         """Load the model within ``grant`` device bytes, planned for ``keep`` bytes left free."""
-        handle = offload_converted(self.model, self.device.device, self.converted, {**self.options, "budget": grant})
+        options = {**self.options, "budget": grant, "fallback": self.fallback}
+        handle = offload_converted(self.model, self.device.device, self.converted, options)
         self.granted = grant
         self.keep_free = keep
         self.loads += 1
@@ -169,6 +210,9 @@ class Members:
 
     Args:
         what: the pool's name, for error messages.
+        fallback: where the pool has no budget (the room a load gets is not the user's): what
+            gives each member its :class:`Fallback` (finer groups, down to single weights,
+            where its room is too small for its own); ``None``: loads are refused.
 
     Example:
         >>> from torch import nn
@@ -177,8 +221,9 @@ class Members:
         ('Linear', [])
     """
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, fallback: Callable[[Member], Fallback] | None = None) -> None:
         self.what = what
+        self.fallback = fallback
         self._by_id: dict[int, Member] = {}
         self._clock = itertools.count(1)
 
@@ -203,6 +248,7 @@ class Members:
 
     def join(self, model: nn.Module, member: Member) -> None:
         """Hold ``member`` for ``model``: its forwards count as uses; dropped by its owner, it leaves."""
+        member.fallback = self.fallback(member) if self.fallback is not None else None
         member.hook = model.register_forward_pre_hook(Touch(self, member))
         key = id(model)
         # a model its owner drops leaves the pool (called before its id can be reused)
