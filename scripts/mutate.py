@@ -1119,6 +1119,8 @@ MUTATIONS = [
         "src/torchsurgery/offloading/plan.py",
         "floating = p.is_floating_point() and not foreign_subclass(p)", "floating = p.is_floating_point()",
         ("tests/compact/test_foreign.py::test_torchao_weights_are_kept_as_they_are_and_the_rest_stored_as_asked[bf16]",),
+    ),
+    Mutation(
         "fallback: without a budget of the user's, groups too large fall back to finer ones",
         "src/torchsurgery/offloading/plan.py",
         "    for step, finer in _finer(options):\n", "    for step, finer in []:\n",
