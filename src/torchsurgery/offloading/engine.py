@@ -308,7 +308,7 @@ def offload(
     storage_dtype: torch.dtype | Scaled | None = None, budget: int | None = None, prefetch: int = 1,
     pin_memory: bool | None = None, groups: str | Sequence[str] = "blocks",
     skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP, master_dtype: torch.dtype | None = None,
-    storage: str | os.PathLike[str] | None = None, host_budget: int | None = None,
+    storage: str | os.PathLike[str] | None = None, host_budget: int | HostAccount | None = None,
 ) -> OffloadHandle:
     """Keep ``model``'s weights in storage and bring each group in just before it runs.
 
@@ -342,7 +342,9 @@ def offload(
         host_budget: with ``storage``: host bytes of the checkpoint's weights kept in memory (pinned where
             the device copies from them), the groups read first while they fit (the host tier; each
             group's tier is in ``plan``); the others are read from the file on every forward, past the page
-            cache. ``None``: the memory the system reports available minus a margin, never more.
+            cache. ``None``: the memory the system reports available minus a margin, never more. A
+            :class:`~torchsurgery.offloading.host_tier.HostAccount`: one budget shared with the other
+            offloads given it (a :class:`~torchsurgery.DevicePool`'s models share one).
             ``stats()`` reports ``storage_bytes_read`` per forward and ``peak_host_bytes``.
 
     Returns:
