@@ -206,8 +206,9 @@ class OffloadHandle:
         account = shared if isinstance(shared, HostAccount) else HostAccount(plan.host_budget)
         host = {g.name for g in plan.groups if g.tier == "host"}
         packed = [p for p in streaming.packed.values() if p.from_file]
+        # a buffer more than the ring's slots: one group computes, one lands, one is read
         streaming.reader = FileReader(packed, host, account, plan.offload_device, streaming.order, self._stats,
-                                      plan.prefetch + 1)
+                                      plan.prefetch + 2)
         if streaming.ring is not None:
             streaming.ring.reader = streaming.reader
 
