@@ -44,9 +44,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _machine import describe  # noqa: E402
-
 import torchsurgery  # noqa: E402
+from _machine import describe  # noqa: E402
 
 GiB = 1 << 30
 

@@ -39,9 +39,9 @@ def test_direct_and_buffered_reads_give_the_file_bytes(direct: bool, tmp_path: P
     model = skeleton()
     with torch.no_grad():
         handle = torchsurgery.offload(model, storage=path, host_budget=block_bytes(8))
-        assert reader_of(handle).direct is direct
         for _ in range(2):
             torch.testing.assert_close(model(X), reference(X), rtol=0, atol=0)
+        assert reader_of(handle).direct is direct  # (a direct read the filesystem refused falls back for good)
     handle.remove()
 
 

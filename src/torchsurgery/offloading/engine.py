@@ -48,8 +48,6 @@ from torchsurgery._swap import swap_in
 from torchsurgery.compact import ReadContext, Scaled, Scratch
 from torchsurgery.offloading.attach import Attachments
 from torchsurgery.offloading.checkpoint_values import CheckpointValues
-from torchsurgery.offloading.file_reader import FileReader
-from torchsurgery.offloading.host_tier import HostAccount
 from torchsurgery.offloading.conversion import (
     check_convertible,
     convert_values,
@@ -57,6 +55,8 @@ from torchsurgery.offloading.conversion import (
     grown_budget,
     warn_if_unscaled,
 )
+from torchsurgery.offloading.file_reader import FileReader
+from torchsurgery.offloading.host_tier import HostAccount
 from torchsurgery.offloading.install import Installer
 from torchsurgery.offloading.measured_residency import MeasuredResidency
 from torchsurgery.offloading.originals import Originals
