@@ -43,8 +43,8 @@ from torchsurgery.offloading.stats import OffloadStats
 __all__ = ["FileReader"]
 
 _ALIGN = 4096  # what direct I/O asks of offsets, lengths and buffer addresses
-_PIECE = 16 << 20  # bytes one read asks for: a group's reads are several of these, in flight together
-_THREADS = 2
+_PIECE = 32 << 20  # bytes one read asks for: a group's reads are several of these, in flight together
+_THREADS = 4  # reads wait on the disk: more in flight than cores
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)  # a filesystem without direct I/O
 
 
@@ -267,7 +267,12 @@ class FileReader:
         if read is None and name in self._kept:
             data = self._kept[name]
         else:
-            data = self._finish(read if read is not None else self._start(name))
+            try:
+                data = self._finish(read if read is not None else self._start(name))
+            except (OSError, CheckpointError):
+                if read is None:
+                    raise
+                data = self._finish(self._start(name))  # read ahead, maybe before the cause was fixed: once more
             self._read_now += self._bytes(name)
         self._ahead(name)
         return data[: group.layout.nbytes]
