@@ -925,13 +925,6 @@ MUTATIONS = [
     ),
     # the host tier and the reads of weights streamed from a checkpoint
     Mutation(
-        "host tier: a read buffer is reused only once the device copy that read it has landed",
-        "src/torchsurgery/offloading/file_reader.py",
-        "                self._device.synchronize(copied)  # the copy that read it has landed\n",
-        "                pass\n",
-        ("tests/offloading/test_file_reader.py::test_read_ahead_across_forwards_is_exact_under_the_test_device_delays",),
-    ),
-    Mutation(
         "host tier: a read started ahead is waited for before its group computes",
         "src/torchsurgery/offloading/file_reader.py",
         "        concurrent.futures.wait(read.futures)\n        for future in read.futures:\n",
@@ -970,8 +963,8 @@ MUTATIONS = [
     Mutation(
         "direct I/O: reads start at an offset aligned to 4096 bytes",
         "src/torchsurgery/offloading/file_reader.py",
-        "        lo = piece.start - piece.start % _ALIGN\n",
-        "        lo = piece.start\n",
+        "    lo = piece.start - piece.start % _ALIGN\n",
+        "    lo = piece.start\n",
         ("tests/offloading/test_file_reader.py::test_direct_and_buffered_reads_give_the_file_bytes",),
     ),
     Mutation(
