@@ -119,6 +119,16 @@ def test_the_host_tier_counts_the_bytes_the_file_stores(tmp_path: Path) -> None:
     handle.remove()
 
 
+def test_inspect_shows_how_many_groups_sit_in_each_tier(tmp_path: Path) -> None:
+    from torchsurgery.cli.inspect import module_rows
+
+    reference, path = saved(tmp_path)
+    model = skeleton()
+    with torchsurgery.offload(model, storage=path, host_budget=block_bytes(8) + block_bytes(16)):
+        surgery = module_rows(model, 0, None)[0]["surgery"]
+    assert any("2 kept in host memory, 4 read every forward" in line for line in surgery)
+
+
 def test_without_a_host_budget_the_host_keeps_what_is_available_minus_a_margin(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

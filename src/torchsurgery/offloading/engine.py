@@ -81,7 +81,9 @@ class OffloadRecord(_undo.Record):
 
     def describe(self) -> str:
         s = self.handle.stats()
-        return f"offload to {self.handle.device} ({len(s.streamed_groups)} streamed, {len(s.resident_groups)} resident groups)"
+        tiers = [g.tier for g in self.handle.plan.groups] if self.handle.plan.storage is not None else []
+        read = f"; from the file: {tiers.count('host')} kept in host memory, {tiers.count('disk')} read every forward" if tiers else ""
+        return f"offload to {self.handle.device} ({len(s.streamed_groups)} streamed, {len(s.resident_groups)} resident groups{read})"
 
     def undo(self, module: nn.Module) -> None:
         self.handle.remove()

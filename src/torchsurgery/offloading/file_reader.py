@@ -233,11 +233,6 @@ class FileReader:
         """Whether some file is read past the page cache."""
         return self._files.direct
 
-    @property
-    def kept(self) -> list[str]:
-        """The groups of the host tier (read once, then kept in host memory)."""
-        return [n for n in self._names if n in self._keep]
-
     def reading(self) -> list[str]:
         """The groups whose reads were started ahead of use and not taken yet."""
         return list(self._flight)
