@@ -929,8 +929,7 @@ MUTATIONS = [
         "src/torchsurgery/offloading/file_reader.py",
         "        concurrent.futures.wait(read.futures)\n        for future in read.futures:\n",
         "        for future in [f for f in read.futures if f.done()]:\n",
-        ("tests/offloading/test_file_reader.py::test_direct_and_buffered_reads_give_the_file_bytes",
-         "tests/offloading/test_host_tier.py::test_the_host_keeps_the_groups_read_first_within_its_budget_and_reads_the_rest_every_forward"),
+        ("tests/offloading/test_file_reader.py::test_a_group_read_ahead_is_waited_for_before_it_computes",),
     ),
     Mutation(
         "host tier: the reads of the next forward start before this one ends (read-ahead wraps around the order)",

@@ -124,3 +124,36 @@ def test_an_io_error_in_a_read_thread_names_the_file(tmp_path: Path, monkeypatch
     with torch.no_grad():
         torch.testing.assert_close(model(X), reference(X), rtol=0, atol=0)
     handle.remove()
+
+
+def test_a_group_read_ahead_is_waited_for_before_it_computes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reference, path = saved(tmp_path)
+    model = skeleton()
+    gate = threading.Event()
+    plain_read, plain_wait = file_reader.FileReader._read_piece, file_reader.concurrent.futures.wait
+    calls = []
+
+    def held(self: file_reader.FileReader, name: str, *args: Any) -> None:
+        calls.append(name)
+        if calls.count("blocks.0") == 2 and name == "blocks.0":  # the next forward's first group, read ahead
+            gate.wait()  # lands only once the forward waits for it
+        plain_read(self, name, *args)
+
+    armed = threading.Event()
+
+    def waiting(*args: Any, **kwargs: Any) -> Any:
+        if armed.is_set():
+            gate.set()
+        return plain_wait(*args, **kwargs)
+
+    monkeypatch.setattr(file_reader.FileReader, "_read_piece", held)
+    monkeypatch.setattr(file_reader.concurrent.futures, "wait", waiting)
+    handle = torchsurgery.offload(model, storage=path, host_budget=0)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(model(X), reference(X), rtol=0, atol=0)
+            armed.set()  # from now on, a wait for a read lets the held one land
+            torch.testing.assert_close(model(X), reference(X), rtol=0, atol=0)
+    finally:
+        gate.set()
+        handle.remove()
