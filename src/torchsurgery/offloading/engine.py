@@ -54,6 +54,8 @@ from torchsurgery.offloading.conversion import (
     grown_budget,
     warn_if_unscaled,
 )
+from torchsurgery.offloading.file_reader import FileReader
+from torchsurgery.offloading.host_tier import HostAccount
 from torchsurgery.offloading.install import Installer
 from torchsurgery.offloading.measured_residency import MeasuredResidency
 from torchsurgery.offloading.originals import Originals
@@ -78,7 +80,9 @@ class OffloadRecord(_undo.Record):
 
     def describe(self) -> str:
         s = self.handle.stats()
-        return f"offload to {self.handle.device} ({len(s.streamed_groups)} streamed, {len(s.resident_groups)} resident groups)"
+        tiers = [g.tier for g in self.handle.plan.groups] if self.handle.plan.storage is not None else []
+        read = f"; from the file: {tiers.count('host')} kept in host memory, {tiers.count('disk')} read every forward" if tiers else ""
+        return f"offload to {self.handle.device} ({len(s.streamed_groups)} streamed, {len(s.resident_groups)} resident groups{read})"
 
     def undo(self, module: nn.Module) -> None:
         self.handle.remove()
@@ -179,6 +183,8 @@ class OffloadHandle:
                 self._file.check_holds(self.plan, named)
             parts = (self._originals, self._streaming, self._attached, self._reads, self._file)
             Installer(self.plan, named, *parts).install()
+            if self._file is not None:
+                self._read_ahead()
         except BaseException:
             self._record = OffloadRecord(self)
             _undo.push(self._live, self._record)
@@ -194,6 +200,20 @@ class OffloadHandle:
         self._attached.guard_conversions(named, weakref.WeakMethod(self._convert_subtree))
         self._record = OffloadRecord(self)
         _undo.push(model, self._record)
+
+    def _read_ahead(self) -> None:
+        """Read the groups streamed from the checkpoint ahead of use; keep the host tier's
+        (:mod:`~torchsurgery.offloading.file_reader`) within the host budget (a pool's account, shared)."""
+        plan, streaming = self.plan, self._streaming
+        shared = self._options.get("host_budget")
+        account = shared if isinstance(shared, HostAccount) else HostAccount(plan.host_budget)
+        host = {g.name for g in plan.groups if g.tier == "host"}
+        packed = [p for p in streaming.packed.values() if p.from_file]
+        # a buffer more than the ring's slots: one group computes, one lands, one is read
+        streaming.reader = FileReader(packed, host, account, plan.offload_device, streaming.order, self._stats,
+                                      plan.prefetch + 2)
+        if streaming.ring is not None:
+            streaming.ring.reader = streaming.reader
 
     def _convert_subtree(self, module: nn.Module, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
         """``module.to(dtype)``, ``.half()``... while offloaded, taken as the plain module takes it
@@ -290,7 +310,7 @@ def offload(
     storage_dtype: torch.dtype | Scaled | None = None, budget: int | None = None, prefetch: int = 1,
     pin_memory: bool | None = None, groups: str | Sequence[str] = "blocks",
     skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP, master_dtype: torch.dtype | None = None,
-    storage: str | os.PathLike[str] | None = None,
+    storage: str | os.PathLike[str] | None = None, host_budget: int | HostAccount | None = None,
 ) -> OffloadHandle:
     """Keep ``model``'s weights in storage and bring each group in just before it runs.
 
@@ -316,10 +336,11 @@ def offload(
         master_dtype: for training: the parameters stay in this dtype (what the optimizer updates and gradients
             land in) and a ``storage_dtype`` copy, refreshed whenever a parameter changes, serves forwards
             without gradients. It must hold the values exactly (``remove()`` gives them back).
-        storage: a safetensors checkpoint (file, sharded ``*.index.json`` or folder) with the model's
-            weights under their ``state_dict`` names: streamed groups are read from it on demand (for
-            models larger than RAM; inference only), their parameters ``meta`` while offloaded, in the
-            file's dtypes (no ``storage_dtype``); a :func:`~torchsurgery.skeleton` can be offloaded from it.
+        storage: a safetensors checkpoint (file, sharded ``*.index.json`` or folder) with the model's weights under
+            their ``state_dict`` names: streamed groups are read from it (for models larger than RAM; inference only),
+            their parameters ``meta`` while offloaded, in the file's dtypes (no ``storage_dtype``); a skeleton too.
+        host_budget: with ``storage``: host bytes of weights kept in memory, the rest read every forward (docs/offload.md).
+            ``stats()`` reports ``storage_bytes_read`` per forward and ``peak_host_bytes``.
 
     Returns:
         An :class:`OffloadHandle` (``plan``, ``stats()``, ``remove()``, context manager).
@@ -340,9 +361,8 @@ def offload(
         ...     torch.allclose(model(x), expected, atol=0.05), model[0].weight.dtype, model[0].weight.stored.dtype
         (True, torch.float32, torch.bfloat16)
     """
-    options = {"dtype": dtype, "storage_dtype": storage_dtype, "budget": budget, "prefetch": prefetch,
-               "pin_memory": pin_memory, "groups": groups, "skip": skip, "master_dtype": master_dtype,
-               "storage": storage}
+    options = {"dtype": dtype, "storage_dtype": storage_dtype, "budget": budget, "prefetch": prefetch, "pin_memory": pin_memory,
+               "groups": groups, "skip": skip, "master_dtype": master_dtype, "storage": storage, "host_budget": host_budget}
     return offload_converted(model, device, None, options)
 
 

@@ -26,6 +26,7 @@ measured against the host's available memory.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from torchsurgery._device import (
 from torchsurgery._validate import check_bytes, check_device, check_dtype
 from torchsurgery.compact import Scaled
 from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle
+from torchsurgery.offloading.host_tier import HostAccount
 from torchsurgery.offloading.plan import already_offloaded, check_storage_format
 from torchsurgery.offloading.pool_members import Fallback, Member, Members, Touch
 from torchsurgery.offloading.stats import OffloadStats
@@ -146,6 +148,8 @@ class DevicePool:
             what is free, and a CPU pool is unlimited.
         on_fallback: told ``(model, sentence)`` of the finer groups a model streams where, without a
             ``budget``, its room is too small for its own (default: a warning; a budget refuses).
+        host_budget: host bytes of weights streamed from checkpoints (``add(storage=...)``) kept in memory,
+            all models together (:func:`~torchsurgery.offload`'s host tier; given back when a model is pushed back).
 
     Raises:
         ValueError: a device that does not exist, both limits, or a negative one.
@@ -166,13 +170,17 @@ class DevicePool:
         >>> pool.close()
     """
 
-    def __init__(self, device: str | torch.device | None = None, *, budget: int | None = None, keep_free: int | None = None, on_fallback: Callable[[nn.Module, str], None] | None = None) -> None:
+    def __init__(
+        self, device: str | torch.device | None = None, *, budget: int | None = None, keep_free: int | None = None,
+        on_fallback: Callable[[nn.Module, str], None] | None = None, host_budget: int | None = None,
+    ) -> None:
         self._device = _pool_device(device)  # its index, free memory, allocation rounding
         self.device = self._device.device
         self.budget = check_bytes(budget, _WHAT, "budget")
         self.keep_free = check_bytes(keep_free, _WHAT, "keep_free")
         if self.budget is not None and self.keep_free is not None:
             raise ValueError(f"{_WHAT}: give budget= or keep_free=, not both")
+        self.host = HostAccount(host_budget)  # shared by the members' offloads (public: its budget may change)
         self._members = Members(_WHAT, Fallback.maker(on_fallback) if self.budget is None else None)
         self._placement = _Placement(self, self._device, self._members)
 
@@ -186,7 +194,7 @@ class DevicePool:
         groups: str | Sequence[str] = "blocks",
         skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP,
         prefetch: int = 1,
-        pin_memory: bool | None = None,
+        pin_memory: bool | None = None, storage: str | os.PathLike[str] | None = None,
     ) -> nn.Module:
         """Put ``model`` in the pool, on the host until :meth:`load` asks for it.
 
@@ -194,30 +202,28 @@ class DevicePool:
             model: the model (changed in place when loaded; nothing is copied).
             name: its name in :meth:`stats` (default: its class name, numbered if taken).
             dtype: compute dtype, as for :func:`~torchsurgery.offload`.
-            storage_dtype: storage dtype while loaded, resident or streamed, as for
-                :func:`~torchsurgery.offload` (a :class:`~torchsurgery.compact.Scaled` format too).
+            storage_dtype: storage dtype while loaded, resident or streamed, as for :func:`~torchsurgery.offload` (or ``Scaled``).
             groups: offload groups, as for :func:`~torchsurgery.offload`.
             skip: modules that keep their dtype, as for :func:`~torchsurgery.offload`.
             prefetch: groups brought in ahead when streamed.
             pin_memory: pin streamed host storage (default: on an accelerator).
+            storage: a safetensors checkpoint to stream a model (a skeleton too) from, within ``host_budget``.
 
         Returns:
             ``model``.
 
         Raises:
             TypeError: a ``dtype`` or ``storage_dtype`` :func:`~torchsurgery.offload` refuses.
-            ValueError: the model is in a pool already, the name is taken, or the budget
-                is below what the model needs to run streamed.
-            RuntimeError: the model is offloaded already (by torchsurgery, accelerate or
-                diffusers), or the device is gone.
+            ValueError: the model is in a pool already, the name is taken, or the budget is below what it needs streamed.
+            RuntimeError: the model is offloaded already (by torchsurgery, accelerate or diffusers), or the device is gone.
         """
         _refuse_if_gone(self._device, "add")
         _check_addable(self, model, dtype, storage_dtype)
         name = self._members.name_for(model, name)
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"{_WHAT}.add: prefetch must be an int >= 0, got {prefetch!r}")
-        options = {"dtype": dtype, "storage_dtype": storage_dtype, "groups": groups, "skip": skip,
-                   "prefetch": prefetch, "pin_memory": pin_memory, "master_dtype": None, "storage": None}
+        options = {"dtype": dtype, "storage_dtype": storage_dtype, "groups": groups, "skip": skip, "prefetch": prefetch,
+                   "pin_memory": pin_memory, "master_dtype": None, "storage": storage, "host_budget": self.host}
         member = Member(model, name, options, self._device, _WHAT)
         _check_budget(self.budget, member)
         self._members.join(model, member)
