@@ -170,10 +170,8 @@ class DevicePool:
         >>> pool.close()
     """
 
-    def __init__(
-        self, device: str | torch.device | None = None, *, budget: int | None = None, keep_free: int | None = None,
-        on_fallback: Callable[[nn.Module, str], None] | None = None, host_budget: int | None = None,
-    ) -> None:
+    def __init__(self, device: str | torch.device | None = None, *, budget: int | None = None, keep_free: int | None = None,
+                 on_fallback: Callable[[nn.Module, str], None] | None = None, host_budget: int | None = None) -> None:
         self._device = _pool_device(device)  # its index, free memory, allocation rounding
         self.device = self._device.device
         self.budget = check_bytes(budget, _WHAT, "budget")
