@@ -62,7 +62,9 @@ from torchsurgery._swap import swap_in, wrap_like
 from torchsurgery._validate import check_device
 from torchsurgery.compact import stored_values
 from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, Setting
-from torchsurgery.offloading import DevicePool, DynamicSwapInstaller
+from torchsurgery.compat import _streamed
+from torchsurgery.compat._streamed import DynamicSwapInstaller
+from torchsurgery.offloading import DevicePool
 
 __all__ = [
     "verbose",
@@ -143,9 +145,10 @@ def _to_host(model: nn.Module) -> None:
     if _is_shared(pool):
         assert pool is not None
         pool.discard(model)
+        _streamed.put_back(model)  # streamed from its files: back to computing on the host from them
     elif pool is not None:
         pool.unload(model)
-    else:
+    elif not _streamed.streamed(model):  # a streamed model holds no weights to move
         _host_tensors(model)
 
 
@@ -176,7 +179,7 @@ def _pool_for(model: nn.Module, target: torch.device) -> DevicePool:
     if holder is not pool:
         if holder is not None:
             holder.discard(model)
-        pool.add(model)
+        pool.add(model, **_streamed.take_off(model))  # streamed: from the same files
     return pool
 
 
@@ -217,13 +220,15 @@ def move_model_to_device_with_memory_preservation(
     model = _model(model, what)
     target = _device(target_device, what)
     _say(f"Moving {_name(model)} to {target_device} with preserved memory: {preserved_memory_gb} GB")
+    if target.type == "cpu" and _streamed.on_host(model):
+        return  # streamed from its files, it computes on the host already
     pool = _pool_for(model, target)
     keep = None if pool.device.type == "cpu" else int(preserved_memory_gb * _GIB)
     if pool.try_load(model, keep_free=keep) is None and _is_shared(pool):
         # not even one block has room: module by module, as the app moves each module with a
         # weight while memory allows (the rest streamed leaf by leaf)
         pool.discard(model)
-        pool.add(model, groups="leaves", prefetch=0)
+        pool.add(model, **{**_streamed.take_off(model), "groups": "leaves", "prefetch": 0})
         pool.try_load(model, keep_free=keep)  # not even one module fits: the model stays on the host
 
 
@@ -256,7 +261,7 @@ def offload_model_from_device_for_memory_preservation(
     if pool is None or pool.device != target:
         _to_host(model)
     elif pool.shrink(model, keep_free=keep) is None and _is_shared(pool):
-        pool.discard(model)  # back on the host: out of the shared pool
+        _to_host(model)  # back on the host: out of the shared pool
 
 
 def load_model_as_complete(model: nn.Module, target_device: str | torch.device, unload: bool = True) -> None:
@@ -285,8 +290,8 @@ def load_model_as_complete(model: nn.Module, target_device: str | torch.device, 
     target = _device(target_device, "load_model_as_complete")
     if unload:
         unload_complete_models()
-    pool = _pool_for(model, target)
-    pool.load(model)
+    if target.type != "cpu" or not _streamed.on_host(model):  # streamed: it computes on the host already
+        _pool_for(model, target).load(model)
     _say(f"Loaded {_name(model)} to {target_device} as complete.")
     _complete.append(weakref.ref(model))  # as the app's list: loaded twice, unloaded (and printed) twice
 
@@ -336,7 +341,8 @@ def fake_diffusers_current_device(model: nn.Module, target_device: str | torch.d
     model = _model(model, "fake_diffusers_current_device")
     target = _device(target_device, "fake_diffusers_current_device")
     first = next(iter(model.parameters()), None)
-    if first is not None and first.device != target:
+    # streamed from its files, its weights are nowhere but there (``meta``): it computes where its offload does
+    if first is not None and first.device != target and not _streamed.streamed(model):
         # swapped, not `.data =`: torch refuses that between the host and a backend it does
         # not know as dense (any registered PrivateUse1 backend)
         swap_in(first, wrap_like(first, first.detach().to(target)))

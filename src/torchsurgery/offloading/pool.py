@@ -26,6 +26,7 @@ measured against the host's available memory.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -187,6 +188,7 @@ class DevicePool:
         skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP,
         prefetch: int = 1,
         pin_memory: bool | None = None,
+        storage: str | os.PathLike[str] | None = None,
     ) -> nn.Module:
         """Put ``model`` in the pool, on the host until :meth:`load` asks for it.
 
@@ -200,6 +202,9 @@ class DevicePool:
             skip: modules that keep their dtype, as for :func:`~torchsurgery.offload`.
             prefetch: groups brought in ahead when streamed.
             pin_memory: pin streamed host storage (default: on an accelerator).
+            storage: the safetensors checkpoint its weights stream from, as for
+                :func:`~torchsurgery.offload` (a :func:`~torchsurgery.skeleton` can be added:
+                on the host its weights stay ``meta``, in their files).
 
         Returns:
             ``model``.
@@ -217,7 +222,7 @@ class DevicePool:
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"{_WHAT}.add: prefetch must be an int >= 0, got {prefetch!r}")
         options = {"dtype": dtype, "storage_dtype": storage_dtype, "groups": groups, "skip": skip,
-                   "prefetch": prefetch, "pin_memory": pin_memory, "master_dtype": None, "storage": None}
+                   "prefetch": prefetch, "pin_memory": pin_memory, "master_dtype": None, "storage": storage}
         member = Member(model, name, options, self._device, _WHAT)
         _check_budget(self.budget, member)
         self._members.join(model, member)
