@@ -399,6 +399,11 @@ class SafetensorsSource(Source):
         self.read_many([(key, target)])
         return target
 
+    def locate(self, key: str) -> tuple[Path, int, int, torch.dtype]:
+        """Where ``key``'s bytes are: its file, their offset there, their count, and its dtype."""
+        loc = self._where[key]
+        return loc.path, loc.start, loc.nbytes, loc.entry.dtype
+
     def take(self, keys: list[str], *, copy: bool) -> list[torch.Tensor]:
         new = [torch.empty(self._where[key].entry.shape, dtype=self._where[key].entry.dtype) for key in keys]
         self.read_many(list(zip(keys, new, strict=True)))

@@ -48,6 +48,8 @@ from torchsurgery._swap import swap_in
 from torchsurgery.compact import ReadContext, Scaled, Scratch
 from torchsurgery.offloading.attach import Attachments
 from torchsurgery.offloading.checkpoint_values import CheckpointValues
+from torchsurgery.offloading.file_reader import FileReader
+from torchsurgery.offloading.host_tier import HostAccount
 from torchsurgery.offloading.conversion import (
     check_convertible,
     convert_values,
@@ -178,6 +180,8 @@ class OffloadHandle:
                 self._file.check_holds(self.plan, named)
             parts = (self._originals, self._streaming, self._attached, self._reads, self._file)
             Installer(self.plan, named, *parts).install()
+            if self._file is not None:
+                self._read_ahead()
         except BaseException:
             self._record = OffloadRecord(self)
             _undo.push(self._live, self._record)
@@ -193,6 +197,19 @@ class OffloadHandle:
         self._attached.guard_conversions(named, weakref.WeakMethod(self._convert_subtree))
         self._record = OffloadRecord(self)
         _undo.push(model, self._record)
+
+    def _read_ahead(self) -> None:
+        """Read the groups streamed from the checkpoint ahead of use; keep the host tier's
+        (:mod:`~torchsurgery.offloading.file_reader`) within the host budget (a pool's account, shared)."""
+        plan, streaming = self.plan, self._streaming
+        shared = self._options.get("host_budget")
+        account = shared if isinstance(shared, HostAccount) else HostAccount(plan.host_budget)
+        host = {g.name for g in plan.groups if g.tier == "host"}
+        packed = [p for p in streaming.packed.values() if p.from_file]
+        streaming.reader = FileReader(packed, host, account, plan.offload_device, streaming.order, self._stats,
+                                      plan.prefetch + 1)
+        if streaming.ring is not None:
+            streaming.ring.reader = streaming.reader
 
     def _convert_subtree(self, module: nn.Module, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
         """``module.to(dtype)``, ``.half()``... while offloaded, taken as the plain module takes it
@@ -291,7 +308,7 @@ def offload(
     storage_dtype: torch.dtype | Scaled | None = None, budget: int | None = None, prefetch: int = 1,
     pin_memory: bool | None = None, groups: str | Sequence[str] = "blocks",
     skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP, master_dtype: torch.dtype | None = None,
-    storage: str | os.PathLike[str] | None = None,
+    storage: str | os.PathLike[str] | None = None, host_budget: int | HostAccount | None = None,
 ) -> OffloadHandle:
     """Keep ``model``'s weights in storage and bring each group in just before it runs.
 
@@ -321,6 +338,14 @@ def offload(
             weights under their ``state_dict`` names: streamed groups are read from it on demand (for
             models larger than RAM; inference only), their parameters ``meta`` while offloaded, in the
             file's dtypes (no ``storage_dtype``); a :func:`~torchsurgery.skeleton` can be offloaded from it.
+            Reads run on threads ahead of use, along the execution order, across forwards.
+        host_budget: with ``storage``: host bytes of the checkpoint's weights kept in memory (pinned where
+            the device copies from them), the groups read first while they fit (the host tier; each
+            group's tier is in ``plan``); the others are read from the file on every forward, past the page
+            cache. ``None``: the memory the system reports available minus a margin, never more. A
+            :class:`~torchsurgery.offloading.host_tier.HostAccount`: one budget shared with the other
+            offloads given it (a :class:`~torchsurgery.DevicePool`'s models share one).
+            ``stats()`` reports ``storage_bytes_read`` per forward and ``peak_host_bytes``.
 
     Returns:
         An :class:`OffloadHandle` (``plan``, ``stats()``, ``remove()``, context manager).
@@ -343,7 +368,7 @@ def offload(
     """
     options = {"dtype": dtype, "storage_dtype": storage_dtype, "budget": budget, "prefetch": prefetch,
                "pin_memory": pin_memory, "groups": groups, "skip": skip, "master_dtype": master_dtype,
-               "storage": storage}
+               "storage": storage, "host_budget": host_budget}
     return offload_converted(model, device, None, options)
 
 

@@ -45,6 +45,7 @@ from torchsurgery.compact import (
 )
 from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, BudgetError, Setting
 from torchsurgery.offloading.grouping import find_groups
+from torchsurgery.offloading.host_tier import HostAccount, assign_tiers
 
 __all__ = [
     "plan_offload", "OffloadPlan", "GroupPlan", "ParamPlan", "Residency", "DEFAULT_SKIP", "device_bytes",
@@ -190,6 +191,9 @@ class GroupPlan:
             their storage dtype, and a master's narrow copy besides (tied ones counted
             once, in the first group holding them; see :func:`held_bytes`).
         params: its parameters, in module order.
+        tier: where its weights are kept between runs: ``"device"`` (resident), ``"host"``
+            (host memory; from a checkpoint file: read once, then kept within ``host_budget``)
+            or ``"disk"`` (read from the checkpoint file on every forward).
 
     Example:
         >>> import torch
@@ -207,6 +211,7 @@ class GroupPlan:
     resident: bool
     nbytes: int
     params: list[ParamPlan] = field(default_factory=list)
+    tier: str = "host"
 
 
 @dataclass
@@ -223,6 +228,8 @@ class OffloadPlan:
         prefetch: groups brought in ahead.
         pin_memory: whether streamed host buffers are page-locked.
         storage: the checkpoint streamed groups are read from, if any.
+        host_budget: host bytes the groups read from ``storage`` may keep in memory (the
+            host tier; ``None`` without a checkpoint).
         offload_device: the device seam the offload runs through.
         buffer_bytes: device bytes of the model's buffers, which the offload moves to the
             device (0 on a CPU: they stay where they are).
@@ -250,6 +257,7 @@ class OffloadPlan:
     storage: str | os.PathLike[str] | None
     offload_device: OffloadDevice = field(repr=False, compare=False)
     buffer_bytes: int = 0
+    host_budget: int | None = None
 
     @property
     def params(self) -> list[ParamPlan]:
@@ -277,6 +285,10 @@ class OffloadPlan:
                 residency = p.residency.value + (f" (= {p.tied_to})" if p.tied_to else "")
                 rows.append((g.name or "<root>", p.name, residency, dtype_name(p.storage_dtype),
                              dtype_name(p.compute_dtype), shadow, p.file_key or "-"))
+        if self.storage is not None:  # streamed from a file: which tier each group sits in
+            head += f"; host budget {human_bytes(self.host_budget or 0, binary=True)}"
+            tiers = [g.tier for g in self.groups for _ in g.params]
+            rows = [(*rows[0][:1], "tier", *rows[0][1:])] + [(r[0], t, *r[1:]) for r, t in zip(rows[1:], tiers, strict=True)]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         return "\n".join([head, *lines])
@@ -810,7 +822,7 @@ def plan_offload(
     storage_dtype: torch.dtype | Scaled | None = None, budget: int | None = None, prefetch: int = 1,
     pin_memory: bool | None = None, groups: str | Sequence[str] = "blocks",
     skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP, master_dtype: torch.dtype | None = None,
-    storage: str | os.PathLike[str] | None = None,
+    storage: str | os.PathLike[str] | None = None, host_budget: int | None = None,
 ) -> OffloadPlan:
     """What :func:`~torchsurgery.offload` with these arguments would do, without doing it.
 
@@ -832,6 +844,9 @@ def plan_offload(
             must hold their values exactly.
         storage: a safetensors checkpoint to stream weights from (the weights are then
             stored in its dtypes: no ``storage_dtype``). :func:`~torchsurgery.offload` says more.
+        host_budget: host bytes the weights read from ``storage`` may keep in memory (the
+            groups read first, while they fit; each group's ``tier`` says where it sits).
+            ``None``: the memory the system reports available minus a margin.
 
     Returns:
         An :class:`OffloadPlan`: per group and per parameter the storage, compute and
@@ -862,6 +877,7 @@ def plan_offload(
     return plan_converted(
         model, device, None, dtype=dtype, storage_dtype=storage_dtype, budget=budget, prefetch=prefetch,
         pin_memory=pin_memory, groups=groups, skip=skip, master_dtype=master_dtype, storage=storage,
+        host_budget=host_budget,
     )
 
 
@@ -880,11 +896,13 @@ def plan_converted(
     master_dtype: torch.dtype | None,
     storage: str | os.PathLike[str] | None,
     offloaded_ok: bool = False,
+    host_budget: int | HostAccount | None = None,
 ) -> OffloadPlan:
     """:func:`plan_offload`, with the parameters the user converted while offloaded (see :func:`_collect`).
 
     ``offloaded_ok``: plan a model that is offloaded now (to check, before its offload is
-    removed, that the converted model can be offloaded again).
+    removed, that the converted model can be offloaded again). ``host_budget`` may be a
+    :class:`~torchsurgery.offloading.host_tier.HostAccount` (a pool's): the part of it free now.
     """
     options = _check_options(
         model, device, dtype, storage_dtype, master_dtype, budget, prefetch, pin_memory, skip, groups, storage,
@@ -907,5 +925,7 @@ def plan_converted(
     _check_plain_readers(named, plan)
     if storage is not None:
         _file_keys(model, named, plan, storage)
+    host = assign_tiers(plan, host_budget, from_file)
     seam = options.device
-    return OffloadPlan(seam.device, plan, budget, measured, prefetch, options.pin, storage, seam, buffers)
+    return OffloadPlan(seam.device, plan, budget, measured, prefetch, options.pin, storage, seam, buffers,
+                       host if from_file else None)

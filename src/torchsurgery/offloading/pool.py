@@ -44,6 +44,7 @@ from torchsurgery._device import (
 from torchsurgery._validate import check_bytes, check_device, check_dtype
 from torchsurgery.compact import Scaled
 from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle
+from torchsurgery.offloading.host_tier import HostAccount
 from torchsurgery.offloading.plan import already_offloaded, check_storage_format
 from torchsurgery.offloading.pool_members import Member, Members, Touch
 from torchsurgery.offloading.stats import OffloadStats
@@ -145,6 +146,10 @@ class DevicePool:
         keep_free: instead of a budget: load only while this many bytes of the device
             stay free (measured when loading). Without either, an accelerator pool may use
             what is free, and a CPU pool is unlimited.
+        host_budget: host bytes the weights of models streamed from their checkpoints
+            (``add(storage=...)``) may keep in memory, all models together (the host tier of
+            :func:`~torchsurgery.offload`; a model takes its share when loaded, and gives it back when
+            pushed back). ``None``: the memory the system reports available minus a margin.
 
     Raises:
         ValueError: a device that does not exist, both limits, or a negative one.
@@ -166,7 +171,8 @@ class DevicePool:
     """
 
     def __init__(
-        self, device: str | torch.device | None = None, *, budget: int | None = None, keep_free: int | None = None
+        self, device: str | torch.device | None = None, *, budget: int | None = None, keep_free: int | None = None,
+        host_budget: int | None = None,
     ) -> None:
         self._device = _pool_device(device)  # its index, free memory, allocation rounding
         self.device = self._device.device
@@ -174,6 +180,7 @@ class DevicePool:
         self.keep_free = check_bytes(keep_free, _WHAT, "keep_free")
         if self.budget is not None and self.keep_free is not None:
             raise ValueError(f"{_WHAT}: give budget= or keep_free=, not both")
+        self.host = HostAccount(host_budget)  # shared by the members' offloads
         self._members = Members(_WHAT)
         self._placement = _Placement(self, self._device, self._members)
 
@@ -202,9 +209,8 @@ class DevicePool:
             skip: modules that keep their dtype, as for :func:`~torchsurgery.offload`.
             prefetch: groups brought in ahead when streamed.
             pin_memory: pin streamed host storage (default: on an accelerator).
-            storage: the safetensors checkpoint its weights stream from, as for
-                :func:`~torchsurgery.offload` (a :func:`~torchsurgery.skeleton` can be added:
-                on the host its weights stay ``meta``, in their files).
+            storage: a safetensors checkpoint of the model's weights (a :func:`~torchsurgery.skeleton`
+                can be added): streamed from it when loaded, within the pool's ``host_budget``.
 
         Returns:
             ``model``.
@@ -222,7 +228,8 @@ class DevicePool:
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"{_WHAT}.add: prefetch must be an int >= 0, got {prefetch!r}")
         options = {"dtype": dtype, "storage_dtype": storage_dtype, "groups": groups, "skip": skip,
-                   "prefetch": prefetch, "pin_memory": pin_memory, "master_dtype": None, "storage": storage}
+                   "prefetch": prefetch, "pin_memory": pin_memory, "master_dtype": None, "storage": storage,
+                   "host_budget": self.host}
         member = Member(model, name, options, self._device, _WHAT)
         _check_budget(self.budget, member)
         self._members.join(model, member)

@@ -38,6 +38,12 @@ class OffloadStats:
         widened_bytes: bytes held now by the buffers that narrow weights are widened into
             where no kernel reads them directly (at most one per thread, the size of the
             largest widened weight; 0 while every call takes a narrow-weight kernel).
+        storage_bytes_read: bytes the last complete forward read from the checkpoint file
+            (``offload(storage=...)``): its groups of the disk tier, and those of the host tier
+            read the first time (read ahead or not, counted in the forward that used them).
+        peak_host_bytes: most bytes of the checkpoint's weights the host tier kept at once
+            (at most ``host_budget``; the read buffers of the groups read on every forward,
+            ``prefetch + 1`` of the largest, come besides).
         achieved_gbps: bytes moved per second of transferring.
 
     Timings come from events recorded through the offload's
@@ -72,6 +78,8 @@ class OffloadStats:
     group_costs: list[GroupCost] = field(default_factory=list)
     link_bytes_per_s: float = 0.0
     widened_bytes: int = 0
+    storage_bytes_read: int = 0
+    peak_host_bytes: int = 0
 
     @property
     def achieved_gbps(self) -> float:

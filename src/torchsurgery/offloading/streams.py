@@ -192,6 +192,8 @@ class Ring:
         self.side = device.new_stream()
         self.staging: torch.Tensor | None = None
         self.staged: Any = None  # the end of the last copy that read the staging buffer
+        self.reader: Any = None  # a FileReader: reads file groups ahead (offloading.file_reader)
+        self.lent: list[torch.Tensor | None] = [None] * len(self.buffers)  # on a CPU: a slot's bytes in the reader's buffer
         self.prefetched = 0
         self.misses = 0
 
@@ -200,13 +202,19 @@ class Ring:
         buffer = self.buffers[slot]
         n = group.layout.nbytes
         self.copied[slot] = group.version()
+        reader = self.reader if self.reader is not None and self.reader.serves(group) else None
         if device.host_compute:  # the slot is host memory: fill it in place, no copy
             self.copy_start[slot] = device.record(self.side)
-            group.fill(buffer)
+            if reader is not None:
+                self.lent[slot] = reader.take(group)  # computed on where it was read into
+            else:
+                group.fill(buffer)
             self.ready[slot] = device.record(self.side)
             self.holding[slot] = group
             return
-        if group.from_file:  # through one reused (pinned) staging buffer
+        if reader is not None:  # read ahead into a reused (pinned) buffer
+            sources = [(0, reader.take(group))]
+        elif group.from_file:  # through one reused (pinned) staging buffer
             if self.staging is None:
                 size = buffer.numel()
                 self.staging = device.pinned_empty(size) if device.can_pin else torch.empty(size, dtype=torch.uint8)
@@ -223,7 +231,9 @@ class Ring:
         for offset, source in sources:
             device.copy_(buffer[offset : offset + source.numel()], source, self.side)
         self.ready[slot] = device.record(self.side)
-        if group.from_file:
+        if reader is not None:
+            reader.give_back(sources[0][1], self.ready[slot])
+        elif group.from_file:
             self.staged = self.ready[slot]
         self.holding[slot] = group
 
@@ -280,10 +290,14 @@ class Ring:
         device.wait(device.current_stream(), self.ready[slot])
         self.in_use.add(slot)
         try:
-            views = unpack(self.buffers[slot], group.layout)
+            lent = self.lent[slot]
+            views = unpack(self.buffers[slot] if lent is None else lent, group.layout)
             timing = (self.copy_start[slot], self.ready[slot])
             keep = {slot}
             for following in upcoming:
+                if self.reader is not None and self.reader.serves(following) and (
+                        device.host_compute or not self.reader.ready(following)):
+                    continue  # its read is ahead already: copied once it landed, never waited for here
                 held = next((s for s, g in enumerate(self.holding) if g is following and self.copied[s] == following.version()), None)
                 if held is not None:
                     keep.add(held)  # copied ahead already: not to be evicted by the next ones
@@ -308,6 +322,11 @@ class Ring:
             return
         self.released[slot] = self.device.record(self.device.current_stream())
         self.in_use.discard(slot)
+        lent = self.lent[slot]
+        if lent is not None:  # the reader's buffer, back to it (the group is read again next time)
+            self.reader.give_back(lent)
+            self.lent[slot] = None
+            self.holding[slot] = None
 
 
 @dataclass(eq=False)
@@ -349,12 +368,14 @@ class Streaming:
         self.pending: list[_Measure] = []
         self.timings: dict[str, _Timing] = {}
         self.lock = _ForwardLock()  # one thread at a time runs the model (streamed groups swap weights in)
+        self.reader: Any = None  # a FileReader for groups streamed from a checkpoint file
 
     def __getstate__(self) -> dict[str, Any]:
         # a copy (pickle, torch.save, deepcopy) makes its own ring at its first forward: the
         # ring's device buffers, streams and events belong to this process and this model
-        state = {k: v for k, v in self.__dict__.items() if k not in ("lock", "ring", "pending")}
-        return {**state, "ring": None, "pending": [], "restart": self.ring is not None}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("lock", "ring", "pending", "reader")}
+        # (a copy reads its file groups as they are needed, without read-ahead or a host tier)
+        return {**state, "ring": None, "pending": [], "reader": None, "restart": self.ring is not None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         _transfers_outside_compiled()
@@ -368,6 +389,7 @@ class Streaming:
     def start(self) -> None:
         """Make the ring, once every packed group is known."""
         self.ring = Ring(list(self.packed.values()), self.device, slots=self.prefetch + 1)
+        self.ring.reader = self.reader
         self.restart = False
 
     def drop_ring(self) -> None:
@@ -385,11 +407,16 @@ class Streaming:
         packed = self.packed.pop(name, None)
         if packed is not None and self.ring is not None:
             self.ring.forget(packed)
+        if packed is not None and self.reader is not None and self.reader.serves(packed):
+            self.reader.forget(name)
         return packed
 
     def close(self) -> None:
         """Drop the ring and the packed groups, keeping the ring's counts in the statistics."""
         self.drop_ring()
+        if self.reader is not None:
+            self.reader.close()  # waits for the reads in flight
+            self.reader = None
         self.restart = False
         self.packed.clear()
         self.pending = []
@@ -442,6 +469,8 @@ class Streaming:
             group_costs=costs,
             link_bytes_per_s=bandwidth if costs else 0.0,
             widened_bytes=widened_bytes,
+            storage_bytes_read=s.storage_bytes_read,
+            peak_host_bytes=s.peak_host_bytes,
         )
 
     def hint(self) -> str:
@@ -532,6 +561,8 @@ class EndForward:
             return  # compiled forwards read the stored weights in the graph: nothing streams
         try:
             self.streaming.order.end_forward()
+            if self.streaming.reader is not None:
+                self.streaming.reader.end_forward()
         finally:
             self.streaming.lock.release()
 

@@ -1,0 +1,444 @@
+"""Reading streamed groups from their checkpoint files ahead of use, at the disk's speed.
+
+A :class:`FileReader` serves the groups an offload streams from a checkpoint file
+(``offload(storage=...)``). Each group's bytes come into one buffer laid out as its ring slot
+is, so a CPU computes on views of it and an accelerator copies it in one transfer. Reads
+run on a few threads, split in pieces of at most ``_PIECE`` bytes (several in flight), ahead
+of use along the recorded execution order (model order in the first forward), across the
+end of one forward into the next, while the model computes. At most ``buffers`` read buffers
+exist (aligned to 4096 bytes and reused; pinned where a device copies from them).
+
+Groups of the host tier (:mod:`~torchsurgery.offloading.host_tier`) are read once into a
+buffer of their own and kept; the others are read on every forward. When the files hold
+more than the host keeps, reads bypass the page cache (``O_DIRECT``: aligned ranges into an
+aligned buffer, trimmed to the tensors' bytes), so streaming a model larger than memory
+does not evict everything else; a filesystem that refuses direct I/O (tmpfs) is read
+through the page cache instead. Bytes are the file's bytes either way.
+
+Thread safety: the model's forward lock serializes every call but the reads themselves;
+a read thread writes only into the buffer it was given. A read's error is raised by
+:meth:`FileReader.take` in the forward that needs its group, naming the file. :meth:`close`
+stops the reads that have not started and waits for those that have.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchsurgery._checkpoint import CheckpointError
+from torchsurgery._device import OffloadDevice
+from torchsurgery.offloading.host_tier import HostAccount
+from torchsurgery.offloading.order import OrderRecorder
+from torchsurgery.offloading.stats import OffloadStats
+
+__all__ = ["FileReader"]
+
+_ALIGN = 4096  # what direct I/O asks of offsets, lengths and buffer addresses
+_PIECE = 16 << 20  # bytes one read asks for: a group's reads are several of these, in flight together
+_THREADS = 2
+_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)  # a filesystem without direct I/O
+
+
+def _open_direct(path: Path) -> int:
+    """``path`` opened for reads that bypass the page cache (raises where that is refused)."""
+    return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+
+
+def _aligned(nbytes: int, allocate: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """``nbytes`` of ``uint8`` from ``allocate`` starting at a multiple of 4096 bytes."""
+    raw = allocate(nbytes + _ALIGN)
+    shift = -raw.data_ptr() % _ALIGN
+    return raw[shift : shift + nbytes]
+
+
+@dataclass(frozen=True)
+class _Span:
+    """One tensor's bytes: where they are in the file and where they go in the group's buffer."""
+
+    start: int
+    nbytes: int
+    offset: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.nbytes
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One read: bytes ``[start, end)`` of ``path`` (file-contiguous tensors, or part of one)."""
+
+    path: Path
+    start: int
+    end: int
+    spans: tuple[_Span, ...]
+
+
+def _pieces(group: Any) -> list[_Piece] | None:
+    """The reads that bring ``group`` (a packed group from a file) into its buffer, in file order;
+    ``None`` where a weight is cast on its way in (the plain read does that)."""
+    located = []
+    for key, slot in zip(group.keys, group.layout.slots, strict=True):
+        path, start, nbytes, dtype = group.source.locate(key)
+        if dtype != slot.dtype or nbytes != slot.nbytes:
+            return None
+        if nbytes:
+            located.append((path, _Span(start, nbytes, slot.offset)))
+    located.sort(key=lambda item: (str(item[0]), item[1].start))
+    pieces: list[_Piece] = []
+    run: list[_Span] = []
+    for i, (path, span) in enumerate(located):
+        run.append(span)
+        following = located[i + 1] if i + 1 < len(located) else None
+        if following is None or following[0] != path or following[1].start != span.end:
+            for lo in range(run[0].start, span.end, _PIECE):
+                hi = min(span.end, lo + _PIECE)
+                pieces.append(_Piece(path, lo, hi, tuple(s for s in run if s.start < hi and s.end > lo)))
+            run = []
+    return pieces
+
+
+class _Files:
+    """The checkpoint's files, opened for direct reads where the filesystem allows and asked."""
+
+    def __init__(self, paths: set[Path], direct: bool) -> None:
+        self._fds: dict[Path, tuple[int, bool]] = {}
+        self._stale: list[int] = []
+        self._lock = threading.Lock()
+        try:
+            for path in sorted(paths):
+                self._fds[path] = self._open(path, direct)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _open(path: Path, direct: bool) -> tuple[int, bool]:
+        if direct:
+            try:
+                return _open_direct(path), True
+            except OSError as exc:
+                if exc.errno not in _REFUSED:
+                    raise
+        return os.open(path, os.O_RDONLY), False
+
+    @property
+    def direct(self) -> bool:
+        """Whether some file is read past the page cache."""
+        return any(d for _, d in self._fds.values())
+
+    def fd(self, path: Path) -> tuple[int, bool]:
+        """The descriptor to read ``path`` with, and whether it reads directly."""
+        with self._lock:
+            return self._fds[path]
+
+    def refuse_direct(self, path: Path) -> None:
+        """Read ``path`` through the page cache from now on (its filesystem refused a direct read)."""
+        with self._lock:
+            fd, direct = self._fds[path]
+            if direct:
+                self._stale.append(fd)  # another thread may be reading with it now
+                self._fds[path] = self._open(path, False)
+
+    def close(self) -> None:
+        for fd in [fd for fd, _ in self._fds.values()] + self._stale:
+            os.close(fd)
+        self._fds.clear()
+        self._stale.clear()
+
+
+@dataclass(eq=False)
+class _Read:
+    """A group's read in flight: its buffer and one future per piece."""
+
+    name: str
+    buffer: torch.Tensor
+    futures: list[concurrent.futures.Future[None]]
+    keep: bool  # into the group's host-tier buffer, kept once done
+
+
+class FileReader:
+    """Reads the groups streamed from a checkpoint file, ahead of use; keeps the host tier's.
+
+    Args:
+        groups: the packed groups read from the file, in model order.
+        host: names of those the host keeps once read (within ``account``).
+        account: the host budget the kept groups are held in.
+        device: the offload's device (where it copies from: pinned buffers when it can).
+        order: the execution order recorded by the offload (read-ahead follows it).
+        stats: where the bytes read per forward and the host bytes kept are reported.
+        buffers: read buffers (each as large as the largest group not kept).
+
+    Example:
+        >>> import os, tempfile
+        >>> import torch
+        >>> from torch import nn
+        >>> from safetensors.torch import save_file
+        >>> import torchsurgery
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+        >>> save_file(model.state_dict(), path)
+        >>> expected = model(torch.ones(1, 4)).detach()
+        >>> handle = torchsurgery.offload(model, storage=path, groups="leaves", host_budget=80)
+        >>> [g.tier for g in handle.plan.groups]
+        ['host', 'disk']
+        >>> with torch.no_grad():
+        ...     out = [model(torch.ones(1, 4)) for _ in range(2)]
+        >>> torch.equal(out[1], expected), handle.stats().storage_bytes_read  # the second group's 80 bytes
+        (True, 80)
+        >>> _ = handle.remove()
+    """
+
+    def __init__(self, groups: list[Any], host: set[str], account: HostAccount, device: OffloadDevice,
+                 order: OrderRecorder, stats: OffloadStats, buffers: int) -> None:
+        planned = {g.name: (g, _pieces(g)) for g in groups}
+        self._groups = {name: (g, p) for name, (g, p) in planned.items() if p is not None}
+        self._names = list(self._groups)
+        self._keep = {n for n in self._names if n in host and account.reserve(self, self._bytes(n))}
+        self._account, self._device, self._order, self._stats = account, device, order, stats
+        self._size = max((g.layout.nbytes for n, (g, _) in self._groups.items() if n not in self._keep), default=0)
+        self._buffers = max(1, buffers)
+        pinned = device.can_pin and not device.host_compute
+        self._allocate = device.pinned_empty if pinned else lambda n: torch.empty(n, dtype=torch.uint8)
+        try:
+            paths = {piece.path for _, pieces in self._groups.values() for piece in pieces or ()}
+            # direct reads where the files hold more than the host keeps
+            self._files = _Files(paths, direct=len(self._keep) < len(self._names))
+        except BaseException:
+            account.release(self)
+            raise
+        self._pool = concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="torchsurgery-read")
+        self._local = threading.local()  # each thread's bounce buffer for direct reads
+        self._stop = threading.Event()
+        self._free: list[tuple[torch.Tensor, Any]] = []  # read buffers and the copy that last read each
+        self._made = 0
+        self._lent: dict[int, torch.Tensor] = {}  # read buffers handed out, by address
+        self._flight: dict[str, _Read] = {}
+        self._kept: dict[str, torch.Tensor] = {}
+        self._kept_bytes = 0
+        self._read_now = 0  # bytes read from the files for the groups of this forward
+        self.closed = False
+
+    @property
+    def direct(self) -> bool:
+        """Whether some file is read past the page cache."""
+        return self._files.direct
+
+    @property
+    def kept(self) -> list[str]:
+        """The groups of the host tier (read once, then kept in host memory)."""
+        return [n for n in self._names if n in self._keep]
+
+    def serves(self, group: Any) -> bool:
+        """Whether ``group``'s reads go through this reader."""
+        return not self.closed and group.name in self._groups
+
+    def ready(self, group: Any) -> bool:
+        """Whether ``group``'s bytes are in memory now (kept, or read ahead and landed)."""
+        read = self._flight.get(group.name)
+        if read is None:
+            return group.name in self._kept
+        return all(f.done() for f in read.futures)
+
+    def take(self, group: Any) -> torch.Tensor:
+        """``group``'s bytes in its layout (a ``uint8`` host buffer; waits for its read), reading ahead.
+
+        A read buffer is lent until :meth:`give_back`; a kept group's buffer is the host tier's.
+
+        Raises:
+            OSError: the read failed (the message names the file).
+            torchsurgery.CheckpointError: the file ended before the group's bytes.
+        """
+        name = group.name
+        read = self._flight.pop(name, None)
+        if read is None and name in self._kept:
+            data = self._kept[name]
+        else:
+            data = self._finish(read if read is not None else self._start(name))
+            self._read_now += self._bytes(name)
+        self._ahead(name)
+        return data[: group.layout.nbytes]
+
+    def _bytes(self, name: str) -> int:
+        """The bytes of group ``name``'s weights in the file (what the host tier counts of it)."""
+        return sum(p.end - p.start for p in self._groups[name][1] or ())
+
+    def give_back(self, data: torch.Tensor, copied: Any = None) -> None:
+        """Return a buffer :meth:`take` lent, once ``copied`` (an event of the copy reading it) completed."""
+        buffer = self._lent.pop(data.data_ptr(), None)
+        if buffer is not None:
+            self._free.append((buffer, copied))
+
+    def end_forward(self) -> None:
+        """A forward ended: its bytes read become the statistics' ``storage_bytes_read``."""
+        self._stats.storage_bytes_read = self._read_now
+        self._read_now = 0
+
+    def forget(self, name: str) -> None:
+        """Group ``name`` no longer streams (it became resident): its read and kept bytes go."""
+        read = self._flight.pop(name, None)
+        if read is not None:
+            concurrent.futures.wait(read.futures)
+            self._recycle(read)
+        kept = self._kept.pop(name, None)
+        if name in self._keep:
+            self._keep.discard(name)
+            self._account.give(self, self._bytes(name))
+        if kept is not None:
+            self._kept_bytes -= self._bytes(name)
+        self._groups.pop(name, None)
+        self._names.remove(name)
+
+    def close(self) -> None:
+        """Stop the reads not started, wait for the others, free every buffer and the host budget held."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop.set()
+        for read in self._flight.values():
+            concurrent.futures.wait(read.futures)
+        self._pool.shutdown(wait=True)
+        self._files.close()
+        self._flight.clear()
+        self._kept.clear()
+        self._free.clear()
+        self._lent.clear()
+        self._account.release(self)
+
+    def _start(self, name: str) -> _Read:
+        group, pieces = self._groups[name]
+        keep = name in self._keep
+        buffer = _aligned(group.layout.nbytes, self._allocate) if keep else self._buffer()
+        if not keep:
+            self._lent[buffer.data_ptr()] = buffer
+        futures = [self._pool.submit(self._read_piece, name, buffer, piece) for piece in pieces or ()]
+        read = _Read(name, buffer, futures, keep)
+        self._flight[name] = read
+        return read
+
+    def _buffer(self) -> torch.Tensor:
+        """A free read buffer: reused, new while fewer than ``buffers`` exist, else one read ahead for
+        a group not asked for yet is dropped for it (the order changed)."""
+        if self._free:
+            buffer, copied = self._free.pop()
+            if copied is not None:
+                self._device.synchronize(copied)  # the copy that read it has landed
+            return buffer
+        victim = next((r for r in self._flight.values() if not r.keep), None)
+        if self._made < self._buffers or victim is None:
+            self._made += 1
+            return _aligned(self._size, self._allocate)
+        del self._flight[victim.name]
+        concurrent.futures.wait(victim.futures)
+        del self._lent[victim.buffer.data_ptr()]
+        return victim.buffer
+
+    def _finish(self, read: _Read) -> torch.Tensor:
+        self._flight.pop(read.name, None)
+        concurrent.futures.wait(read.futures)
+        for future in read.futures:
+            error = future.exception()
+            if error is not None:
+                self._recycle(read)
+                raise error
+        if read.keep:
+            self._kept[read.name] = read.buffer
+            self._kept_bytes += self._bytes(read.name)
+            self._stats.peak_host_bytes = max(self._stats.peak_host_bytes, self._kept_bytes)
+        return read.buffer
+
+    def _recycle(self, read: _Read) -> None:
+        """A read not handed out: its buffer back to the free ones."""
+        if not read.keep:
+            self.give_back(read.buffer)
+
+    def _ahead(self, name: str) -> None:
+        """Start the reads of the groups that follow ``name``, in order, across the end of the forward."""
+        recorded = self._order.recorded
+        if recorded:
+            following = self._order.ahead(name, len(recorded)) + recorded
+        else:  # the first forward: model order
+            at = self._names.index(name) + 1 if name in self._names else 0
+            following = self._names[at:] + self._names
+        in_flight = len(self._flight)
+        for upcoming in dict.fromkeys(following):
+            if in_flight >= self._buffers:
+                break
+            if upcoming == name or upcoming not in self._groups or upcoming in self._flight or upcoming in self._kept:
+                continue
+            if upcoming not in self._keep and not self._free and self._made >= self._buffers:
+                break  # no read buffer free: the next one starts when one is given back
+            self._start(upcoming)
+            in_flight += 1
+
+    def _read_piece(self, name: str, buffer: torch.Tensor, piece: _Piece) -> None:
+        if self._stop.is_set():
+            return
+        fd, direct = self._files.fd(piece.path)
+        try:
+            if direct:
+                try:
+                    self._read_direct(fd, buffer, piece)
+                    return
+                except OSError as exc:
+                    if exc.errno not in _REFUSED:
+                        raise
+                    self._files.refuse_direct(piece.path)
+                    fd, _ = self._files.fd(piece.path)
+            self._read_buffered(fd, buffer, piece)
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"torchsurgery.offload: reading group {name!r} from {piece.path} failed "
+                f"({exc.strerror or exc}); check the file and its disk, then run the forward again",
+            ) from exc
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc} (reading group {name!r})") from exc
+
+    def _read_buffered(self, fd: int, buffer: torch.Tensor, piece: _Piece) -> None:
+        memory = buffer.numpy().data
+        views = [memory[s.offset + max(piece.start, s.start) - s.start : s.offset + min(piece.end, s.end) - s.start]
+                 for s in piece.spans]
+        offset = piece.start
+        while views:
+            done = os.preadv(fd, views, offset)
+            if done == 0:
+                _ends_early(piece, offset)
+            offset += done
+            while views and done >= views[0].nbytes:
+                done -= views[0].nbytes
+                del views[0]
+            if done:
+                views[0] = views[0][done:]
+
+    def _read_direct(self, fd: int, buffer: torch.Tensor, piece: _Piece) -> None:
+        lo = piece.start - piece.start % _ALIGN
+        size = -(-(piece.end - lo) // _ALIGN) * _ALIGN
+        bounce = getattr(self._local, "bounce", None)
+        if bounce is None:
+            bounce = self._local.bounce = _aligned(_PIECE + 2 * _ALIGN, lambda n: torch.empty(n, dtype=torch.uint8))
+        memory = bounce.numpy().data
+        got = 0
+        while got < piece.end - lo:  # reads past the file's end come short: only the tensors' bytes must be there
+            done = os.preadv(fd, [memory[got:size]], lo + got)
+            if done == 0:
+                _ends_early(piece, lo + got)
+            got += done
+        for s in piece.spans:  # trimmed to the tensors' bytes
+            first, last = max(piece.start, s.start), min(piece.end, s.end)
+            buffer[s.offset + first - s.start : s.offset + last - s.start].copy_(bounce[first - lo : last - lo])
+
+
+def _ends_early(piece: _Piece, at: int) -> None:
+    raise CheckpointError(
+        f"{piece.path}: ends at byte {at}, before the weights it held at bytes {piece.start}-{piece.end} "
+        "(was it truncated or rewritten after the offload opened it?); save the checkpoint again and offload from it"
+    )

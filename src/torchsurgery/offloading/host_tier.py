@@ -1,0 +1,142 @@
+"""The host tier: how many bytes of a checkpoint's weights stay in host memory, and which.
+
+Weights streamed from a checkpoint file (``offload(storage=...)``) sit in one of three
+tiers: *device* (resident), *host* (read from the file once, then kept in host memory,
+pinned where a device copies from them) or *disk* (read from the file on every forward).
+A :class:`HostAccount` holds the host budget; one account can serve several offloads (a
+:class:`~torchsurgery.DevicePool`'s models share one). Without a ``host_budget``, the budget
+is the memory the system reports available (``MemAvailable``) minus a margin, never more.
+
+The host tier takes the streamed groups in the order they are read, first first, while
+they fit: a group read early in a forward is the one whose read nothing earlier could hide.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from torchsurgery._validate import check_bytes
+
+__all__ = ["HostAccount", "available_memory", "default_host_budget", "assign_tiers", "MARGIN"]
+
+_WHAT = "torchsurgery.offload"
+
+MARGIN = 2 << 30
+"""Bytes of available memory the default host budget leaves to everything else."""
+
+
+def available_memory() -> int:
+    """Host memory the system reports available now (``MemAvailable``; else free pages), in bytes.
+
+    Example:
+        >>> available_memory() > 0
+        True
+    """
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_host_budget() -> int:
+    """The host budget when none is given: available memory minus :data:`MARGIN`, at least 0.
+
+    Example:
+        >>> default_host_budget() <= available_memory()
+        True
+    """
+    return max(0, available_memory() - MARGIN)
+
+
+class HostAccount:
+    """A host budget, and the bytes each offload holds of it now (thread-safe).
+
+    Args:
+        budget: host bytes the kept weights may take together (``None``: :func:`default_host_budget`).
+
+    Example:
+        >>> account = HostAccount(100)
+        >>> account.reserve("a", 60), account.reserve("b", 60), account.free_bytes()
+        (True, False, 40)
+        >>> account.release("a"); account.free_bytes()
+        100
+    """
+
+    def __init__(self, budget: int | None = None) -> None:
+        checked = check_bytes(budget, _WHAT, "host_budget")
+        self.budget = default_host_budget() if checked is None else checked
+        self._held: dict[Any, int] = {}
+        self._lock = threading.Lock()
+
+    def free_bytes(self) -> int:
+        """Bytes of the budget nobody holds."""
+        with self._lock:
+            return self.budget - sum(self._held.values())
+
+    def held(self, owner: Any) -> int:
+        """Bytes ``owner`` holds."""
+        with self._lock:
+            return self._held.get(owner, 0)
+
+    def reserve(self, owner: Any, nbytes: int) -> bool:
+        """Take ``nbytes`` more for ``owner`` if they fit in the budget; whether they did."""
+        with self._lock:
+            if sum(self._held.values()) + nbytes > self.budget:
+                return False
+            self._held[owner] = self._held.get(owner, 0) + nbytes
+            return True
+
+    def give(self, owner: Any, nbytes: int) -> None:
+        """Give back ``nbytes`` of what ``owner`` holds."""
+        with self._lock:
+            left = self._held.get(owner, 0) - nbytes
+            if left > 0:
+                self._held[owner] = left
+            else:
+                self._held.pop(owner, None)
+
+    def release(self, owner: Any) -> None:
+        """Give back all ``owner`` holds."""
+        with self._lock:
+            self._held.pop(owner, None)
+
+
+def host_budget_of(value: int | HostAccount | None) -> int:
+    """The host bytes an offload may keep: ``value``'s free part for an account, else ``value``
+    checked (``None``: :func:`default_host_budget`)."""
+    if isinstance(value, HostAccount):
+        return value.free_bytes()
+    checked = check_bytes(value, _WHAT, "host_budget")
+    return default_host_budget() if checked is None else checked
+
+
+def assign_tiers(groups: Sequence[Any], host_budget: int | HostAccount | None, from_file: bool) -> int:
+    """Set each group's ``tier``: ``"device"`` (resident), ``"host"`` or ``"disk"``.
+
+    Groups held in memory stream from the host. Of those streamed from a checkpoint file, the
+    first ones in model order (the order a forward reads them in, until one has run) stay in
+    host memory while their bytes fit ``host_budget``; the rest are read on every forward.
+
+    Returns:
+        The host budget (checked; the free part of an account).
+    """
+    budget = host_budget_of(host_budget)
+    room = budget if from_file else 0
+    for g in groups:
+        if g.resident:
+            g.tier = "device"
+        elif not from_file:
+            g.tier = "host"
+        elif g.nbytes <= room:
+            g.tier = "host"
+            room -= g.nbytes
+        else:
+            g.tier = "disk"
+    return budget

@@ -1,0 +1,169 @@
+"""The host tier of weights streamed from a checkpoint: ``offload(storage=..., host_budget=...)``.
+
+The host keeps the groups read first within the budget and reads the others from the file on
+every forward; outputs equal the plain model's bit for bit, on the CPU and on the test device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tardy
+import torchsurgery
+from torchsurgery.offloading import host_tier
+
+WIDTHS = [8, 16, 32, 8, 16, 24]
+X = torch.linspace(-1, 1, 3 * 16).reshape(3, 16)
+
+
+class Blocks(nn.Module):
+    def __init__(self, widths: list[int], d: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, w), nn.GELU(), nn.Linear(w, d)) for w in widths)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def block_bytes(w: int, d: int = 16) -> int:
+    return (d * w + w + w * d + d) * 4
+
+
+def saved(tmp_path: Path, widths: list[int] = WIDTHS) -> tuple[Blocks, Path]:
+    from safetensors.torch import save_file
+
+    reference = Blocks(widths)
+    path = tmp_path / "blocks.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, path)
+    return reference, path
+
+
+def skeleton(widths: list[int] = WIDTHS) -> Blocks:
+    with torchsurgery.skeleton():
+        return Blocks(widths)
+
+
+def streamed(device: torch.device, reference: nn.Module) -> dict[str, Any]:
+    """``offload`` arguments under which no group is resident on ``device``."""
+    if device.type == "cpu":
+        return {}
+    with pytest.raises(torchsurgery.BudgetError) as refused:
+        torchsurgery.plan_offload(reference, device, budget=1, prefetch=1)
+    return {"budget": refused.value.needed}
+
+
+@pytest.fixture(params=["cpu", "tardy"])
+def device(request: pytest.FixtureRequest, accelerator: torch.device) -> torch.device:
+    if request.param == "cpu":
+        return torch.device("cpu")
+    if accelerator.type != tardy.NAME:
+        pytest.skip("runs on the tardy test device only")
+    return accelerator
+
+
+def test_the_host_keeps_the_groups_read_first_within_its_budget_and_reads_the_rest_every_forward(
+    device: torch.device, tmp_path: Path
+) -> None:
+    reference, path = saved(tmp_path)
+    model = skeleton()
+    # the first two blocks fit, the third does not; the fourth (as small as the first) does
+    budget = 2 * block_bytes(8) + block_bytes(16)
+    delays = tardy.settings(delay=(0.0, 0.002), seed=5) if device.type != "cpu" else contextlib.nullcontext()
+    with delays, torch.no_grad():
+        handle = torchsurgery.offload(model, device, storage=path, host_budget=budget, **streamed(device, reference))
+        assert [g.tier for g in handle.plan.groups] == ["host", "host", "disk", "host", "disk", "disk"]
+        expected = reference.to(device)(X.to(device))
+        reads = []
+        for _ in range(3):
+            torch.testing.assert_close(model(X.to(device)), expected, rtol=0, atol=0)
+            reads.append(handle.stats().storage_bytes_read)
+        stats = handle.stats()
+        handle.remove()
+    disk = block_bytes(32) + block_bytes(16) + block_bytes(24)
+    assert reads == [sum(block_bytes(w) for w in WIDTHS), disk, disk]
+    assert stats.peak_host_bytes == budget
+    assert all(p.is_meta for p in model.parameters())  # back to the skeleton it was
+
+
+def test_the_plan_shows_each_group_tier(tmp_path: Path) -> None:
+    reference, path = saved(tmp_path, [8, 8])
+    plan = torchsurgery.plan_offload(skeleton([8, 8]), storage=path, host_budget=block_bytes(8))
+    lines = str(plan).splitlines()
+    assert "host budget" in lines[0]
+    assert lines[1].split()[:2] == ["group", "tier"]
+    assert [line.split()[1] for line in lines[2:]] == ["host"] * 4 + ["disk"] * 4
+
+
+def test_without_a_host_budget_the_host_keeps_what_is_available_minus_a_margin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference, path = saved(tmp_path)
+    monkeypatch.setattr(host_tier, "available_memory", lambda: host_tier.MARGIN + block_bytes(8) + block_bytes(16))
+    plan = torchsurgery.plan_offload(skeleton(), storage=path)
+    assert plan.host_budget == block_bytes(8) + block_bytes(16)
+    assert [g.tier for g in plan.groups] == ["host", "host", "disk", "disk", "disk", "disk"]
+    monkeypatch.setattr(host_tier, "available_memory", lambda: host_tier.MARGIN // 2)  # never more than available
+    assert [g.tier for g in torchsurgery.plan_offload(skeleton(), storage=path).groups] == ["disk"] * 6
+
+
+def test_a_host_budget_that_is_no_byte_count_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    reference, path = saved(tmp_path)
+    model = skeleton()
+    with pytest.raises(ValueError, match="host_budget"):
+        torchsurgery.offload(model, storage=path, host_budget=-1)
+    assert not torchsurgery.surgery_log(model)
+
+
+def host_bytes(handle: torchsurgery.OffloadHandle) -> int:
+    return sum(g.nbytes for g in handle.plan.groups if g.tier == "host")
+
+
+def test_models_offloaded_with_one_host_account_share_its_budget(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (ref_a, path_a), (ref_b, path_b) = saved(tmp_path / "a"), saved(tmp_path / "b")
+    account = host_tier.HostAccount(2 * block_bytes(8) + block_bytes(16))
+    a, b = skeleton(), skeleton()
+    handle_a = torchsurgery.offload(a, storage=path_a, host_budget=account)
+    handle_b = torchsurgery.offload(b, storage=path_b, host_budget=account)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(a(X), ref_a(X), rtol=0, atol=0)
+            torch.testing.assert_close(b(X), ref_b(X), rtol=0, atol=0)
+    assert [g.tier for g in handle_a.plan.groups] == ["host", "host", "disk", "host", "disk", "disk"]
+    assert [g.tier for g in handle_b.plan.groups] == ["disk"] * 6  # a holds the whole budget
+    assert handle_a.stats().peak_host_bytes + handle_b.stats().peak_host_bytes <= account.budget
+    assert handle_b.stats().storage_bytes_read == sum(block_bytes(w) for w in WIDTHS)
+    handle_a.remove()
+    assert account.free_bytes() == account.budget  # removing the offload frees its host bytes
+    handle_b.remove()
+
+
+def test_a_pool_gives_its_host_budget_to_the_model_it_loads(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (ref_a, path_a), (ref_b, path_b) = saved(tmp_path / "a"), saved(tmp_path / "b")
+    host = 2 * block_bytes(8) + block_bytes(16)
+    # room on the device (here host memory too) for one model at a time, streamed
+    pool = torchsurgery.DevicePool("cpu", budget=2 * block_bytes(32), host_budget=host)
+    a = pool.add(skeleton(), name="a", storage=path_a)
+    b = pool.add(skeleton(), name="b", storage=path_b)
+    for model, reference in [(a, ref_a), (b, ref_b), (a, ref_a)]:  # each load pushes the other back
+        handle = pool.load(model)
+        with torch.no_grad():
+            for _ in range(2):
+                torch.testing.assert_close(model(X), reference(X), rtol=0, atol=0)
+        kept = host_bytes(handle)
+        assert 2 * kept > host  # only one model's host tier fits: the other's was given back
+        assert handle.stats().peak_host_bytes == kept == pool.host.held(handle._streaming.reader)
+    pool.close()
+    assert pool.host.free_bytes() == host
+    assert all(p.is_meta for p in list(a.parameters()) + list(b.parameters()))
