@@ -45,6 +45,7 @@ from torchsurgery.offloading import (
     ParamPlan,
     PoolStats,
     Residency,
+    from_pretrained,
     offload,
     plan_offload,
 )
@@ -92,6 +93,7 @@ __all__ = [
     "DynamicSwapInstaller",
     "offload",
     "plan_offload",
+    "from_pretrained",
     "OffloadPlan",
     "GroupPlan",
     "ParamPlan",

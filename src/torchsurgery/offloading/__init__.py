@@ -9,11 +9,13 @@ from torchsurgery.offloading.dynamic_swap import DynamicSwapInstaller
 from torchsurgery.offloading.engine import DEFAULT_SKIP, OffloadHandle, OffloadStats, offload
 from torchsurgery.offloading.plan import GroupPlan, OffloadPlan, ParamPlan, Residency, plan_offload
 from torchsurgery.offloading.pool import DevicePool, PoolStats
+from torchsurgery.offloading.pretrained import from_pretrained
 
 __all__ = [
     "DynamicSwapInstaller",
     "offload",
     "plan_offload",
+    "from_pretrained",
     "OffloadPlan",
     "GroupPlan",
     "ParamPlan",

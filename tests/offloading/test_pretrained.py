@@ -1,0 +1,161 @@
+"""``torchsurgery.from_pretrained``: a model built from its folder's config and streamed from the folder's files.
+
+The reference is the model the library's own ``from_pretrained`` loads from the same folder.
+Its parameters are views of the file's memory map, at addresses a kernel may take another
+path for (a conv's last bit differs); they are copied into memory of their own first, as
+the offload's ring holds them, so that outputs compare bit for bit.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+from torch import nn
+
+import torchsurgery
+from torchsurgery import _undo
+
+LLAMA = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2)
+UNET = dict(sample_size=8, in_channels=3, out_channels=3, block_out_channels=(8, 16), layers_per_block=1,
+            norm_num_groups=4, down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+            up_block_types=("AttnUpBlock2D", "UpBlock2D"), attention_head_dim=8)
+TOKENS = torch.tensor([[1, 5, 9, 33, 2, 63, 17]])
+
+
+def _own_memory(model: nn.Module) -> nn.Module:
+    """``model`` with each parameter in memory of its own (not a view of a file's map)."""
+    for p in model.parameters():
+        p.data = p.data.clone()
+    return model.eval()
+
+
+def _handle(model: nn.Module) -> Any:
+    (record,) = [r for r in _undo.records(model) if r.kind == "offload"]
+    return record.handle
+
+
+def _save_llama(folder: Path, tied: bool) -> Path:
+    """A bf16 Llama saved by ``save_pretrained`` in shards of about 20 KB, with its generation config."""
+    config = transformers.LlamaConfig(**LLAMA, tie_word_embeddings=tied)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder, max_shard_size="20KB")
+    assert len(list(folder.glob("model-*.safetensors"))) > 3 and (folder / "model.safetensors.index.json").is_file()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    return _save_llama(tmp_path_factory.mktemp("llama"), tied=True)
+
+
+@pytest.mark.parametrize(("tied", "dtype"), [(True, None), (False, torch.float32)], ids=["tied-file-dtype", "untied-float32"])
+def test_llama_folder_gives_the_library_s_outputs(
+    llama_folder: Path, tmp_path: Path, tied: bool, dtype: torch.dtype | None
+) -> None:
+    if not tied:
+        llama_folder = _save_llama(tmp_path, tied=False)
+    options = {} if dtype is None else {"dtype": dtype}
+    expected = _own_memory(transformers.LlamaForCausalLM.from_pretrained(llama_folder, **options))
+    model = torchsurgery.from_pretrained(transformers.LlamaForCausalLM, llama_folder, dtype=dtype)
+    assert not model.training and model.dtype == expected.dtype
+    # buffers the checkpoint leaves out (rotary tables) as the library computes them
+    buffers = dict(expected.named_buffers())
+    assert {n: (b.dtype, b.shape) for n, b in model.named_buffers()} == {n: (b.dtype, b.shape) for n, b in buffers.items()}
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS).logits, expected(TOKENS).logits)
+    assert all(p.is_meta for p in model.parameters())  # never materialised: read from the files as it runs
+    assert model.config.tie_word_embeddings == (model.lm_head.weight is model.model.embed_tokens.weight)
+    assert model.generation_config.to_dict() == expected.generation_config.to_dict()
+    generated = model.generate(TOKENS, max_new_tokens=6, do_sample=False)
+    assert torch.equal(generated, expected.generate(TOKENS, max_new_tokens=6, do_sample=False))
+    assert torchsurgery.restore(model) is model  # the offload is in the undo log: the skeleton comes back
+    assert torchsurgery.surgery_log(model) == [] and all(p.is_meta for p in model.parameters())
+
+
+def test_config_overrides_and_a_budget(llama_folder: Path) -> None:
+    expected = _own_memory(transformers.LlamaForCausalLM.from_pretrained(llama_folder, num_hidden_layers=2))
+    budget = 30_000  # a few groups resident (read from the files once), the others streamed
+    model = torchsurgery.from_pretrained(transformers.LlamaForCausalLM, llama_folder, num_hidden_layers=2, budget=budget)
+    assert len(model.model.layers) == 2
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS).logits, expected(TOKENS).logits)
+    stats = _handle(model).stats()
+    assert stats.resident_groups and stats.streamed_groups and 0 < stats.resident_bytes <= budget
+
+
+def test_unet_in_a_diffusers_subfolder(tmp_path: Path) -> None:
+    diffusers.UNet2DModel(**UNET).to(torch.bfloat16).save_pretrained(tmp_path / "unet", max_shard_size="20KB")
+    assert (tmp_path / "unet" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    expected = _own_memory(diffusers.UNet2DModel.from_pretrained(tmp_path, subfolder="unet"))
+    model = torchsurgery.from_pretrained(diffusers.UNet2DModel, tmp_path, subfolder="unet")
+    sample = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(model(sample, 3).sample, expected(sample, 3).sample)
+    assert model.dtype == expected.dtype == torch.float32 and all(p.is_meta for p in model.parameters())
+    torchsurgery.restore(model)
+    assert torchsurgery.surgery_log(model) == []
+
+
+def test_a_comfyui_fp8_scaled_folder(tmp_path: Path) -> None:
+    """A folder whose model.safetensors is in ComfyUI's "fp8 scaled" layout streams the values it stands for."""
+    config = transformers.LlamaConfig(**LLAMA, tie_word_embeddings=False)
+    plain = transformers.LlamaForCausalLM(config).eval()
+    config.save_pretrained(tmp_path)
+    state, values = {}, {}
+    for key, value in plain.state_dict().items():
+        if key.endswith("proj.weight"):
+            scale = value.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
+            state[key], state[key.replace("weight", "scale_weight")] = (value / scale).to(torch.float8_e4m3fn), scale
+            values[key] = state[key].float() * scale
+        else:
+            state[key] = values[key] = value
+    save_file({**state, "scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}, tmp_path / "model.safetensors")
+    plain.load_state_dict(values)
+    model = torchsurgery.from_pretrained(transformers.LlamaForCausalLM, tmp_path, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS).logits, plain(TOKENS).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_is_refused_clearly(llama_folder: Path, tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="cls must be a transformers PreTrainedModel or a diffusers ModelMixin"):
+        torchsurgery.from_pretrained(nn.Linear, llama_folder)  # type: ignore[type-var]
+    with pytest.raises(FileNotFoundError, match="is not a directory.*snapshot_download"):
+        torchsurgery.from_pretrained(transformers.LlamaForCausalLM, tmp_path / "meta-llama/Llama-3-8B")
+    transformers.LlamaConfig(**LLAMA).save_pretrained(tmp_path)
+    torch.save({}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"holds only \['pytorch_model.bin'\].*safe_serialization=True"):
+        torchsurgery.from_pretrained(transformers.LlamaForCausalLM, tmp_path)
+    with pytest.raises(ValueError, match=r"kwargs names no setting of the config.*\['num_hiden_layers'\]"):
+        torchsurgery.from_pretrained(transformers.LlamaForCausalLM, llama_folder, num_hiden_layers=2)
+
+
+_HOST_TIER = "host_budget" in inspect.signature(torchsurgery.offload).parameters
+
+
+@pytest.mark.skipif(_HOST_TIER, reason="offload takes host_budget: the refusal is gone")
+def test_host_budget_is_refused_while_offload_has_no_host_tier(llama_folder: Path) -> None:
+    with pytest.raises(ValueError, match="host_budget .*not taken by this version's torchsurgery.offload"):
+        torchsurgery.from_pretrained(transformers.LlamaForCausalLM, llama_folder, host_budget=1 << 20)
+
+
+@pytest.mark.skipif(not _HOST_TIER, reason="offload has no host_budget parameter yet")
+def test_host_budget_reaches_offload(llama_folder: Path) -> None:
+    expected = _own_memory(transformers.LlamaForCausalLM.from_pretrained(llama_folder))
+    model = torchsurgery.from_pretrained(transformers.LlamaForCausalLM, llama_folder, host_budget=1 << 20)
+    assert _handle(model)._options["host_budget"] == 1 << 20
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS).logits, expected(TOKENS).logits)
