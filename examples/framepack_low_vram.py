@@ -38,6 +38,7 @@ import torch
 import transformers
 from torch import nn
 
+import torchsurgery
 import torchsurgery.compat.framepack as framepack
 
 SIZES: dict[str, dict[str, int]] = {
@@ -180,6 +181,33 @@ def load_models(folder: str | os.PathLike[str]) -> Models:
     return _as_the_app_sets_up(Models(text_encoder, text_encoder_2, transformer, vae, image_encoder))
 
 
+def stream_models(folder: str | os.PathLike[str], host_share: float = 0.4) -> Models:
+    """:func:`load_models` with its ``from_pretrained`` lines changed as a script changes them:
+    every model streamed from its files, never whole in host memory, keeping at most
+    ``host_share`` of its checkpoint's bytes there."""
+
+    def repo(name: str) -> str:
+        return os.path.join(folder, CHECKPOINTS[name][0])
+
+    def cap(name: str) -> int:
+        return int(host_share * checkpoint_bytes(folder, name))
+
+    fp16, bf16 = torch.float16, torch.bfloat16
+    text_encoder = torchsurgery.from_pretrained(transformers.LlamaModel, repo("text_encoder"), subfolder="text_encoder", dtype=fp16, host_budget=cap("text_encoder"))
+    text_encoder_2 = torchsurgery.from_pretrained(transformers.CLIPTextModel, repo("text_encoder_2"), subfolder="text_encoder_2", dtype=fp16, host_budget=cap("text_encoder_2"))
+    vae = torchsurgery.from_pretrained(diffusers.AutoencoderKLHunyuanVideo, repo("vae"), subfolder="vae", dtype=fp16, host_budget=cap("vae"))
+    image_encoder = torchsurgery.from_pretrained(transformers.SiglipVisionModel, repo("image_encoder"), subfolder="image_encoder", dtype=fp16, host_budget=cap("image_encoder"))
+    transformer = torchsurgery.from_pretrained(FramePackTransformer, repo("transformer"), dtype=bf16, host_budget=cap("transformer"))
+    return _as_the_app_sets_up(Models(text_encoder, text_encoder_2, transformer, vae, image_encoder))
+
+
+def checkpoint_bytes(folder: str | os.PathLike[str], name: str) -> int:
+    """Bytes of the safetensors shards of model ``name`` under ``folder``."""
+    repo, subfolder = CHECKPOINTS[name]
+    path = os.path.join(folder, repo, subfolder or "")
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
 def _as_the_app_sets_up(models: Models) -> Models:
     """What the app does to its models once loaded: eval mode, no gradients, the fp32 output switch on."""
     for model in vars(models).values():
@@ -202,6 +230,21 @@ def plain_moves() -> Any:
         load_model_as_complete=to, move_model_to_device_with_memory_preservation=to,
         offload_model_from_device_for_memory_preservation=lambda model, *_, **__: model.to("cpu"),
         fake_diffusers_current_device=to, unload_complete_models=unload,
+    )
+
+
+def pool_moves(pool: torchsurgery.DevicePool) -> Any:
+    """The app's memory functions as a ComfyUI-style pool does them: each model loaded into
+    ``pool`` before use (the least recently used pushed back as far as needed), nothing unloaded
+    by hand."""
+
+    def load(model: nn.Module, *_: Any, **__: Any) -> None:
+        pool.load(model)
+
+    return types.SimpleNamespace(
+        load_model_as_complete=load, move_model_to_device_with_memory_preservation=load,
+        offload_model_from_device_for_memory_preservation=lambda *_, **__: None,
+        fake_diffusers_current_device=load, unload_complete_models=lambda *_: None,
     )
 
 

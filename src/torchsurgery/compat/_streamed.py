@@ -40,7 +40,7 @@ from torchsurgery.offloading.plan import sizes
 __all__ = ["Base", "streamed", "on_host", "take_off", "put_back", "DynamicSwapInstaller"]
 
 # what a pool's add() takes of an offload's options (the rest: the pool's own)
-_POOL_OPTIONS = ("dtype", "groups", "skip", "prefetch", "pin_memory", "storage")
+_POOL_OPTIONS = ("dtype", "groups", "skip", "prefetch", "pin_memory", "storage", "host_budget")
 
 
 @dataclass
@@ -95,7 +95,11 @@ def take_off(model: nn.Module) -> dict[str, Any]:
         _off[model] = Base(handle.device, dict(handle._options), dict(handle.converted))
         handle.remove()
     base = _off.get(model)
-    return {} if base is None else {k: base.options[k] for k in _POOL_OPTIONS if k in base.options}
+    if base is None:
+        return {}
+    # its own host budget goes with it (none given: its share of the pool's)
+    options = {k: base.options[k] for k in _POOL_OPTIONS if k in base.options}
+    return {k: v for k, v in options.items() if k != "host_budget" or v is not None}
 
 
 def put_back(model: nn.Module) -> None:

@@ -196,6 +196,7 @@ class DevicePool:
         prefetch: int = 1,
         pin_memory: bool | None = None,
         storage: str | os.PathLike[str] | None = None,
+        host_budget: int | HostAccount | None = None,
     ) -> nn.Module:
         """Put ``model`` in the pool, on the host until :meth:`load` asks for it.
 
@@ -211,6 +212,9 @@ class DevicePool:
             pin_memory: pin streamed host storage (default: on an accelerator).
             storage: a safetensors checkpoint of the model's weights (a :func:`~torchsurgery.skeleton`
                 can be added): streamed from it when loaded, within the pool's ``host_budget``.
+            host_budget: with ``storage``: this model's own host budget (bytes, or a
+                :class:`~torchsurgery.offloading.host_tier.HostAccount` it shares), in place of
+                its share of the pool's.
 
         Returns:
             ``model``.
@@ -229,7 +233,7 @@ class DevicePool:
             raise ValueError(f"{_WHAT}.add: prefetch must be an int >= 0, got {prefetch!r}")
         options = {"dtype": dtype, "storage_dtype": storage_dtype, "groups": groups, "skip": skip,
                    "prefetch": prefetch, "pin_memory": pin_memory, "master_dtype": None, "storage": storage,
-                   "host_budget": self.host}
+                   "host_budget": self.host if host_budget is None else _host_account(host_budget)}
         member = Member(model, name, options, self._device, _WHAT)
         _check_budget(self.budget, member)
         self._members.join(model, member)
@@ -539,6 +543,13 @@ def _check_addable(pool: DevicePool, model: nn.Module, dtype: Any, storage_dtype
     problem = already_offloaded(model)
     if problem:
         raise RuntimeError(f"{what}: cannot pool the model: {problem}")
+
+
+def _host_account(host_budget: int | HostAccount) -> HostAccount:
+    """A model's own host budget as an account (refused if not a byte count)."""
+    if isinstance(host_budget, HostAccount):
+        return host_budget
+    return HostAccount(check_bytes(host_budget, f"{_WHAT}.add", "host_budget"))
 
 
 def _check_budget(budget: int | None, member: Member) -> None:
