@@ -147,10 +147,15 @@ def test_the_job_streamed_from_files_on_the_accelerator_equals_the_app_s_loading
         # low VRAM: the transformer (270 kB in bf16) moved in until about 150 kB are taken, and
         # taken back until about 60 kB are
         preserved = (free - 150_000 / gib, free - 60_000 / gib) if low_vram else (0.0, 0.0)
-        want, want_lines = _job(app.load_models(folder), accelerator, low_vram, preserved, capsys)
+        plain = app.load_models(folder)
+        want, want_lines = _job(plain, accelerator, low_vram, preserved, capsys)
         models = app.stream_models(folder, SHARE)
         watch = _Watch(models)
         got, lines = _job(models, accelerator, low_vram, preserved, capsys)
+    # unloaded by the app, a streamed model is back on the host: it runs there as the app's does
+    ids = torch.arange(12).reshape(1, 12)
+    with torch.inference_mode():
+        assert torch.equal(models.text_encoder_2(ids).pooler_output, plain.text_encoder_2(ids).pooler_output)
     exact = on_tardy
     if exact:
         _assert_equal(got, want)
