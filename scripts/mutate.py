@@ -925,6 +925,14 @@ MUTATIONS = [
     ),
     # models streamed from their checkpoint files in the FramePack functions
     Mutation(
+        "framepack files: a streamed model with no room on the device goes on computing on the host",
+        "src/torchsurgery/compat/framepack.py",
+        "            _to_host(model)  # not even one module fits: it computes on the host, from its files\n",
+        "            pass\n",
+        ("tests/compat/test_framepack_streamed.py::"
+         "test_a_streamed_model_moved_partly_keeps_its_own_host_budget_and_with_no_room_stays_on_the_host",),
+    ),
+    Mutation(
         'framepack files: a streamed model taken out of the shared pool gets its base back (it runs on the host from its files)',
         'src/torchsurgery/compat/framepack.py',
         '        _streamed.put_back(model)  # streamed from its files: back to computing on the host from them\n',
@@ -978,21 +986,21 @@ MUTATIONS = [
         'src/torchsurgery/compat/_streamed.py',
         '        _replace_base(model, Base(host.device, host.options, _off[model].converted))\n',
         '        pass\n',
-        ('tests/compat/test_framepack_streamed.py::test_a_streamed_model_moved_and_dropped_is_freed', 'tests/compat/test_framepack_streamed.py::test_the_job_streamed_from_files_on_the_accelerator_equals_the_app_s_loading[low-vram]'),
+        ('tests/compat/test_framepack_streamed.py::test_the_job_streamed_from_files_on_the_accelerator_equals_the_app_s_loading[low-vram]',),
     ),
     Mutation(
         'framepack files: a streamed model keeps its own host budget in the shared pool',
         'src/torchsurgery/compat/_streamed.py',
         '"storage", "host_budget")',
         '"storage")',
-        ('tests/compat/test_framepack_streamed.py::test_the_job_streamed_from_files_on_the_accelerator_equals_the_app_s_loading[low-vram]',),
+        ('tests/compat/test_framepack_streamed.py::test_a_streamed_model_moved_partly_keeps_its_own_host_budget_and_with_no_room_stays_on_the_host',),
     ),
     Mutation(
         'framepack files: DevicePool.add(host_budget=) gives a model its own host budget',
         'src/torchsurgery/offloading/pool.py',
         '"host_budget": self.host if host_budget is None else _host_account(host_budget)}',
         '"host_budget": self.host}',
-        ('tests/compat/test_framepack_streamed.py::test_the_job_streamed_from_files_on_the_accelerator_equals_the_app_s_loading[low-vram]',),
+        ('tests/compat/test_framepack_streamed.py::test_a_streamed_model_moved_partly_keeps_its_own_host_budget_and_with_no_room_stays_on_the_host',),
     ),
     Mutation(
         'framepack files: a model streamed from a file takes .to(dtype)',

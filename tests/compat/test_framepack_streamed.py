@@ -156,6 +156,12 @@ def test_the_job_streamed_from_files_on_the_accelerator_equals_the_app_s_loading
     ids = torch.arange(12).reshape(1, 12)
     with torch.inference_mode():
         assert torch.equal(models.text_encoder_2(ids).pooler_output, plain.text_encoder_2(ids).pooler_output)
+    # uninstalled, the Llama encoder computes on the host again, from its files
+    for text in (models.text_encoder, plain.text_encoder):
+        framepack.DynamicSwapInstaller.uninstall_model(text)
+    assert _handle(models.text_encoder).device.type == "cpu"
+    with torch.inference_mode():
+        assert torch.equal(models.text_encoder(ids).last_hidden_state, plain.text_encoder(ids).last_hidden_state)
     exact = on_tardy
     if exact:
         _assert_equal(got, want)
@@ -209,3 +215,31 @@ def test_a_streamed_model_moved_and_dropped_is_freed(folder: Path) -> None:
     framepack.unload_complete_models()
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.accelerator
+def test_a_streamed_model_moved_partly_keeps_its_own_host_budget_and_with_no_room_stays_on_the_host(folder: Path, accelerator: torch.device) -> None:
+    """Moved in partly, the model streams the rest from its files within the host budget it was
+    loaded with, not the shared pool's (which is the host's available memory)."""
+    share = 0.1
+    want = app.load_models(folder).image_encoder
+    model = app.stream_models(folder, share).image_encoder
+    pixels = torch.rand(1, 3, 64, 64, dtype=torch.float16) * 2 - 1
+    gc.collect()
+    with tardy.settings(capacity=8 << 20) if accelerator.type == tardy.NAME else contextlib.nullcontext():
+        free = reference.get_cuda_free_memory_gb(accelerator)
+        # no room for even one module: it stays on the host, computing there from its files
+        framepack.move_model_to_device_with_memory_preservation(model, accelerator, free - 1_000 / (1 << 30))
+        with torch.inference_mode():
+            assert torch.equal(model(pixel_values=pixels).last_hidden_state, want(pixel_values=pixels).last_hidden_state)
+        framepack.move_model_to_device_with_memory_preservation(model, accelerator, free - 30_000 / (1 << 30))
+        with torch.inference_mode():
+            for _ in range(2):
+                got = model(pixel_values=pixels.to(accelerator)).last_hidden_state
+        stats = _handle(model).stats()
+        framepack.unload_complete_models(model)
+        with torch.inference_mode():
+            expected = want.to(accelerator)(pixel_values=pixels.to(accelerator)).last_hidden_state
+    assert torch.equal(got.cpu(), expected.cpu()) if accelerator.type == tardy.NAME else torch.allclose(got.cpu(), expected.cpu(), atol=1e-3)
+    assert len(stats.streamed_groups) > 0  # partly on the device
+    assert stats.peak_host_bytes <= share * app.checkpoint_bytes(folder, "image_encoder")

@@ -40,6 +40,20 @@ default CPU pool moves nothing (its weights are already there, in their dtype); 
 of your own with a budget and a storage dtype converts them, as on a GPU. A script
 runs unchanged and gives the results of plain ``.to()`` moves.
 
+Models streamed from their checkpoint files work the same, their weights never in host
+memory: a script that loads them with ``torchsurgery.from_pretrained`` changes, besides the
+import, only its ``from_pretrained`` lines::
+
+    text_encoder = LlamaModel.from_pretrained(repo, subfolder="text_encoder", torch_dtype=torch.float16)
+    # becomes
+    text_encoder = torchsurgery.from_pretrained(LlamaModel, repo, subfolder="text_encoder",
+                                                dtype=torch.float16, host_budget=4 << 30)
+
+Such a model joins a device's pool streaming from its files, within its own host budget,
+and goes back to computing on the host from them when pushed back; the installer makes it
+compute on its device with every weight read from the files at use (see
+``torchsurgery/compat/_streamed.py``).
+
 The functions print the app's lines at the same points (``Moving UNet to cuda:0 with
 preserved memory: 6 GB``, ``Offloading ... from ... to preserve memory: ... GB``,
 ``Loaded ... to ... as complete.``, ``Unloaded ... as complete.``), so a script's log reads
@@ -229,7 +243,8 @@ def move_model_to_device_with_memory_preservation(
         # weight while memory allows (the rest streamed leaf by leaf)
         pool.discard(model)
         pool.add(model, **{**_streamed.take_off(model), "groups": "leaves", "prefetch": 0})
-        pool.try_load(model, keep_free=keep)  # not even one module fits: the model stays on the host
+        if pool.try_load(model, keep_free=keep) is None and _streamed.streamed(model):
+            _to_host(model)  # not even one module fits: it computes on the host, from its files
 
 
 def offload_model_from_device_for_memory_preservation(
