@@ -48,8 +48,6 @@ from torchsurgery._swap import swap_in
 from torchsurgery.compact import ReadContext, Scaled, Scratch
 from torchsurgery.offloading.attach import Attachments
 from torchsurgery.offloading.checkpoint_values import CheckpointValues
-from torchsurgery.offloading.file_reader import FileReader
-from torchsurgery.offloading.host_tier import HostAccount
 from torchsurgery.offloading.conversion import (
     check_convertible,
     convert_values,
@@ -57,6 +55,8 @@ from torchsurgery.offloading.conversion import (
     grown_budget,
     warn_if_unscaled,
 )
+from torchsurgery.offloading.file_reader import FileReader
+from torchsurgery.offloading.host_tier import HostAccount
 from torchsurgery.offloading.install import Installer
 from torchsurgery.offloading.measured_residency import MeasuredResidency
 from torchsurgery.offloading.originals import Originals
@@ -206,8 +206,9 @@ class OffloadHandle:
         account = shared if isinstance(shared, HostAccount) else HostAccount(plan.host_budget)
         host = {g.name for g in plan.groups if g.tier == "host"}
         packed = [p for p in streaming.packed.values() if p.from_file]
+        # a buffer more than the ring's slots: one group computes, one lands, one is read
         streaming.reader = FileReader(packed, host, account, plan.offload_device, streaming.order, self._stats,
-                                      plan.prefetch + 1)
+                                      plan.prefetch + 2)
         if streaming.ring is not None:
             streaming.ring.reader = streaming.reader
 

@@ -249,6 +249,10 @@ class FileReader:
         """The groups of the host tier (read once, then kept in host memory)."""
         return [n for n in self._names if n in self._keep]
 
+    def reading(self) -> list[str]:
+        """The groups whose reads were started ahead of use and not taken yet."""
+        return list(self._flight)
+
     def serves(self, group: Any) -> bool:
         """Whether ``group``'s reads go through this reader."""
         return not self.closed and group.name in self._groups

@@ -278,7 +278,7 @@ class OffloadPlan:
             f"{human_bytes(total, binary=True)} of weights as stored; budget {budget}, "
             f"prefetch {self.prefetch}, host memory {'pinned' if self.pin_memory else 'not pinned'}"
         )
-        rows = [("group", "parameter", "residency", "storage", "compute", "shadow", "file key")]
+        rows: list[tuple[str, ...]] = [("group", "parameter", "residency", "storage", "compute", "shadow", "file key")]
         for g in self.groups:
             for p in g.params:
                 shadow = dtype_name(p.shadow_dtype) if p.shadow_dtype is not None else "-"

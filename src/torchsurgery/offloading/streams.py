@@ -322,11 +322,12 @@ class Ring:
             return
         self.released[slot] = self.device.record(self.device.current_stream())
         self.in_use.discard(slot)
-        lent = self.lent[slot]
-        if lent is not None:  # the reader's buffer, back to it (the group is read again next time)
+        held, lent = self.holding[slot], self.lent[slot]
+        if held is not None and self.reader is not None and self.reader.serves(held):
+            self.holding[slot] = None  # read again (ahead) for its next run: the reader counts every read
+        if lent is not None:  # on a CPU: the reader's buffer, back to it
             self.reader.give_back(lent)
             self.lent[slot] = None
-            self.holding[slot] = None
 
 
 @dataclass(eq=False)

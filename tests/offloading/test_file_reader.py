@@ -1,0 +1,122 @@
+"""Reads of weights streamed from a checkpoint: threads, read-ahead across forwards, direct I/O, errors."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_host_tier import WIDTHS, X, block_bytes, saved, skeleton, streamed
+
+import tardy
+import torchsurgery
+from torchsurgery.offloading import file_reader
+
+
+def reader_of(handle: torchsurgery.OffloadHandle) -> file_reader.FileReader:
+    return handle._streaming.reader
+
+
+def _refuse(path: Any) -> int:
+    raise OSError(errno.EINVAL, "direct I/O refused")
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_direct_and_buffered_reads_give_the_file_bytes(direct: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reference, path = saved(tmp_path)
+    if direct:
+        try:
+            os.close(file_reader._open_direct(path))
+        except OSError:
+            pytest.skip("this filesystem refuses direct I/O")
+    else:
+        monkeypatch.setattr(file_reader, "_open_direct", _refuse)  # as tmpfs does
+    monkeypatch.setattr(file_reader, "_PIECE", 1000)  # reads split inside tensors, at unaligned offsets
+    model = skeleton()
+    with torch.no_grad():
+        handle = torchsurgery.offload(model, storage=path, host_budget=block_bytes(8))
+        for _ in range(2):
+            torch.testing.assert_close(model(X), reference(X), rtol=0, atol=0)
+        assert reader_of(handle).direct is direct  # (a direct read the filesystem refused falls back for good)
+    handle.remove()
+
+
+def test_read_ahead_across_forwards_is_exact_under_the_test_device_delays(on_tardy: torch.device, tmp_path: Path) -> None:
+    reference, path = saved(tmp_path)
+    model = skeleton()
+    expected = reference.to(on_tardy)(X.to(on_tardy))
+    with tardy.settings(delay=(0.0, 0.003), seed=11), torch.no_grad():
+        handle = torchsurgery.offload(model, on_tardy, storage=path, host_budget=0, **streamed(on_tardy, reference))
+        for _ in range(4):
+            torch.testing.assert_close(model(X.to(on_tardy)), expected, rtol=0, atol=0)
+            assert "blocks.0" in reader_of(handle).reading()  # the next forward's first group: read ahead already
+        assert handle.stats().storage_bytes_read == sum(block_bytes(w) for w in WIDTHS)
+        handle.remove()
+
+
+def test_remove_with_a_read_in_flight_waits_for_it_and_restores_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reference, path = saved(tmp_path)
+    model = skeleton()
+    entered, gate = threading.Event(), threading.Event()
+    plain = file_reader.FileReader._read_piece
+    calls = []
+
+    def blocking(self: file_reader.FileReader, name: str, *args: Any) -> None:
+        # the second read of the first group: the read ahead of the next forward's first group
+        calls.append(name)
+        if calls.count("blocks.0") == 2 and name == "blocks.0":
+            entered.set()
+            gate.wait()
+        plain(self, name, *args)
+
+    monkeypatch.setattr(file_reader.FileReader, "_read_piece", blocking)
+    with torch.no_grad():
+        handle = torchsurgery.offload(model, storage=path, host_budget=0)
+        torch.testing.assert_close(model(X), reference(X), rtol=0, atol=0)
+    assert entered.wait(60)
+    removing = threading.Thread(target=handle.remove)
+    removing.start()
+    gate.set()
+    removing.join()
+    assert not handle.active
+    assert all(p.is_meta for p in model.parameters())
+    assert not [t for t in threading.enumerate() if t.name.startswith("torchsurgery-read")]
+
+
+def test_a_failed_read_surfaces_in_the_forward_that_needs_it_naming_the_file(tmp_path: Path) -> None:
+    reference, path = saved(tmp_path)
+    model = skeleton()
+    whole = path.read_bytes()
+    with torch.no_grad():
+        handle = torchsurgery.offload(model, storage=path, host_budget=0)
+        model(X)
+        path.write_bytes(whole[: len(whole) // 2])  # truncated while streamed
+        with pytest.raises(torchsurgery.CheckpointError, match=str(path)):
+            model(X)
+        path.write_bytes(whole)  # put back: the next forward reads it again
+        torch.testing.assert_close(model(X), reference(X), rtol=0, atol=0)
+    handle.remove()
+
+
+def test_an_io_error_in_a_read_thread_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reference, path = saved(tmp_path)
+    model = skeleton()
+    plain = os.preadv
+
+    def failing(fd: int, views: Any, offset: int) -> int:
+        if threading.current_thread().name.startswith("torchsurgery-read"):
+            raise OSError(errno.EIO, "Input/output error")
+        return plain(fd, views, offset)
+
+    handle = torchsurgery.offload(model, storage=path, host_budget=0)
+    monkeypatch.setattr(os, "preadv", failing)
+    with torch.no_grad(), pytest.raises(OSError, match=f"reading group 'blocks.0' from {path}"):
+        model(X)
+    monkeypatch.setattr(os, "preadv", plain)
+    with torch.no_grad():
+        torch.testing.assert_close(model(X), reference(X), rtol=0, atol=0)
+    handle.remove()
