@@ -31,6 +31,7 @@ import os
 import struct
 import tempfile
 import threading
+import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ _IOV_MAX = 1024  # the most buffers one preadv call fills (Linux's limit)
 _PARALLEL_BYTES = 64 * 1024 * 1024  # smaller reads are not worth a thread
 # reading threads: half the cores, at most 4; on 2 cores a second thread made loads slower
 _THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+_clock = time.perf_counter  # times the reads (the tests give another clock)
 
 
 class CheckpointError(ValueError):
@@ -193,6 +195,45 @@ def _parse_header(path: Path, f: BinaryIO) -> dict[str, _Located]:
         if begin < end:
             raise CheckpointError(f"{path}: entries {first!r} and {second!r} overlap")
     return located
+
+
+@dataclass(frozen=True)
+class _Stamp:
+    """What identifies a file's contents cheaply: its size, modification time and inode."""
+
+    size: int
+    mtime_ns: int
+    device: int
+    inode: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> _Stamp:
+        return cls(st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino)
+
+
+def _changed(change: str) -> str:
+    """What to say of a file that changed since it was opened (``change``: how), with the fix."""
+    return (
+        f"changed since it was opened for reading: {change}. What is read from it no longer matches what was "
+        "checked when it was opened; open it again as it is now (for an offload: remove() it, then offload again "
+        "from the new file)"
+    )
+
+
+def _change(path: Path, opened: _Stamp, fd: int) -> str | None:
+    """How the file opened as ``fd`` (stamped ``opened``) or its ``path`` changed since; ``None``: unchanged."""
+    now = _Stamp.of(os.fstat(fd))
+    if now.size != opened.size:
+        return f"its size went from {opened.size} to {now.size} bytes (truncated or rewritten in place)"
+    if now.mtime_ns != opened.mtime_ns:
+        return "it was written to in place (its modification time changed)"
+    try:
+        named = _Stamp.of(os.stat(path))
+    except FileNotFoundError:
+        return "it was deleted (the open file still holds the original bytes)"
+    if (named.device, named.inode) != (opened.device, opened.inode):
+        return "another file was put in its place (the open file still holds the original bytes)"
+    return None
 
 
 def _is_raw(t: torch.Tensor) -> bool:
@@ -355,16 +396,31 @@ class Stash:
 
 
 class SafetensorsSource(Source):
-    """One safetensors file, or the shards listed by a ``*.index.json``."""
+    """One safetensors file, or the shards listed by a ``*.index.json``.
+
+    Each file's size, modification time and inode are recorded when it is opened; every
+    read checks them afterwards (one ``fstat`` and one ``stat`` per file read), so that
+    values read from a file changed in place since (truncated, rewritten) are refused
+    rather than used, and a file deleted or replaced is reported, though what is read
+    comes from the original, which the open file keeps.
+
+    Attributes:
+        bytes_read: bytes read by :meth:`read_many` so far.
+        seconds_reading: the wall time those reads took (their system calls, all threads).
+    """
 
     def __init__(self, paths: list[Path]) -> None:
         self._files: dict[Path, BinaryIO] = {}
         self._maps: dict[Path, torch.Tensor] = {}  # each file's bytes, mapped on first use
         self._where: dict[str, _Located] = {}
+        self._stamps: dict[Path, _Stamp] = {}
+        self.bytes_read = 0
+        self.seconds_reading = 0.0
         try:
             for path in paths:
                 f = open(path, "rb")  # noqa: SIM115 - kept open until close()
                 self._files[path] = f
+                self._stamps[path] = _Stamp.of(os.fstat(f.fileno()))
                 for name, loc in _parse_header(path, f).items():
                     if name in self._where:
                         raise CheckpointError(f"{path}: {name!r} is also stored in {self._where[name].path}")
@@ -377,12 +433,15 @@ class SafetensorsSource(Source):
         # a copy of a model streamed from the file (pickle, deepcopy, torch.save) opens the
         # files again; what their headers said is kept, so a file changed since is noticed
         # when a read comes short
-        return {"paths": list(self._files), "where": self._where}
+        return {"paths": list(self._files), "where": self._where, "stamps": self._stamps}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._files = {}
         self._maps = {}
         self._where = state["where"]
+        self._stamps = state["stamps"]
+        self.bytes_read = 0
+        self.seconds_reading = 0.0
         try:
             for path in state["paths"]:
                 self._files[path] = open(path, "rb")  # noqa: SIM115 - kept open until close()
@@ -393,10 +452,10 @@ class SafetensorsSource(Source):
     def entries(self) -> dict[str, Entry]:
         return {name: loc.entry for name, loc in self._where.items()}
 
-    def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read(self, key: str, out: torch.Tensor | None = None, *, check: bool = True) -> torch.Tensor:
         loc = self._where[key]
         target = out if out is not None else torch.empty(loc.entry.shape, dtype=loc.entry.dtype)
-        self.read_many([(key, target)])
+        self.read_many([(key, target)], check=check)
         return target
 
     def locate(self, key: str) -> tuple[Path, int, int, torch.dtype]:
@@ -409,7 +468,9 @@ class SafetensorsSource(Source):
         self.read_many(list(zip(keys, new, strict=True)))
         return new
 
-    def read_many(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def read_many(self, items: Sequence[tuple[str, torch.Tensor]], *, check: bool = True) -> None:
+        """:meth:`Source.read_many`; then, with ``check``, refuse what was read where a file changed since it
+        was opened (:meth:`check_unchanged`)."""
         # preadv, not safe_open's map: a read that fails (an I/O error, a file cut short) raises, so the
         # load can put every tensor back, where a mapped page kills the process (SIGBUS); a map plus
         # copy_ is faster from the page cache (docs/benchmarks.md, benchmarks/checkpoint_read.py)
@@ -424,14 +485,29 @@ class SafetensorsSource(Source):
             if loc.nbytes:
                 spans.append((key, loc, _bytes_of(target)))
         batches = _batches(spans)
+        start = _clock()
         if len(batches) < 2 or _THREADS < 2 or sum(loc.nbytes for _, loc, _ in spans) < _PARALLEL_BYTES:
             for batch in batches:
                 self._fill(batch)
         else:
             self._fill_in_parallel(batches)
+        self.seconds_reading += _clock() - start
+        self.bytes_read += sum(loc.nbytes for _, loc, _ in spans)
+        if check:
+            self.check_unchanged({loc.path for _, loc, _ in spans})
         with torch.no_grad():
             for out, target in staged:
                 out.copy_(target)
+
+    def check_unchanged(self, paths: Collection[Path]) -> None:
+        """Raise a :class:`CheckpointError` naming the first of ``paths`` that changed since it was opened."""
+        for path in sorted(paths):
+            change = self._change(path)
+            if change is not None:
+                raise CheckpointError(f"{path}: {_changed(change)}")
+
+    def _change(self, path: Path) -> str | None:
+        return _change(path, self._stamps[path], self._files[path].fileno())
 
     def _fill_in_parallel(self, batches: list[_Batch]) -> None:
         stop = threading.Event()
@@ -452,13 +528,19 @@ class SafetensorsSource(Source):
                 raise
 
     def _fill(self, batch: _Batch) -> None:
-        left = _transfer(os.preadv, self._files[batch.path].fileno(), batch.views, batch.offset)
+        try:
+            left = _transfer(os.preadv, self._files[batch.path].fileno(), batch.views, batch.offset)
+        except OSError as exc:  # the disk, the network filesystem, a file taken away underneath
+            change = self._change(batch.path)  # an OSError still (errno kept), its message naming what failed
+            raise OSError(
+                exc.errno, f"{batch.path}: reading {batch.keys[0]!r} failed ({exc.strerror or exc})"
+                + (f"; {change}" if change else "; check the disk or filesystem it lies on, then run again")
+            ) from exc
         if left is not None:
             key = batch.keys[len(batch.keys) - left[1]]
-            raise CheckpointError(
-                f"{batch.path}: {key!r} ends early (the file ends at byte {left[0]}; "
-                "was it truncated or rewritten after its header was read?)"
-            )
+            change = self._change(batch.path)
+            why = _changed(change) if change else "was it truncated or rewritten after its header was read?"
+            raise CheckpointError(f"{batch.path}: {key!r} ends early (the file ends at byte {left[0]}); {why}")
 
     def mapped(self, key: str) -> torch.Tensor | None:
         loc = self._where[key]
@@ -578,6 +660,23 @@ def read_scaled(reader: Source, keys: Sequence[tuple[str, str]]) -> list[tuple[t
     return [(q, scale.float().reshape(())) for q, scale in zip(taken[::2], taken[1::2], strict=True)]
 
 
+def _entry_of(folder: Path, name: object) -> Path | None:
+    """The file ``name`` of ``folder`` (symlinks followed), or ``None`` where that would leave the folder.
+
+    The file, once every link is followed, must lie in ``folder`` itself (so no absolute
+    path, no ``..``, no subfolder, no link leading out), or, for a snapshot of the Hugging
+    Face hub's cache (``<repo>/snapshots/<revision>/``, each file a link into
+    ``<repo>/blobs/``), in that repository's ``blobs`` folder.
+    """
+    if not isinstance(name, str):
+        return None
+    target = (folder / name).resolve()
+    homes = {folder.resolve()}
+    if folder.resolve().parent.name == "snapshots":
+        homes.add(folder.resolve().parent.parent / "blobs")
+    return target if target.parent in homes else None
+
+
 def _index_shards(index: Path) -> list[Path]:
     try:
         data = json.loads(index.read_text(encoding="utf-8"))
@@ -587,8 +686,12 @@ def _index_shards(index: Path) -> list[Path]:
         raise CheckpointError(f"{index}: not a valid sharded-checkpoint index ({exc})") from exc
     shards = []
     for name in files:
-        if not isinstance(name, str) or (shard := (index.parent / name).resolve()).parent != index.parent.resolve():
-            raise CheckpointError(f"{index}: shard {name!r} is not a file next to the index")
+        shard = _entry_of(index.parent, name)
+        if shard is None:  # a crafted index must not make us read elsewhere (an absolute path, .., a link out)
+            raise CheckpointError(
+                f"{index}: shard {name!r} is not a file next to the index (an absolute path, a '..' or a symbolic "
+                "link leading out of its folder); only files in the index's folder are read: put the shard there"
+            )
         if shard.exists() and not shard.is_file():
             raise CheckpointError(f"{index}: shard {name!r} is not a regular file (a pipe, socket or device)")
         if not shard.is_file():
@@ -616,6 +719,11 @@ def open_source(source: Any, what: str) -> Source:
     if path.is_dir():
         for candidate in ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin"):
             if (path / candidate).is_file():
+                if _entry_of(path, candidate) is None:
+                    raise CheckpointError(
+                        f"{what}: {path / candidate} is a symbolic link leading out of {path}; only files in the "
+                        "folder given are read: give the file's own path, or copy it into the folder"
+                    )
                 return open_source(path / candidate, what)
         raise FileNotFoundError(f"{what}: {path} holds no model.safetensors(.index.json) or pytorch_model.bin")
     if path.exists() and not path.is_file():

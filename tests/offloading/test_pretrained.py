@@ -50,7 +50,9 @@ def _handle(model: nn.Module) -> Any:
 def _save_llama(folder: Path, tied: bool) -> Path:
     """A bf16 Llama saved by ``save_pretrained`` in shards of about 20 KB, with its generation config."""
     config = transformers.LlamaConfig(**LLAMA, tie_word_embeddings=tied)
-    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder, max_shard_size="20KB")
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.repetition_penalty = 1.5  # read from the folder's generation_config.json
+    model.save_pretrained(folder, max_shard_size="20KB")
     assert len(list(folder.glob("model-*.safetensors"))) > 3 and (folder / "model.safetensors.index.json").is_file()
     return folder
 
@@ -159,3 +161,66 @@ def test_host_budget_reaches_offload(llama_folder: Path) -> None:
     assert _handle(model)._options["host_budget"] == 1 << 20
     with torch.no_grad():
         assert torch.equal(model(TOKENS).logits, expected(TOKENS).logits)
+
+
+# measured in a process of its own: torch and transformers imported, then the peak reset
+_MEASURE = textwrap.dedent("""
+    import json, sys
+    import torch, transformers
+    import torchsurgery
+
+    def status(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+    with torchsurgery.skeleton():  # the lazy imports of the model's modules, before the peak is reset
+        transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(sys.argv[1], num_hidden_layers=1))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident size starts again from the current one
+    base = status("VmRSS")
+    reset = status("VmHWM") - base
+    model = torchsurgery.from_pretrained(transformers.LlamaForCausalLM, sys.argv[1])
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]))
+    meta = all(p.is_meta for p in model.parameters())
+    (record,) = [r for r in torchsurgery._undo.records(model) if r.kind == "offload"]
+    group = max(g.nbytes for g in record.handle.plan.groups if not g.resident)
+    print(json.dumps(dict(growth=status("VmHWM") - base, reset=reset, group=group, meta=meta,
+                          read=record.handle.stats().bytes_moved)))
+""")
+
+
+def _save_big_llama(folder: Path, layers: int) -> int:
+    """An fp32 Llama of ``layers`` layers of 13.6 MB (a small vocabulary) as 6 shards and their index."""
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1536, num_hidden_layers=layers,
+                                      num_attention_heads=8, tie_word_embeddings=False)
+    config.save_pretrained(folder)
+    with torchsurgery.skeleton():
+        shapes = {k: v.shape for k, v in transformers.LlamaForCausalLM(config).state_dict().items()}
+    weight_map, total = {}, 0
+    for shard in range(6):
+        name = f"model-{shard:05d}-of-00006.safetensors"
+        keys = [k for i, k in enumerate(shapes) if i % 6 == shard]
+        state = {k: torch.full(shapes[k], 0.01) for k in keys}  # values do not matter here
+        save_file(state, folder / name)
+        total += sum(v.nbytes for v in state.values())
+        weight_map.update(dict.fromkeys(keys, name))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resettable peak (VmHWM)")
+@pytest.mark.parametrize("layers", [pytest.param(12, marks=pytest.mark.slow), 6], ids=["165MB", "83MB"])
+def test_peak_memory_stays_two_groups_above_the_start(tmp_path: Path, layers: int) -> None:
+    """Loading and running a checkpoint raises the peak resident size by at most two streamed
+    groups and 96 MiB, and by less than the model (were it materialised, by more): each group
+    is read as it runs. At 165 MB, the model alone exceeds the first bound."""
+    total = _save_big_llama(tmp_path, layers)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path)], capture_output=True, text=True, env=env, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["reset"] < 16 << 20, "writing 5 to /proc/self/clear_refs did not reset the peak"
+    assert found["meta"] and found["read"] >= total
+    assert found["growth"] <= 2 * found["group"] + (96 << 20) and found["growth"] < total, found
+    print(f"peak RSS growth {found['growth'] / 2**20:.1f} MiB for {total / 2**20:.0f} MiB of weights")

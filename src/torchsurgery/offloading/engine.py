@@ -157,7 +157,10 @@ class OffloadHandle:
 
     def stats(self) -> OffloadStats:
         """A snapshot of the statistics (waits for the timing events of the groups that ran)."""
-        return self._streaming.snapshot(self._reads.scratch.nbytes())
+        stats = self._streaming.snapshot(self._reads.scratch.nbytes())
+        slow = self._file.hint(str(self.plan.storage)) if self._file is not None else ""
+        stats.hint = "; ".join(h for h in (stats.hint, slow) if h)
+        return stats
 
     @property
     def active(self) -> bool:

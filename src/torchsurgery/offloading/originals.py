@@ -97,7 +97,7 @@ class Originals:
             where = o.kept_on or o.device
             if meta:  # its values are in the checkpoint file it was streamed from
                 assert file is not None and o.file_key is not None
-                data = file.read(o.file_key).to(device=where, dtype=dtype)
+                data = file.read_back(o.file_key).to(device=where, dtype=dtype)
             else:
                 data = tensor.detach().to(device=where, dtype=dtype, copy=True)
             back = wrap_like(tensor, data) if o.kept is None else offloaded_like(tensor, data, o.dtype, device=o.device)

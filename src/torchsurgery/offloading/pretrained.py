@@ -130,37 +130,26 @@ def from_pretrained(
     storage_dtype: torch.dtype | Scaled | None = None, budget: int | None = None, host_budget: int | None = None,
     **kwargs: Any,
 ) -> M:
-    """Build ``cls`` from a checkpoint folder and stream its weights from the folder's files.
+    """Build ``cls`` from the folder ``save_pretrained`` wrote and stream its weights from the folder's files.
 
-    The folder (``path``, or ``path/subfolder``) is what ``save_pretrained`` wrote: a
-    config and a safetensors checkpoint, one file or shards with their index
-    (``model.safetensors``, ``diffusion_pytorch_model.safetensors``, ``*.index.json``).
-    The model is built from the config as a :func:`~torchsurgery.skeleton`: its
-    parameters never get memory, and its buffers (rotary tables, position ids, which
-    checkpoints leave out) are computed by its ``__init__``, as the library's own
-    ``from_pretrained`` computes them. :func:`~torchsurgery.offload` then reads each group
-    from the files as it runs: tied weights under the one name ``save_pretrained`` keeps,
-    bf16, fp16 or fp8 files, ComfyUI's scaled fp8 files (their values ``q * scale``).
-    Peak host memory stays a few streamed groups above the model's buffers, however
-    large the checkpoint. Inference only; the model is in eval mode.
-
-    The offload is in the model's undo log: ``torchsurgery.restore(model)`` (or
-    ``model``'s handle ``remove()``) gives back the skeleton, every parameter ``meta``.
+    The config builds the model as a :func:`~torchsurgery.skeleton` (its parameters never get
+    memory; buffers the checkpoint leaves out, such as rotary tables, computed by ``__init__``
+    as the library's own loading does), in eval mode; :func:`~torchsurgery.offload` then reads
+    each group from the folder's safetensors shards as it runs (tied weights, bf16, fp8 and
+    ComfyUI's scaled fp8 files as stored). Host memory peaks a few streamed groups above the
+    buffers, however large the checkpoint. ``torchsurgery.restore(model)`` gives back the skeleton.
 
     Args:
-        cls: a transformers ``PreTrainedModel`` subclass (its ``config_class``, else
-            ``AutoConfig``, reads the config) or a diffusers ``ModelMixin`` subclass
-            (``cls.load_config`` and ``cls.from_config``).
+        cls: a transformers ``PreTrainedModel`` subclass (its ``config_class`` or ``AutoConfig``
+            reads the config) or a diffusers ``ModelMixin`` subclass (``cls.load_config``).
         path: the folder ``save_pretrained`` wrote (a local directory).
         subfolder: the model's folder inside ``path`` (diffusers pipelines: ``"unet"``).
         device: where the model computes (default: the CPU).
         dtype: the compute dtype of floating weights (default: transformers' the config's
             dtype, diffusers' float32, as their own loading gives).
-        storage_dtype: passed to :func:`~torchsurgery.offload` (which today refuses it with a
-            checkpoint: weights stream in the file's dtypes).
-        budget: device bytes the weights may take (:func:`~torchsurgery.offload`).
-        host_budget: host bytes of weights kept between forwards, where
-            :func:`~torchsurgery.offload` takes it.
+        storage_dtype: for :func:`~torchsurgery.offload` (which refuses it with a checkpoint today).
+        budget: device bytes the weights may take, for :func:`~torchsurgery.offload`.
+        host_budget: host bytes of weights, for :func:`~torchsurgery.offload` where it takes one.
         **kwargs: config attributes to override (``num_hidden_layers=2``).
 
     Returns:
@@ -174,9 +163,7 @@ def from_pretrained(
         torchsurgery.CheckpointError: a truncated, corrupt or crafted checkpoint.
 
     Example:
-        >>> import tempfile
-        >>> import torch, transformers
-        >>> import torchsurgery
+        >>> import tempfile, torch, transformers, torchsurgery
         >>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
         ...                                   num_hidden_layers=2, num_attention_heads=2)
         >>> folder = tempfile.mkdtemp()
@@ -190,10 +177,8 @@ def from_pretrained(
         >>> torchsurgery.restore(model) is model
         True
     """
-    library = _library(cls)
-    folder = Path(path) / subfolder if subfolder else Path(path)
-    storage = _checkpoint_in(folder)
-    options = _offload_options(dtype, storage_dtype, budget, host_budget)
+    library, folder = _library(cls), Path(path) / subfolder if subfolder else Path(path)
+    storage, options = _checkpoint_in(folder), _offload_options(dtype, storage_dtype, budget, host_budget)
     model = _build(cls, library, folder, dtype, kwargs)
     offload(model, "cpu" if device is None else device, storage=storage, **options)
     return model  # type: ignore[return-value]

@@ -6,6 +6,28 @@ from dataclasses import dataclass, field
 
 from torchsurgery.offloading.residency import GroupCost
 
+SLOW_STORAGE = 100e6
+"""Bytes per second below which checkpoint reads are taken as slow: less than a hard disk's sequential read."""
+_JUDGED_FROM = 1 << 20  # fewer bytes read say more about system-call overhead than about the disk
+
+
+def storage_hint(where: str, nbytes: int, seconds: float) -> str:
+    """A sentence on checkpoint reads far slower than a local disk's (``""`` where they are not).
+
+    Example:
+        >>> storage_hint("model.safetensors", 64 << 20, 4.0)[:71]
+        'model.safetensors read at 17 MB/s, far below a local disk (100 MB/s and'
+        >>> storage_hint("model.safetensors", 64 << 20, 0.05)
+        ''
+    """
+    if nbytes < _JUDGED_FROM or seconds <= 0 or nbytes / seconds >= SLOW_STORAGE:
+        return ""
+    return (
+        f"{where} read at {nbytes / seconds / 1e6:.0f} MB/s, far below a local disk ({SLOW_STORAGE / 1e6:.0f} MB/s and "
+        "up): a slow or network filesystem bounds each forward; copy the folder to a local disk, or give a larger "
+        "budget so that fewer groups are read on every forward"
+    )
+
 
 @dataclass
 class OffloadStats:
@@ -28,7 +50,9 @@ class OffloadStats:
         resident_groups: groups kept on the device.
         streamed_groups: groups brought in for each forward.
         hint: whether the last forward was transfer-bound, and what more residency would
-            hide (from measured transfer and compute times, in execution order).
+            hide (from measured transfer and compute times, in execution order); for a model
+            streamed from a checkpoint read far slower than a local disk (:data:`SLOW_STORAGE`),
+            a sentence saying so (:func:`storage_hint`).
         prefetch_hits: runs of a group whose weights had been copied in ahead.
         prefetch_misses: runs of a group whose weights were brought in when it started.
         execution_order: the streamed groups in the order the last complete forward ran them.
