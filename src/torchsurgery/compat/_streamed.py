@@ -24,18 +24,16 @@ The weights are never materialised: outside its forwards a streamed model's weig
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from torchsurgery import _undo
-from torchsurgery._device import resolve_device
-from torchsurgery.offloading import DevicePool
+from torchsurgery.errors import BudgetError
+from torchsurgery.offloading import DevicePool, OffloadHandle, offload, plan_offload
 from torchsurgery.offloading import DynamicSwapInstaller as _Installer
-from torchsurgery.offloading.engine import OffloadHandle, OffloadRecord, offload_converted
-from torchsurgery.offloading.plan import sizes
 
 __all__ = ["Base", "streamed", "on_host", "take_off", "put_back", "DynamicSwapInstaller"]
 
@@ -50,12 +48,10 @@ class Base:
     Attributes:
         device: where it computes (the host, or an installer's device).
         options: its :func:`~torchsurgery.offload` keywords (``storage`` among them).
-        converted: the dtypes the user converted its parameters to (by ``id``).
     """
 
     device: torch.device
     options: dict[str, Any]
-    converted: dict[int, torch.dtype] = field(default_factory=dict)
 
 
 # weak: a model the app drops is freed
@@ -70,8 +66,9 @@ def _file_offload(model: nn.Module) -> OffloadHandle | None:
     if DevicePool.holding(model) is not None:
         return None
     for record in _undo.records(model):
-        if isinstance(record, OffloadRecord) and record.handle.active and record.handle.plan.storage is not None:
-            return record.handle
+        handle = getattr(record, "handle", None) if record.kind == "offload" else None
+        if isinstance(handle, OffloadHandle) and handle.active and handle.plan.storage is not None:
+            return handle
     return None
 
 
@@ -91,8 +88,9 @@ def take_off(model: nn.Module) -> dict[str, Any]:
     options to add it to a pool with; ``{}`` for any other model."""
     handle = _file_offload(model)
     if handle is not None:
-        # what it was offloaded with (budget included), and the user's conversions since
-        _off[model] = Base(handle.device, dict(handle._options), dict(handle.converted))
+        # what it was offloaded with (budget included); a dtype conversion since is planned
+        # again when the converting code runs again (as FramePack's output switch does)
+        _off[model] = Base(handle.device, dict(handle._options))
         handle.remove()
     base = _off.get(model)
     if base is None:
@@ -107,7 +105,7 @@ def put_back(model: nn.Module) -> None:
     base = _off.get(model)
     if base is None or DevicePool.holding(model) is not None:
         return
-    offload_converted(model, base.device, base.converted, base.options)
+    offload(model, base.device, **base.options)
     del _off[model]
 
 
@@ -126,12 +124,13 @@ def _installer_base(model: nn.Module, device: torch.device, kwargs: dict[str, An
     _hosts.setdefault(model, host)
     options = {**host.options, "dtype": kwargs.get("dtype", host.options.get("dtype"))}
     if device.type == "cpu":  # it computes on the host already, reading the files at use
-        return Base(device, options, host.converted)
-    what = "torchsurgery.compat.framepack.DynamicSwapInstaller"
-    o = options
-    _, _, least = sizes(model, what, dtype=o["dtype"], storage_dtype=None, groups=o["groups"], skip=o["skip"],
-                        converted=host.converted, device=resolve_device(device, what), prefetch=int(o["prefetch"]))
-    return Base(device, {**options, "budget": least}, host.converted)
+        return Base(device, options)
+    try:  # the least budget the offload takes: every group streamed
+        plan_offload(model, device, **{**options, "budget": 0})
+        least = 0
+    except BudgetError as refusal:
+        least = refusal.needed
+    return Base(device, {**options, "budget": least})
 
 
 class DynamicSwapInstaller(_Installer):
@@ -176,4 +175,4 @@ class DynamicSwapInstaller(_Installer):
             _Installer.uninstall_model(model)
             return
         take_off(model)
-        _replace_base(model, Base(host.device, host.options, _off[model].converted))
+        _replace_base(model, Base(host.device, host.options))

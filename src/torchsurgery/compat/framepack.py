@@ -75,9 +75,9 @@ from torchsurgery._device import AcceleratorDevice, reported_accelerator
 from torchsurgery._swap import swap_in, wrap_like
 from torchsurgery._validate import check_device
 from torchsurgery.compact import stored_values
-from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, Setting
 from torchsurgery.compat import _streamed
 from torchsurgery.compat._streamed import DynamicSwapInstaller
+from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, Setting
 from torchsurgery.offloading import DevicePool
 
 __all__ = [

@@ -26,7 +26,6 @@ from torchsurgery._names import no_match
 from torchsurgery.errors import ArgumentTypeError, ArgumentValueError
 from torchsurgery.patching import original_class
 
-
 # modules whose forward reads their children's weights without calling the children
 _READS_CHILDREN: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 

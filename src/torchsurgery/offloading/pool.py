@@ -146,10 +146,8 @@ class DevicePool:
         keep_free: instead of a budget: load only while this many bytes of the device
             stay free (measured when loading). Without either, an accelerator pool may use
             what is free, and a CPU pool is unlimited.
-        host_budget: host bytes the weights of models streamed from their checkpoints
-            (``add(storage=...)``) may keep in memory, all models together (the host tier of
-            :func:`~torchsurgery.offload`; a model takes its share when loaded, and gives it back when
-            pushed back). ``None``: the memory the system reports available minus a margin.
+        host_budget: host bytes of weights streamed from checkpoints (``add(storage=...)``) kept in memory,
+            all models together (:func:`~torchsurgery.offload`'s host tier; given back when a model is pushed back).
 
     Raises:
         ValueError: a device that does not exist, both limits, or a negative one.
@@ -171,16 +169,15 @@ class DevicePool:
     """
 
     def __init__(
-        self, device: str | torch.device | None = None, *, budget: int | None = None, keep_free: int | None = None,
-        host_budget: int | None = None,
-    ) -> None:
+        self, device: str | torch.device | None = None, *, budget: int | None = None,
+        keep_free: int | None = None, host_budget: int | None = None) -> None:
         self._device = _pool_device(device)  # its index, free memory, allocation rounding
         self.device = self._device.device
         self.budget = check_bytes(budget, _WHAT, "budget")
         self.keep_free = check_bytes(keep_free, _WHAT, "keep_free")
         if self.budget is not None and self.keep_free is not None:
             raise ValueError(f"{_WHAT}: give budget= or keep_free=, not both")
-        self.host = HostAccount(host_budget)  # shared by the members' offloads
+        self.host = HostAccount(host_budget)  # shared by the members' offloads (public: its budget may change)
         self._members = Members(_WHAT)
         self._placement = _Placement(self, self._device, self._members)
 
@@ -192,11 +189,8 @@ class DevicePool:
         dtype: torch.dtype | None = None,
         storage_dtype: torch.dtype | Scaled | None = None,
         groups: str | Sequence[str] = "blocks",
-        skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP,
-        prefetch: int = 1,
-        pin_memory: bool | None = None,
-        storage: str | os.PathLike[str] | None = None,
-        host_budget: int | HostAccount | None = None,
+        skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP, prefetch: int = 1,
+        pin_memory: bool | None = None, storage: str | os.PathLike[str] | None = None, host_budget: int | HostAccount | None = None,
     ) -> nn.Module:
         """Put ``model`` in the pool, on the host until :meth:`load` asks for it.
 
@@ -204,36 +198,29 @@ class DevicePool:
             model: the model (changed in place when loaded; nothing is copied).
             name: its name in :meth:`stats` (default: its class name, numbered if taken).
             dtype: compute dtype, as for :func:`~torchsurgery.offload`.
-            storage_dtype: storage dtype while loaded, resident or streamed, as for
-                :func:`~torchsurgery.offload` (a :class:`~torchsurgery.compact.Scaled` format too).
+            storage_dtype: storage dtype while loaded, resident or streamed, as for :func:`~torchsurgery.offload` (or ``Scaled``).
             groups: offload groups, as for :func:`~torchsurgery.offload`.
             skip: modules that keep their dtype, as for :func:`~torchsurgery.offload`.
             prefetch: groups brought in ahead when streamed.
             pin_memory: pin streamed host storage (default: on an accelerator).
-            storage: a safetensors checkpoint of the model's weights (a :func:`~torchsurgery.skeleton`
-                can be added): streamed from it when loaded, within the pool's ``host_budget``.
-            host_budget: with ``storage``: this model's own host budget (bytes, or a
-                :class:`~torchsurgery.offloading.host_tier.HostAccount` it shares), in place of
-                its share of the pool's.
+            storage: a safetensors checkpoint to stream a model (a skeleton too) from, within ``host_budget``.
+            host_budget: with ``storage``: the model's own host budget (bytes or an account), not the pool's.
 
         Returns:
             ``model``.
 
         Raises:
             TypeError: a ``dtype`` or ``storage_dtype`` :func:`~torchsurgery.offload` refuses.
-            ValueError: the model is in a pool already, the name is taken, or the budget
-                is below what the model needs to run streamed.
-            RuntimeError: the model is offloaded already (by torchsurgery, accelerate or
-                diffusers), or the device is gone.
+            ValueError: the model is in a pool already, the name is taken, or the budget is below what it needs streamed.
+            RuntimeError: the model is offloaded already (by torchsurgery, accelerate or diffusers), or the device is gone.
         """
         _refuse_if_gone(self._device, "add")
         _check_addable(self, model, dtype, storage_dtype)
         name = self._members.name_for(model, name)
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"{_WHAT}.add: prefetch must be an int >= 0, got {prefetch!r}")
-        options = {"dtype": dtype, "storage_dtype": storage_dtype, "groups": groups, "skip": skip,
-                   "prefetch": prefetch, "pin_memory": pin_memory, "master_dtype": None, "storage": storage,
-                   "host_budget": self.host if host_budget is None else _host_account(host_budget)}
+        options = {"dtype": dtype, "storage_dtype": storage_dtype, "groups": groups, "skip": skip, "prefetch": prefetch,
+                   "pin_memory": pin_memory, "master_dtype": None, "storage": storage, "host_budget": self.host if host_budget is None else _host_account(host_budget)}
         member = Member(model, name, options, self._device, _WHAT)
         _check_budget(self.budget, member)
         self._members.join(model, member)
