@@ -102,6 +102,23 @@ def test_the_plan_shows_each_group_tier(tmp_path: Path) -> None:
     assert [line.split()[1] for line in lines[2:]] == ["host"] * 4 + ["disk"] * 4
 
 
+def test_the_host_tier_counts_the_bytes_the_file_stores(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    reference = Blocks(WIDTHS).to(torch.bfloat16)
+    path = tmp_path / "bf16.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, path)
+    halves = (block_bytes(8) + block_bytes(16)) // 2  # the first two blocks in bf16
+    model = skeleton()
+    handle = torchsurgery.offload(model, storage=path, host_budget=halves, dtype=torch.float32)
+    assert [g.tier for g in handle.plan.groups] == ["host", "host", "disk", "disk", "disk", "disk"]
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(model(X), reference.float()(X), rtol=0, atol=0)
+    assert handle.stats().peak_host_bytes == halves
+    handle.remove()
+
+
 def test_without_a_host_budget_the_host_keeps_what_is_available_minus_a_margin(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -338,17 +338,10 @@ def offload(
         master_dtype: for training: the parameters stay in this dtype (what the optimizer updates and gradients
             land in) and a ``storage_dtype`` copy, refreshed whenever a parameter changes, serves forwards
             without gradients. It must hold the values exactly (``remove()`` gives them back).
-        storage: a safetensors checkpoint (file, sharded ``*.index.json`` or folder) with the model's
-            weights under their ``state_dict`` names: streamed groups are read from it on demand (for
-            models larger than RAM; inference only), their parameters ``meta`` while offloaded, in the
-            file's dtypes (no ``storage_dtype``); a :func:`~torchsurgery.skeleton` can be offloaded from it.
-            Reads run on threads ahead of use, along the execution order, across forwards.
-        host_budget: with ``storage``: host bytes of the checkpoint's weights kept in memory (pinned where
-            the device copies from them), the groups read first while they fit (the host tier; each
-            group's tier is in ``plan``); the others are read from the file on every forward, past the page
-            cache. ``None``: the memory the system reports available minus a margin, never more. A
-            :class:`~torchsurgery.offloading.host_tier.HostAccount`: one budget shared with the other
-            offloads given it (a :class:`~torchsurgery.DevicePool`'s models share one).
+        storage: a safetensors checkpoint (file, sharded ``*.index.json`` or folder) with the model's weights under
+            their ``state_dict`` names: streamed groups are read from it (for models larger than RAM; inference only),
+            their parameters ``meta`` while offloaded, in the file's dtypes (no ``storage_dtype``); a skeleton too.
+        host_budget: with ``storage``: host bytes of weights kept in memory, the rest read every forward (docs/offload.md).
             ``stats()`` reports ``storage_bytes_read`` per forward and ``peak_host_bytes``.
 
     Returns:
@@ -370,9 +363,8 @@ def offload(
         ...     torch.allclose(model(x), expected, atol=0.05), model[0].weight.dtype, model[0].weight.stored.dtype
         (True, torch.float32, torch.bfloat16)
     """
-    options = {"dtype": dtype, "storage_dtype": storage_dtype, "budget": budget, "prefetch": prefetch,
-               "pin_memory": pin_memory, "groups": groups, "skip": skip, "master_dtype": master_dtype,
-               "storage": storage, "host_budget": host_budget}
+    options = {"dtype": dtype, "storage_dtype": storage_dtype, "budget": budget, "prefetch": prefetch, "pin_memory": pin_memory,
+               "groups": groups, "skip": skip, "master_dtype": master_dtype, "storage": storage, "host_budget": host_budget}
     return offload_converted(model, device, None, options)
 
 

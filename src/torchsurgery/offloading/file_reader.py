@@ -43,8 +43,8 @@ from torchsurgery.offloading.stats import OffloadStats
 __all__ = ["FileReader"]
 
 _ALIGN = 4096  # what direct I/O asks of offsets, lengths and buffer addresses
-_PIECE = 16 << 20  # bytes one read asks for: a group's reads are several of these, in flight together
-_THREADS = 2
+_PIECE = 32 << 20  # bytes one read asks for: a group's reads are several of these, in flight together
+_THREADS = 4  # reads wait on the disk: more in flight than cores
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)  # a filesystem without direct I/O
 
 
@@ -278,7 +278,12 @@ class FileReader:
         if read is None and name in self._kept:
             data = self._kept[name]
         else:
-            data = self._finish(read if read is not None else self._start(name))
+            try:
+                data = self._finish(read if read is not None else self._start(name))
+            except (OSError, CheckpointError):
+                if read is None:
+                    raise
+                data = self._finish(self._start(name))  # read ahead, maybe before the cause was fixed: once more
             self._read_now += self._bytes(name)
         self._ahead(name)
         return data[: group.layout.nbytes]
@@ -395,6 +400,13 @@ class FileReader:
             self._start(upcoming)
             in_flight += 1
 
+    def _bounce(self) -> torch.Tensor:
+        """This thread's aligned buffer for direct reads (a piece and its alignment)."""
+        bounce = getattr(self._local, "bounce", None)
+        if bounce is None:
+            bounce = self._local.bounce = _aligned(_PIECE + 2 * _ALIGN, lambda n: torch.empty(n, dtype=torch.uint8))
+        return bounce
+
     def _read_piece(self, name: str, buffer: torch.Tensor, piece: _Piece) -> None:
         if self._stop.is_set():
             return
@@ -402,14 +414,14 @@ class FileReader:
         try:
             if direct:
                 try:
-                    self._read_direct(fd, buffer, piece)
+                    _read_direct(fd, buffer, piece, self._bounce())
                     return
                 except OSError as exc:
                     if exc.errno not in _REFUSED:
                         raise
                     self._files.refuse_direct(piece.path)
                     fd, _ = self._files.fd(piece.path)
-            self._read_buffered(fd, buffer, piece)
+            _read_buffered(fd, buffer, piece)
         except OSError as exc:
             raise OSError(
                 exc.errno, f"torchsurgery.offload: reading group {name!r} from {piece.path} failed "
@@ -418,38 +430,39 @@ class FileReader:
         except CheckpointError as exc:
             raise CheckpointError(f"{exc} (reading group {name!r})") from exc
 
-    def _read_buffered(self, fd: int, buffer: torch.Tensor, piece: _Piece) -> None:
-        memory = buffer.numpy().data
-        views = [memory[s.offset + max(piece.start, s.start) - s.start : s.offset + min(piece.end, s.end) - s.start]
-                 for s in piece.spans]
-        offset = piece.start
-        while views:
-            done = os.preadv(fd, views, offset)
-            if done == 0:
-                _ends_early(piece, offset)
-            offset += done
-            while views and done >= views[0].nbytes:
-                done -= views[0].nbytes
-                del views[0]
-            if done:
-                views[0] = views[0][done:]
 
-    def _read_direct(self, fd: int, buffer: torch.Tensor, piece: _Piece) -> None:
-        lo = piece.start - piece.start % _ALIGN
-        size = -(-(piece.end - lo) // _ALIGN) * _ALIGN
-        bounce = getattr(self._local, "bounce", None)
-        if bounce is None:
-            bounce = self._local.bounce = _aligned(_PIECE + 2 * _ALIGN, lambda n: torch.empty(n, dtype=torch.uint8))
-        memory = bounce.numpy().data
-        got = 0
-        while got < piece.end - lo:  # reads past the file's end come short: only the tensors' bytes must be there
-            done = os.preadv(fd, [memory[got:size]], lo + got)
-            if done == 0:
-                _ends_early(piece, lo + got)
-            got += done
-        for s in piece.spans:  # trimmed to the tensors' bytes
-            first, last = max(piece.start, s.start), min(piece.end, s.end)
-            buffer[s.offset + first - s.start : s.offset + last - s.start].copy_(bounce[first - lo : last - lo])
+def _read_buffered(fd: int, buffer: torch.Tensor, piece: _Piece) -> None:
+    """``piece`` through the page cache, straight into the tensors' places in ``buffer``."""
+    memory = buffer.numpy().data
+    views = [memory[s.offset + max(piece.start, s.start) - s.start : s.offset + min(piece.end, s.end) - s.start]
+             for s in piece.spans]
+    offset = piece.start
+    while views:
+        done = os.preadv(fd, views, offset)
+        if done == 0:
+            _ends_early(piece, offset)
+        offset += done
+        while views and done >= views[0].nbytes:
+            done -= views[0].nbytes
+            del views[0]
+        if done:
+            views[0] = views[0][done:]
+
+
+def _read_direct(fd: int, buffer: torch.Tensor, piece: _Piece, bounce: torch.Tensor) -> None:
+    """``piece`` past the page cache: its aligned range into ``bounce``, then each tensor's bytes to its place."""
+    lo = piece.start - piece.start % _ALIGN
+    size = -(-(piece.end - lo) // _ALIGN) * _ALIGN
+    memory = bounce.numpy().data
+    got = 0
+    while got < piece.end - lo:  # reads past the file's end come short: only the tensors' bytes must be there
+        done = os.preadv(fd, [memory[got:size]], lo + got)
+        if done == 0:
+            _ends_early(piece, lo + got)
+        got += done
+    for s in piece.spans:  # trimmed to the tensors' bytes
+        first, last = max(piece.start, s.start), min(piece.end, s.end)
+        buffer[s.offset + first - s.start : s.offset + last - s.start].copy_(bounce[first - lo : last - lo])
 
 
 def _ends_early(piece: _Piece, at: int) -> None:

@@ -117,6 +117,13 @@ def host_budget_of(value: int | HostAccount | None) -> int:
     return default_host_budget() if checked is None else checked
 
 
+def _stored_bytes(group: Any) -> int:
+    """The bytes of ``group``'s weights as its checkpoint stores them (a weight tied within it once)."""
+    names = {p.name for p in group.params}
+    return sum(p.nbytes // p.compute_dtype.itemsize * p.storage_dtype.itemsize
+               for p in group.params if p.tied_to is None or p.tied_to not in names)
+
+
 def assign_tiers(groups: Sequence[Any], host_budget: int | HostAccount | None, from_file: bool) -> int:
     """Set each group's ``tier``: ``"device"`` (resident), ``"host"`` or ``"disk"``.
 
@@ -134,9 +141,9 @@ def assign_tiers(groups: Sequence[Any], host_budget: int | HostAccount | None, f
             g.tier = "device"
         elif not from_file:
             g.tier = "host"
-        elif g.nbytes <= room:
+        elif _stored_bytes(g) <= room:
             g.tier = "host"
-            room -= g.nbytes
+            room -= _stored_bytes(g)
         else:
             g.tier = "disk"
     return budget

@@ -844,9 +844,7 @@ def plan_offload(
             must hold their values exactly.
         storage: a safetensors checkpoint to stream weights from (the weights are then
             stored in its dtypes: no ``storage_dtype``). :func:`~torchsurgery.offload` says more.
-        host_budget: host bytes the weights read from ``storage`` may keep in memory (the
-            groups read first, while they fit; each group's ``tier`` says where it sits).
-            ``None``: the memory the system reports available minus a margin.
+        host_budget: host bytes of weights from ``storage`` kept in memory (``GroupPlan.tier``; as for ``offload``).
 
     Returns:
         An :class:`OffloadPlan`: per group and per parameter the storage, compute and
@@ -876,8 +874,7 @@ def plan_offload(
     """
     return plan_converted(
         model, device, None, dtype=dtype, storage_dtype=storage_dtype, budget=budget, prefetch=prefetch,
-        pin_memory=pin_memory, groups=groups, skip=skip, master_dtype=master_dtype, storage=storage,
-        host_budget=host_budget,
+        pin_memory=pin_memory, groups=groups, skip=skip, master_dtype=master_dtype, storage=storage, host_budget=host_budget,
     )
 
 
