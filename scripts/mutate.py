@@ -984,7 +984,7 @@ MUTATIONS = [
     Mutation(
         "framepack files: uninstalling puts a streamed model's host base back",
         'src/torchsurgery/compat/_streamed.py',
-        '        _replace_base(model, Base(host.device, host.options, _off[model].converted))\n',
+        '        _replace_base(model, Base(host.device, host.options))\n',
         '        pass\n',
         ('tests/compat/test_framepack_streamed.py::test_the_job_streamed_from_files_on_the_accelerator_equals_the_app_s_loading[low-vram]',),
     ),
