@@ -626,3 +626,27 @@ def test_a_conversion_inside_a_streamed_groups_own_forward_is_refused_changing_n
     with torch.no_grad():
         torch.testing.assert_close(model(x), before, rtol=0, atol=0)
     handle.remove()
+
+
+def test_a_model_streamed_from_a_file_takes_to_dtype_as_the_plain_model(tmp_path: Any) -> None:
+    """A conversion while streamed from a checkpoint (FramePack's transformer converts its output
+    projection to fp32 inside forward): planned again in the new compute dtype, the file read as
+    it is; its weights stay ``meta``, in the file, and keep the user's dtype after removal."""
+    from safetensors.torch import save_file
+
+    model = mlp().to(torch.bfloat16).eval()
+    save_file(model.state_dict(), str(tmp_path / "model.safetensors"))
+    with torchsurgery.skeleton():
+        streamed = mlp().to(torch.bfloat16).eval()
+    x = torch.randn(3, 32)
+    handle = offload(streamed, storage=tmp_path / "model.safetensors")
+    with torch.no_grad():
+        streamed[-1].float()
+        model[-1].float()
+        got = streamed[-1](streamed[:-1](x.bfloat16()).float())
+        want = model[-1](model[:-1](x.bfloat16()).float())
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert handle.active and all(p.is_meta for p in streamed.parameters())
+    handle.remove()
+    assert [p.dtype for p in streamed.parameters()] == [p.dtype for p in model.parameters()]
+    assert all(p.is_meta for p in streamed.parameters())

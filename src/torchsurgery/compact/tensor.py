@@ -1107,7 +1107,10 @@ def converted_by(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) 
     """
     with torch.no_grad():
         for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
-            if fn(t) is not t:
+            # a weight whose values are in a checkpoint file (stored ``meta``) has none to convert:
+            # a stand-in of its dtype and device shows what ``fn`` would do
+            probe = torch.empty((0,) * t.dim(), dtype=t.dtype, device=t.device) if stored_values(t).is_meta and not t.is_meta else t
+            if fn(probe) is not probe:
                 return name
     return None
 

@@ -46,6 +46,20 @@ default CPU pool moves nothing (its weights are already there, in their dtype); 
 of your own with a budget and a storage dtype converts them, as on a GPU. A script
 runs unchanged and gives the results of plain ``.to()`` moves.
 
+Models streamed from their checkpoint files work the same, their weights never in host
+memory: a script that loads them with ``torchsurgery.from_pretrained`` changes, besides the
+import, only its ``from_pretrained`` lines::
+
+    text_encoder = LlamaModel.from_pretrained(repo, subfolder="text_encoder", torch_dtype=torch.float16)
+    # becomes
+    text_encoder = torchsurgery.from_pretrained(LlamaModel, repo, subfolder="text_encoder",
+                                                dtype=torch.float16, host_budget=4 << 30)
+
+Such a model joins a device's pool streaming from its files, within its own host budget,
+and goes back to computing on the host from them when pushed back; the installer makes it
+compute on its device with every weight read from the files at use (see
+``torchsurgery/compat/_streamed.py``).
+
 The functions print the app's lines at the same points (``Moving UNet to cuda:0 with
 preserved memory: 6 GB``, ``Offloading ... from ... to preserve memory: ... GB``,
 ``Loaded ... to ... as complete.``, ``Unloaded ... as complete.``), so a script's log reads
@@ -67,8 +81,10 @@ from torchsurgery._device import AcceleratorDevice, reported_accelerator
 from torchsurgery._swap import swap_in, wrap_like
 from torchsurgery._validate import check_device
 from torchsurgery.compact import stored_values
+from torchsurgery.compat import _streamed
+from torchsurgery.compat._streamed import DynamicSwapInstaller
 from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, Setting
-from torchsurgery.offloading import DevicePool, DynamicSwapInstaller
+from torchsurgery.offloading import DevicePool
 
 __all__ = [
     "verbose",
@@ -152,9 +168,10 @@ def _to_host(model: nn.Module) -> None:
         assert pool is not None
         pool.discard(model)
         _finer.discard(model)
+        _streamed.put_back(model)  # streamed from its files: back to computing on the host from them
     elif pool is not None:
         pool.unload(model)
-    else:
+    elif not _streamed.streamed(model):  # a streamed model holds no weights to move
         _host_tensors(model)
 
 
@@ -193,7 +210,7 @@ def _pool_for(model: nn.Module, target: torch.device) -> DevicePool:
     if holder is not pool:
         if holder is not None:
             holder.discard(model)
-        pool.add(model)
+        pool.add(model, **_streamed.take_off(model))  # streamed: from the same files
     return pool
 
 
@@ -235,12 +252,14 @@ def move_model_to_device_with_memory_preservation(
     model = _model(model, what)
     target = _device(target_device, what)
     _say(f"Moving {_name(model)} to {target_device} with preserved memory: {preserved_memory_gb} GB")
+    if target.type == "cpu" and _streamed.on_host(model):
+        return  # streamed from its files, it computes on the host already
     pool = _pool_for(model, target)
     keep = None if pool.device.type == "cpu" else int(preserved_memory_gb * _GIB)
     # where not even the ring's blocks have room, the shared pool streams single modules (as the
-    # app moves each module with a weight while memory allows) and says so (_say_finer); where
-    # not even one module fits, the model stays on the host
-    pool.try_load(model, keep_free=keep)
+    # app moves each module with a weight while memory allows) and says so (_say_finer)
+    if pool.try_load(model, keep_free=keep) is None and _is_shared(pool) and _streamed.streamed(model):
+        _to_host(model)  # not even one module fits: it computes on the host, from its files
 
 
 def offload_model_from_device_for_memory_preservation(
@@ -272,8 +291,7 @@ def offload_model_from_device_for_memory_preservation(
     if pool is None or pool.device != target:
         _to_host(model)
     elif pool.shrink(model, keep_free=keep) is None and _is_shared(pool):
-        pool.discard(model)  # back on the host: out of the shared pool
-        _finer.discard(model)
+        _to_host(model)  # back on the host: out of the shared pool
 
 
 def load_model_as_complete(model: nn.Module, target_device: str | torch.device, unload: bool = True) -> None:
@@ -302,8 +320,8 @@ def load_model_as_complete(model: nn.Module, target_device: str | torch.device, 
     target = _device(target_device, "load_model_as_complete")
     if unload:
         unload_complete_models()
-    pool = _pool_for(model, target)
-    pool.load(model)
+    if target.type != "cpu" or not _streamed.on_host(model):  # streamed: it computes on the host already
+        _pool_for(model, target).load(model)
     _say(f"Loaded {_name(model)} to {target_device} as complete.")
     _complete.append(weakref.ref(model))  # as the app's list: loaded twice, unloaded (and printed) twice
 
@@ -353,7 +371,8 @@ def fake_diffusers_current_device(model: nn.Module, target_device: str | torch.d
     model = _model(model, "fake_diffusers_current_device")
     target = _device(target_device, "fake_diffusers_current_device")
     first = next(iter(model.parameters()), None)
-    if first is not None and first.device != target:
+    # streamed from its files, its weights are nowhere but there (``meta``): it computes where its offload does
+    if first is not None and first.device != target and not _streamed.streamed(model):
         # swapped, not `.data =`: torch refuses that between the host and a backend it does
         # not know as dense (any registered PrivateUse1 backend)
         swap_in(first, wrap_like(first, first.detach().to(target)))

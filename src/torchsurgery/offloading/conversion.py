@@ -113,17 +113,11 @@ def dtype_changes(
 
 
 def check_convertible(label: str, plan: OffloadPlan, streamers: Mapping[str, GroupStreamer]) -> None:
-    """Refuse a dtype conversion of a model streamed from a file, or while a streamed group runs.
+    """Refuse a dtype conversion while a streamed group runs.
 
     Raises:
-        RuntimeError: the model is streamed from a checkpoint file; a streamed group runs
-            (inside its forward).
+        RuntimeError: a streamed group runs (inside its forward).
     """
-    if plan.storage is not None:
-        raise RuntimeError(
-            f"{_WHAT}: cannot convert {label} to another dtype while it is streamed from {plan.storage!r}: "
-            "its weights are read in the file's dtypes. Remove the offload first, or give offload() dtype="
-        )
     running = [name for name, streamer in streamers.items() if streamer.depth > 0]
     if running:
         raise RuntimeError(

@@ -166,6 +166,17 @@ class _Read:
     keep: bool  # into the group's host-tier buffer, kept once done
 
 
+def _normal_tensors(allocate: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
+    """``allocate`` giving normal tensors also under ``torch.inference_mode`` (a forward's): the
+    reading threads, outside that mode, write into them."""
+
+    def normal(n: int) -> torch.Tensor:
+        with torch.inference_mode(False):
+            return allocate(n)
+
+    return normal
+
+
 class FileReader:
     """Reads the groups streamed from a checkpoint file, ahead of use; keeps the host tier's.
 
@@ -208,7 +219,7 @@ class FileReader:
         self._size = max((g.layout.nbytes for n, (g, _) in self._groups.items() if n not in self._keep), default=0)
         self._buffers = max(1, buffers)
         pinned = device.can_pin and not device.host_compute
-        self._allocate = device.pinned_empty if pinned else lambda n: torch.empty(n, dtype=torch.uint8)
+        self._allocate = _normal_tensors(device.pinned_empty if pinned else lambda n: torch.empty(n, dtype=torch.uint8))
         try:
             paths = {piece.path for _, pieces in self._groups.values() for piece in pieces or ()}
             # direct reads where the files hold more than the host keeps

@@ -8,7 +8,8 @@ piece (``self.x_embedder.proj(x)``) still brings the weights it uses in. ``"leav
 a group. A list of qualified names gives full control.
 
 A group's weights come in when its module's ``forward`` runs, so a group must be a
-module that is called. Containers (``nn.ModuleList``, ``nn.ModuleDict``, a module
+module that is called, and a module whose ``forward`` reads its children's weights without
+calling them (``nn.MultiheadAttention`` reads ``out_proj.weight``) is one group with them. Containers (``nn.ModuleList``, ``nn.ModuleDict``, a module
 without a ``forward`` of its own) never are: ``"blocks"`` and ``"leaves"`` split such a
 module into its children, recursively, and leave its own weights to the nearest
 ancestor that is called (whose forward uses them). An explicit name of such a module is
@@ -24,6 +25,9 @@ from torch import nn
 from torchsurgery._names import no_match
 from torchsurgery.errors import ArgumentTypeError, ArgumentValueError
 from torchsurgery.patching import original_class
+
+# modules whose forward reads their children's weights without calling the children
+_READS_CHILDREN: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 
 def _holds_weights(module: nn.Module, recurse: bool) -> bool:
@@ -151,7 +155,14 @@ def _by_mode(model: nn.Module, named: dict[str, nn.Module], groups: str, what: s
         raise ArgumentValueError(
             what, "groups", groups, f"must be 'blocks', 'leaves' or a list of module names, got {groups!r}"
         )
-    return _split_uncalled(named, found)
+    return _split_uncalled(named, _whole_readers(named, found))
+
+
+def _whole_readers(named: dict[str, nn.Module], found: list[str]) -> list[str]:
+    """``found`` without the groups inside a module that reads its children's weights
+    (:data:`_READS_CHILDREN`): they belong to the reader's group (or the one holding it) then."""
+    readers = [n for n, m in named.items() if isinstance(m, _READS_CHILDREN)]
+    return [n for n in found if not any(n.startswith(f"{r}.") if r else n != "" for r in readers)]
 
 
 def _checked_names(named: dict[str, nn.Module], groups: list[str] | tuple[str, ...], what: str) -> list[str]:

@@ -190,9 +190,8 @@ class DevicePool:
         dtype: torch.dtype | None = None,
         storage_dtype: torch.dtype | Scaled | None = None,
         groups: str | Sequence[str] = "blocks",
-        skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP,
-        prefetch: int = 1,
-        pin_memory: bool | None = None, storage: str | os.PathLike[str] | None = None,
+        skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP, prefetch: int = 1,
+        pin_memory: bool | None = None, storage: str | os.PathLike[str] | None = None, host_budget: int | HostAccount | None = None,
     ) -> nn.Module:
         """Put ``model`` in the pool, on the host until :meth:`load` asks for it.
 
@@ -206,6 +205,7 @@ class DevicePool:
             prefetch: groups brought in ahead when streamed.
             pin_memory: pin streamed host storage (default: on an accelerator).
             storage: a safetensors checkpoint to stream a model (a skeleton too) from, within ``host_budget``.
+            host_budget: with ``storage``: the model's own host budget (bytes or an account), not the pool's.
 
         Returns:
             ``model``.
@@ -221,7 +221,7 @@ class DevicePool:
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"{_WHAT}.add: prefetch must be an int >= 0, got {prefetch!r}")
         options = {"dtype": dtype, "storage_dtype": storage_dtype, "groups": groups, "skip": skip, "prefetch": prefetch,
-                   "pin_memory": pin_memory, "master_dtype": None, "storage": storage, "host_budget": self.host}
+                   "pin_memory": pin_memory, "master_dtype": None, "storage": storage, "host_budget": self.host if host_budget is None else _host_account(host_budget)}
         member = Member(model, name, options, self._device, _WHAT)
         _check_budget(self.budget, member)
         self._members.join(model, member)
@@ -531,6 +531,13 @@ def _check_addable(pool: DevicePool, model: nn.Module, dtype: Any, storage_dtype
     problem = already_offloaded(model)
     if problem:
         raise RuntimeError(f"{what}: cannot pool the model: {problem}")
+
+
+def _host_account(host_budget: int | HostAccount) -> HostAccount:
+    """A model's own host budget as an account (refused if not a byte count)."""
+    if isinstance(host_budget, HostAccount):
+        return host_budget
+    return HostAccount(check_bytes(host_budget, f"{_WHAT}.add", "host_budget"))
 
 
 def _check_budget(budget: int | None, member: Member) -> None:
