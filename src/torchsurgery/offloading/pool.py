@@ -183,15 +183,11 @@ class DevicePool:
         self._placement = _Placement(self, self._device, self._members)
 
     def add(
-        self,
-        model: nn.Module,
-        *,
-        name: str | None = None,
-        dtype: torch.dtype | None = None,
-        storage_dtype: torch.dtype | Scaled | None = None,
-        groups: str | Sequence[str] = "blocks",
+        self, model: nn.Module, *, name: str | None = None, dtype: torch.dtype | None = None,
+        storage_dtype: torch.dtype | Scaled | None = None, groups: str | Sequence[str] = "blocks",
         skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP, prefetch: int = 1,
-        pin_memory: bool | None = None, storage: str | os.PathLike[str] | None = None, host_budget: int | HostAccount | None = None,
+        pin_memory: bool | None = None, storage: str | os.PathLike[str] | None = None,
+        host_budget: int | HostAccount | None = None,
     ) -> nn.Module:
         """Put ``model`` in the pool, on the host until :meth:`load` asks for it.
 
