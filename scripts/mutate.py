@@ -1343,6 +1343,19 @@ MUTATIONS = [
         "    lo = piece.start\n",
         ("tests/offloading/test_file_reader.py::test_direct_and_buffered_reads_give_the_file_bytes",),
     ),
+    Mutation(
+        "budget='least': a conversion plans the model at its new least (FramePack's installer on a streamed model)",
+        "src/torchsurgery/compat/_streamed.py",
+        '    return Base(device, {**options, "budget": "least"})\n',
+        '    return Base(device, {**options, "budget": plan_offload(model, device, **{**options, "budget": None}).budget})\n',
+        ("tests/compat/test_framepack_streamed.py::test_the_job_streamed_from_files_on_the_accelerator_equals_the_app_s_loading[low-vram]",),
+    ),
+    Mutation(
+        "budget='least': resolved to the least budget the model takes, planned again at each conversion",
+        "src/torchsurgery/offloading/plan.py",
+        '    if budget == "least":\n', '    if False:\n',
+        ("tests/offloading/test_engine_edges.py::test_budget_least_streams_every_group_and_follows_the_model_through_a_conversion",),
+    ),
 ]
 
 

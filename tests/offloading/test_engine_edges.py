@@ -650,3 +650,25 @@ def test_a_model_streamed_from_a_file_takes_to_dtype_as_the_plain_model(tmp_path
     handle.remove()
     assert [p.dtype for p in streamed.parameters()] == [p.dtype for p in model.parameters()]
     assert all(p.is_meta for p in streamed.parameters())
+
+
+@pytest.mark.accelerator
+def test_budget_least_streams_every_group_and_follows_the_model_through_a_conversion(accelerator: torch.device) -> None:
+    # the same conversion as above, with budget="least" in place of the least budget as a number:
+    # planned again at the converted model's least (every group still streamed), as FramePack's
+    # installer runs its transformer (which converts proj_out to fp32 inside its forward)
+    options: dict[str, Any] = {"storage_dtype": torch.bfloat16, "dtype": torch.float32}
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 8))
+    plain = copy.deepcopy(model)
+    least = _needed(model, accelerator, **options)
+    handle = offload(model, accelerator, budget="least", **options)
+    assert handle.plan.budget == least and not any(g.resident for g in handle.plan.groups)
+    model.to(torch.float64)
+    assert handle.active and not any(g.resident for g in handle.plan.groups)
+    assert handle.plan.budget > least  # fp64 weights take larger casts
+    x = torch.randn(2, 64, dtype=torch.float64)
+    with torch.no_grad():  # the fp64 model computes in fp32 from its bf16 storage, as offloaded
+        expected = plain.to(torch.bfloat16).to(torch.float32)(x.float())
+        torch.testing.assert_close(model(x.to(accelerator)).cpu().float(), expected, rtol=1e-5, atol=1e-5)
+    handle.remove()
+    assert all(p.dtype == torch.float64 for p in model.parameters())

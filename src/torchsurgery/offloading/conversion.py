@@ -130,7 +130,8 @@ def grown_budget(model: nn.Module, plan: OffloadPlan, options: dict[str, Any], c
     """``offload()``'s ``options`` for the converted model: a model kept whole stays whole, as the plain
     module would (its budget grows by what the conversion adds)."""
     options = dict(options)
-    if all(g.resident for g in plan.groups) and options.get("budget") is not None:
+    # (budget="least" follows the model by itself: planned again, it is the converted model's least)
+    if all(g.resident for g in plan.groups) and isinstance(options.get("budget"), int):
         o = options
         grown, _, _ = sizes(model, _WHAT, dtype=o["dtype"], storage_dtype=o["storage_dtype"], groups=o["groups"],
                             skip=o["skip"], converted=converted, device=plan.offload_device, prefetch=plan.prefetch)

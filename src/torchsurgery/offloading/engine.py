@@ -307,7 +307,7 @@ class OffloadHandle:
 
 def offload(
     model: nn.Module, device: str | torch.device | OffloadDevice = "cpu", *, dtype: torch.dtype | None = None,
-    storage_dtype: torch.dtype | Scaled | None = None, budget: int | None = None, prefetch: int = 1,
+    storage_dtype: torch.dtype | Scaled | None = None, budget: int | str | None = None, prefetch: int = 1,
     pin_memory: bool | None = None, groups: str | Sequence[str] = "blocks",
     skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP, master_dtype: torch.dtype | None = None,
     storage: str | os.PathLike[str] | None = None, host_budget: int | HostAccount | None = None,
@@ -327,8 +327,8 @@ def offload(
             streamed groups in flight. A model that fits is kept whole. Otherwise the groups that
             stream through the ring are measured on the first forward and those whose transfers
             cannot be hidden behind compute are kept resident (:func:`~torchsurgery.offloading.residency.plan_residency`);
-            groups served by the CPU narrow-weight path are filled in execution order. ``None``:
-            nothing is resident on a CPU; on an accelerator, what is free minus a margin.
+            groups served by the CPU narrow-weight path are filled in execution order. ``None``: nothing
+            resident on a CPU; on an accelerator, what is free minus a margin. ``"least"``: every group streamed.
         prefetch: how many groups ahead to bring in (in the first forward's order).
         pin_memory: pin host storage (default: on an accelerator that can).
         groups: ``"blocks"``, ``"leaves"`` or a list of qualified module names.

@@ -20,6 +20,7 @@ import os
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -890,7 +891,7 @@ def _file_keys(model: nn.Module, named: dict[str, nn.Module], groups: list[Group
 
 def plan_offload(
     model: nn.Module, device: str | torch.device | OffloadDevice = "cpu", *, dtype: torch.dtype | None = None,
-    storage_dtype: torch.dtype | Scaled | None = None, budget: int | None = None, prefetch: int = 1,
+    storage_dtype: torch.dtype | Scaled | None = None, budget: int | str | None = None, prefetch: int = 1,
     pin_memory: bool | None = None, groups: str | Sequence[str] = "blocks",
     skip: Callable[[nn.Module, str], bool] | None = DEFAULT_SKIP, master_dtype: torch.dtype | None = None,
     storage: str | os.PathLike[str] | None = None, host_budget: int | None = None,
@@ -956,7 +957,7 @@ def plan_converted(
     *,
     dtype: torch.dtype | None,
     storage_dtype: torch.dtype | Scaled | None,
-    budget: int | None,
+    budget: int | str | None,
     prefetch: int,
     pin_memory: bool | None,
     groups: str | Sequence[str],
@@ -970,18 +971,19 @@ def plan_converted(
     """:func:`plan_offload`, with the parameters the user converted while offloaded (see :func:`_collect`).
 
     ``offloaded_ok``: plan a model that is offloaded now (to check, before its offload is
-    removed, that the converted model can be offloaded again).
-
-    ``fallback``: given where ``budget`` is not the user's (a pool's grant out of the free
+    removed, that the converted model can be offloaded again). ``fallback``: given where ``budget`` is not the user's (a pool's grant out of the free
     memory): when the groups do not fit in it, finer ones are planned (:func:`_fitted`) and
     ``fallback`` is called with one sentence naming the choice. With no ``budget`` on an
     accelerator (the budget then comes from its free memory) the same, with a warning. ``host_budget`` may be a
     :class:`~torchsurgery.offloading.host_tier.HostAccount` (a pool's): the part of it free now.
-    """
-    options = _check_options(
-        model, device, dtype, storage_dtype, master_dtype, budget, prefetch, pin_memory, skip, groups, storage,
-        offloaded_ok,
-    )
+    ``budget="least"``: every group streamed, at the least the (converted) model takes."""
+    if budget == "least":
+        keywords = {"dtype": dtype, "storage_dtype": storage_dtype, "prefetch": prefetch, "pin_memory": pin_memory,
+                    "groups": groups, "skip": skip, "master_dtype": master_dtype, "storage": storage,
+                    "offloaded_ok": offloaded_ok, "host_budget": host_budget}
+        budget = _least_budget(model, device, converted, keywords)
+    options = _check_options(model, device, dtype, storage_dtype, master_dtype, check_bytes(budget, _WHAT, "budget"),
+                             prefetch, pin_memory, skip, groups, storage, offloaded_ok)
     named = dict(model.named_modules())
     plan = _collect(
         named, find_groups(model, groups, _WHAT), options.dtype, options.storage_dtype, options.master_dtype,
@@ -995,8 +997,7 @@ def plan_converted(
     buffers = _buffer_bytes(model, options.device)
     if fallback is None and budget is None and not options.device.host_compute:
         fallback = _warn  # the budget comes from the device's free memory: never refuse what can run
-    if fallback is not None and offloaded_ok:
-        fallback = _quiet  # a check before a conversion: the plan that follows it reports
+    fallback = _quiet if fallback is not None and offloaded_ok else fallback  # a check: the plan after it reports
     plan, options, budget, measured = _fitted(model, named, plan, converted, options, buffers, fallback)
     prefetch = options.prefetch
     _route(named, plan, options, from_file)
@@ -1008,3 +1009,16 @@ def plan_converted(
     seam = options.device
     return OffloadPlan(seam.device, plan, budget, measured, prefetch, options.pin, storage, seam, buffers,
                        host if from_file else None)
+
+
+def _least_budget(
+    model: nn.Module, device: str | torch.device | OffloadDevice, converted: Mapping[int, torch.dtype] | None,
+    keywords: dict[str, Any],
+) -> int:
+    """``budget="least"``: the least budget :func:`plan_converted` takes for ``model`` with its other
+    ``keywords``, every group streamed."""
+    try:
+        plan_converted(model, device, converted, budget=0, **keywords)
+    except BudgetError as refusal:
+        return refusal.needed
+    return 0
