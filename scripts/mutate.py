@@ -1356,6 +1356,36 @@ MUTATIONS = [
         '    if budget == "least":\n', '    if False:\n',
         ("tests/offloading/test_engine_edges.py::test_budget_least_streams_every_group_and_follows_the_model_through_a_conversion",),
     ),
+    Mutation(
+        "threads (issue 48): a conversion holds the forward lock, so it waits for the forwards running and they for it",
+        "src/torchsurgery/offloading/conversion.py",
+        "        if self.lock is None:\n            return self._apply(fn, recurse)\n",
+        "        if True:\n            return self._apply(fn, recurse)\n",
+        ("tests/offloading/test_forward_lock.py::test_a_conversion_waits_for_the_forward_running_in_another_thread",),
+    ),
+    Mutation(
+        "threads (issue 48): a forward lock held by a thread that ended is taken over",
+        "src/torchsurgery/offloading/forward_lock.py",
+        "        if not owner.is_alive():\n            return True\n",
+        "",
+        ("tests/offloading/test_forward_lock.py::"
+         "test_a_forward_that_ended_its_thread_or_raised_does_not_keep_the_next_forwards_waiting",),
+    ),
+    Mutation(
+        "threads (issue 48): a forward lock whose holder left the forward it took it for is taken over",
+        "src/torchsurgery/offloading/forward_lock.py",
+        "                if frame.f_code is _CALL and frame.f_locals.get(\"self\") is self._forward:\n                    return False\n",
+        "                return False\n",
+        ("tests/offloading/test_forward_lock.py::"
+         "test_a_forward_interrupted_in_a_thread_that_goes_on_does_not_keep_the_next_forwards_waiting",),
+    ),
+    Mutation(
+        "threads (issue 48): a conversion keeps the forward lock, which the forwards waiting for it hold next",
+        "src/torchsurgery/offloading/engine.py",
+        "            self._streaming.lock = lock\n",
+        "",
+        ("tests/offloading/test_forward_lock.py::test_conversions_racing_forwards_in_threads_never_half_change_the_model",),
+    ),
 ]
 
 

@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -426,19 +427,54 @@ def holder_of(changes: ChangeSet) -> str | None:
     return None
 
 
+_SETTLE_S = 2.0  # how long surgery holding a forward lock lets threads inside the model reach it
+_waiting: dict[int, object] = {}  # thread ident -> the lock of the surgery's own it waits for
+_tolerated = threading.local()  # .lock: the lock whose waiters this thread's surgery goes ahead past
+
+
+@contextlib.contextmanager
+def waiting_on(lock: object) -> Iterator[None]:
+    """Within the block the calling thread only waits for ``lock`` (an offload's forward lock).
+
+    Surgery done under :func:`waiters_ok` of the same lock does not count it as running a
+    forward: once it holds the lock, the waiting thread must check that what it locked is
+    still there.
+    """
+    me = threading.get_ident()
+    _waiting[me] = lock
+    try:
+        yield
+    finally:
+        _waiting.pop(me, None)
+
+
+@contextlib.contextmanager
+def waiters_ok(lock: object) -> Iterator[None]:
+    """Within the block, :func:`check_idle` of this thread passes threads that only wait for ``lock``."""
+    previous = getattr(_tolerated, "lock", None)
+    _tolerated.lock = lock
+    try:
+        yield
+    finally:
+        _tolerated.lock = previous
+
+
 def running_elsewhere(module: nn.Module) -> str | None:
     """The module of ``module``'s subtree another thread is running now (its name, and the thread's), if any.
 
     Read from the threads' stacks: a module is running while a frame of
-    ``nn.Module._call_impl`` with it as ``self`` is on a stack.
+    ``nn.Module._call_impl`` with it as ``self`` is on a stack (unless the thread only waits
+    for the lock this thread's surgery holds: see :func:`waiting_on`).
     """
+    tolerated = getattr(_tolerated, "lock", None)
+    waiters = {ident for ident, lock in _waiting.copy().items() if tolerated is not None and lock is tolerated}
     me = threading.get_ident()
     call = nn.Module._call_impl.__code__
     running: list[tuple[int, Any]] = []
     frames, frame = sys._current_frames(), None
     try:
         for ident, frame in frames.items():
-            while frame is not None and ident != me:
+            while frame is not None and ident != me and ident not in waiters:
                 if frame.f_code is call:
                     running.append((ident, frame.f_locals.get("self")))
                 frame = frame.f_back
@@ -467,6 +503,14 @@ def check_idle(module: nn.Module, what: str) -> None:
         RuntimeError: another thread is inside the forward of a module of the subtree.
     """
     busy = running_elsewhere(module)
+    if busy is not None and getattr(_tolerated, "lock", None) is not None:
+        # this thread holds the lock forwards take: a thread inside the model is on its way to
+        # wait for it (between its call and the lock), or runs a part that takes none: let it
+        # get there, or finish
+        deadline = time.monotonic() + _SETTLE_S
+        while busy is not None and time.monotonic() < deadline:
+            time.sleep(0.001)
+            busy = running_elsewhere(module)
     if busy is not None:
         raise RuntimeError(
             f"{what}: {busy} is running a forward now; changing its class or hooks under it would break that "

@@ -22,6 +22,7 @@ from torchsurgery import BudgetError, offload
 from torchsurgery.compact import Scaled
 from torchsurgery.offloading import stored_values
 from torchsurgery.offloading.plan import plan_offload
+from torchsurgery.offloading.residency import GroupCost
 
 X = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
 
@@ -174,18 +175,32 @@ def _streaming_again_then_resident(
     assert handle.stats().resident_groups
 
 
+def _every_transfer_stalls(streaming: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The groups' measured costs from a controlled source, not the clock: each group computes in a
+    microsecond and the link moves a kilobyte a second, so every transfer stalls (the residency
+    chosen is the same on any machine, however loaded)."""
+    sizes = {name: packed.layout.nbytes for name, packed in streaming.packed.items()}
+
+    def measured(names: list[str]) -> tuple[list[GroupCost], float]:
+        return [GroupCost(n, sizes[n], 1e-6) for n in names if n in sizes], 1e3
+
+    monkeypatch.setattr(streaming, "measured", measured)
+
+
 @pytest.mark.accelerator
 def test_out_of_memory_making_the_ring_again_after_groups_went_resident_leaves_every_group_streaming(
     on_tardy: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the groups' values fit, the ring made again for the groups left does not: the groups
-    # already swapped in go back to streaming (which of the two fails depended on timing:
-    # the groups chosen follow the measured stalls)
+    # already swapped in go back to streaming (the groups chosen follow the measured stalls,
+    # which come from a controlled source here: with the clock's, a loaded machine could
+    # measure no stall, make nothing resident and leave the rollback untested)
     model = _model()
     x, expected = _plain_and_inputs(model, on_tardy)
     with _slow_link(on_tardy):
         handle = offload(model, on_tardy, budget=_all_but_one_group(model))
         streaming = handle._streaming
+        _every_transfer_stalls(streaming, monkeypatch)
         make_ring = streaming.start
 
         def no_room() -> None:

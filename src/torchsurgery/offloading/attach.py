@@ -24,6 +24,7 @@ from torch import nn
 from torchsurgery import _undo
 from torchsurgery.compact import stored_state
 from torchsurgery.offloading.conversion import Conversion, ConvertSubtree
+from torchsurgery.offloading.forward_lock import ForwardLock
 from torchsurgery.offloading.streams import (
     AfterFirst,
     EndForward,
@@ -75,30 +76,35 @@ class Attachments:
     def hook_forwards(self, model: nn.Module, streaming: Streaming, after_first: Callable[[], None] | None) -> None:
         """Hooks around every forward of ``model``: the lock and the order of the streamed groups (if
         any), ``after_first`` after the first forward without gradients."""
-        # hooks stay: the lock spans the user's own hooks (prepend, always_call), which a forward cannot
-        if self.patched:
-            # one thread at a time runs the model; the order streamed groups ran in is closed at
-            # the end of every forward, after the first one's measurements chose residency
-            self.hooks.append(model.register_forward_pre_hook(StartForward(streaming), prepend=True))
-            if after_first is not None:
-                self.hooks.append(model.register_forward_hook(AfterFirst(streaming, after_first)))
-            self.hooks.append(model.register_forward_hook(EndForward(streaming), always_call=True))
+        # hooks stay: the lock spans the user's own hooks (prepend, always_call), which a forward cannot;
+        # one thread at a time runs the model or converts it, also where no group streams (a
+        # conversion takes the offload off and installs it again); the order streamed groups ran in
+        # is closed at the end of every forward, after the first one's measurements chose residency
+        self.hooks.append(model.register_forward_pre_hook(StartForward(streaming), prepend=True))
+        if self.patched and after_first is not None:
+            self.hooks.append(model.register_forward_hook(AfterFirst(streaming, after_first)))
+        self.hooks.append(model.register_forward_hook(EndForward(streaming), always_call=True))
 
-    def guard_conversions(self, modules: Mapping[str, nn.Module], convert: weakref.WeakMethod[ConvertSubtree]) -> None:
-        """``.to()``, ``.half()``, ``.cuda()``... of any of ``modules`` go through ``convert``."""
+    def guard_conversions(
+        self, modules: Mapping[str, nn.Module], convert: weakref.WeakMethod[ConvertSubtree], lock: ForwardLock
+    ) -> None:
+        """``.to()``, ``.half()``, ``.cuda()``... of any of ``modules`` go through ``convert``, holding
+        ``lock`` (the forwards' own: a conversion waits for the forwards running, and they for it)."""
         for name, module in modules.items():
             # .to(), .half(), .cuda()... would change weights whose values live in this offload
             # behind its back: refused, before anything changes (the instance attribute wins over
             # the class method; removed with the offload)
             # an instance attribute stays: every module needs it, and no hook reaches Module._apply
             if "_apply" not in module.__dict__:
-                module.__dict__["_apply"] = Conversion(module, name, convert)
+                module.__dict__["_apply"] = Conversion(module, name, convert, lock)
 
     def detach(self) -> None:
         """Take the hooks and the patches off."""
         for hook in self.hooks:
             hook.remove()
         self.hooks.clear()
+        for streamer in self.streamers.values():
+            streamer.detached = True  # a thread waiting to bring its group in calls the module as it is now
         for module in reversed(self.patched):
             if is_patched(module, StreamedGroup):
                 unpatch(module, StreamedGroup, _internal=True)

@@ -25,6 +25,7 @@ from torch import nn
 
 from torchsurgery._swap import wrap_like
 from torchsurgery.compact import OffloadedTensor, converted_by
+from torchsurgery.offloading.forward_lock import ForwardLock
 from torchsurgery.offloading.pending import hand_over
 from torchsurgery.offloading.plan import OffloadPlan, sizes
 from torchsurgery.offloading.streams import GroupStreamer
@@ -57,15 +58,30 @@ class Conversion:
         (True, torch.float64)
     """
 
-    def __init__(self, module: nn.Module, name: str, convert: weakref.WeakMethod[ConvertSubtree] | None = None) -> None:
+    def __init__(
+        self, module: nn.Module, name: str, convert: weakref.WeakMethod[ConvertSubtree] | None = None,
+        lock: ForwardLock | None = None,
+    ) -> None:
         self.module = module
         self.name = name
         self.convert = convert
+        self.lock = lock
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"module": self.module, "name": self.name, "convert": None}
+        return {"module": self.module, "name": self.name, "convert": None, "lock": None}
 
     def __call__(self, fn: Any, recurse: bool = True) -> nn.Module:
+        if self.lock is None:
+            return self._apply(fn, recurse)
+        # whole, between forwards: a forward running (in another thread) ends first, and the next
+        # waits for this one; a conversion inside a forward of this thread takes it again
+        with self.lock.held():
+            if self.module.__dict__.get("_apply") is not self:
+                # converted (or removed) by another thread while this one waited: as the module is now
+                return self.module._apply(fn, recurse)
+            return self._apply(fn, recurse)
+
+    def _apply(self, fn: Any, recurse: bool) -> nn.Module:
         changed = converted_by(self.module, fn)
         if changed is None:  # nothing changes (share_memory_, .to() where it already is): as on the plain module
             return nn.Module._apply(self.module, fn, recurse)

@@ -62,7 +62,7 @@ from torchsurgery.offloading.originals import Originals
 from torchsurgery.offloading.pending import hand_over
 from torchsurgery.offloading.plan import DEFAULT_SKIP, OffloadPlan, plan_converted
 from torchsurgery.offloading.stats import OffloadStats
-from torchsurgery.offloading.streams import Streaming
+from torchsurgery.offloading.streams import StartForward, Streaming
 
 __all__ = ["offload", "OffloadHandle", "OffloadStats", "DEFAULT_SKIP", "OffloadRecord", "offload_converted"]
 
@@ -197,7 +197,7 @@ class OffloadHandle:
         after_first = measured if plan.measured_budget is not None else None
         self._attached.hook_forwards(model, self._streaming, after_first)
         self._hold = _undo.hold([p.lookup_in(named) for p in plan.params], "an active offload")
-        self._attached.guard_conversions(named, weakref.WeakMethod(self._convert_subtree))
+        self._attached.guard_conversions(named, weakref.WeakMethod(self._convert_subtree), self._streaming.lock)
         self._record = OffloadRecord(self)
         _undo.push(model, self._record)
 
@@ -238,12 +238,18 @@ class OffloadHandle:
         # anything changes (a refusal leaves the model as it was, offloaded)
         plan_converted(model, seam, converted, offloaded_ok=True, **options)
         warn_if_unscaled(self.plan, dict(model.named_modules()), changes)
-        self.remove()
-        convert_values(module, changes, fn)
-        # planned and installed again on this handle, so that references to it stay valid
-        OffloadHandle.__init__(self, model, plan_converted(model, seam, converted, **options), options)
-        self.converted = converted
-        self._install()
+        # the lock (held by this thread: see Conversion) is kept, and forwards starting meanwhile wait for it
+        lock, guard = self._streaming.lock, model.register_forward_pre_hook(StartForward(self._streaming), prepend=True)
+        try:
+            self.remove()
+            convert_values(module, changes, fn)
+            # planned and installed again on this handle, so that references to it stay valid
+            OffloadHandle.__init__(self, model, plan_converted(model, seam, converted, **options), options)
+            self._streaming.lock = lock
+            self.converted = converted
+            self._install()
+        finally:
+            guard.remove()
         return True
 
     def remove(self) -> nn.Module:

@@ -20,11 +20,9 @@ buffer directly.
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 import torch
@@ -39,6 +37,7 @@ from torchsurgery.compact import (
     rehome,
     stored_values,
 )
+from torchsurgery.offloading.forward_lock import ForwardLock
 from torchsurgery.offloading.order import OrderRecorder
 from torchsurgery.offloading.packing import (
     FlatLayout,
@@ -375,7 +374,7 @@ class Streaming:
         self.restart = False  # a copy: make the ring at the first forward
         self.pending: list[_Measure] = []
         self.timings: dict[str, _Timing] = {}
-        self.lock = _ForwardLock()  # one thread at a time runs the model (streamed groups swap weights in)
+        self.lock = ForwardLock()  # one thread at a time runs the model (streamed groups swap weights in)
         self.reader: Any = None  # a FileReader for groups streamed from a checkpoint file
 
     def __getstate__(self) -> dict[str, Any]:
@@ -388,7 +387,7 @@ class Streaming:
     def __setstate__(self, state: dict[str, Any]) -> None:
         _transfers_outside_compiled()
         self.__dict__.update(state)
-        self.lock = _ForwardLock()
+        self.lock = ForwardLock()
 
     def add(self, packed: PackedGroup) -> None:
         """Stream ``packed`` through the ring (before :meth:`start`)."""
@@ -491,70 +490,19 @@ class Streaming:
         return stall_hint(named, [], bandwidth=bandwidth)
 
 
-class _ForwardLock:
-    """One thread at a time inside the model's forward: a reentrant lock, held for a whole forward.
-
-    A streamed model swaps its weights in group by group; a second thread inside the same
-    forward would see the first one's weights half swapped (and a group made resident under
-    it), so whole forwards are serialized, not single groups. The model's forward pre-hook
-    takes it and its forward hook gives it back; the groups take it too (reentrantly), so a
-    group called on its own waits for a forward of the model to end. A forward that a
-    ``KeyboardInterrupt`` ended skips the forward hook: the next forward of that thread takes
-    the lock over again instead of holding it for good.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._owner: int | None = None
-        self._depth = 0
-
-    def acquire(self) -> None:
-        me = threading.get_ident()
-        if self._owner == me:
-            self._depth += 1
-            return
-        self._lock.acquire()
-        self._owner, self._depth = me, 1
-
-    def release(self) -> None:
-        if self._owner != threading.get_ident():
-            return  # not taken by this thread (a pre-hook before ours raised)
-        self._depth -= 1
-        if self._depth == 0:
-            self._owner = None
-            self._lock.release()
-
-    def begin_forward(self, model: nn.Module) -> None:
-        """Taken for a forward of ``model``, which a ``KeyboardInterrupt`` may have left held."""
-        if self._owner == threading.get_ident() and not _inside_twice(model):
-            self._depth = 0  # an interrupted forward's hold: this thread runs no other forward of the model
-            self._owner = None
-            self._lock.release()
-        self.acquire()
-
-
-def _inside_twice(model: nn.Module) -> bool:
-    """Whether the calling thread is inside a forward of ``model`` besides the one starting now."""
-    call = nn.Module._call_impl.__code__
-    frame: FrameType | None = sys._getframe(1)
-    found = 0
-    while frame is not None:
-        if frame.f_code is call and frame.f_locals.get("self") is model:
-            found += 1
-        frame = frame.f_back
-    del frame
-    return found > 1
-
-
 class StartForward:
-    """A forward pre-hook on the model: the forward runs alone (see :class:`_ForwardLock`; picklable)."""
+    """A forward pre-hook on the model: the forward runs alone (see :class:`~torchsurgery.offloading.forward_lock.ForwardLock`; picklable)."""
 
     def __init__(self, streaming: Streaming) -> None:
         self.streaming = streaming
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if not torch.compiler.is_compiling():
-            self.streaming.lock.begin_forward(module)
+        if torch.compiler.is_compiling():
+            return
+        lock = self.streaming.lock
+        lock.begin_forward(module)
+        if not any(isinstance(h, EndForward) and h.streaming.lock is lock for h in module._forward_hooks.values()):
+            lock.release()  # the offload was removed while this thread waited: nothing would release it
 
 
 class EndForward:
@@ -664,6 +612,7 @@ class GroupStreamer:
         self.nbytes = sum(s.nbytes for s in packed.layout.slots) if packed is not None else 0
         self.nbytes += sum(stored_values(p).nbytes for _, _, p, _ in other_entries)
         self.depth = 0
+        self.detached = False  # the offload took its patch off (removed, or converted and installed again)
         self.slot: int | None = None
         self.measure: _Measure | None = None
         self.fresh = 0  # device bytes held for the group's current run besides the ring
@@ -684,11 +633,16 @@ class GroupStreamer:
             self.scales = [s if s is None else s.to(v.device) for v, s in self.packed.scaled_views(views)]
         return list(zip(views, self.scales, strict=True))
 
-    def bring_in(self) -> None:  # outside compiled regions (_transfers_outside_compiled); the group's compute compiles
+    def bring_in(self) -> bool:  # outside compiled regions (_transfers_outside_compiled); the group's compute compiles
+        """Bring the weights in (once this thread holds the forward lock, until :meth:`release`);
+        ``False`` (nothing held) where the offload was converted or removed while it waited."""
         self.streaming.lock.acquire()  # held until the matching release(), by this thread
+        if self.detached:
+            self.streaming.lock.release()
+            return False
         self.depth += 1
         if self.depth > 1 or self.resident:
-            return  # re-entered (a shared module): already in; or resident
+            return True  # re-entered (a shared module): already in; or resident
         streaming = self.streaming
         device = streaming.device
         start = device.record(device.current_stream())
@@ -734,6 +688,7 @@ class GroupStreamer:
         streaming.current += fresh
         ring = streaming.ring.nbytes if streaming.ring is not None else 0
         stats.peak_device_bytes = max(stats.peak_device_bytes, stats.resident_bytes + ring + streaming.current)
+        return True
 
     def _install(self, entries: list[tuple[tuple[nn.Module, str, nn.Parameter, torch.dtype], torch.dtype | None]],
                  views: list[torch.Tensor]) -> int:
@@ -830,7 +785,8 @@ class StreamedGroup(Patch, nn.Module):
             finally:
                 for (owner, pname, _, _), p in zip(entries, current, strict=True):
                     owner._parameters[pname] = p
-        streamer.bring_in()
+        if not streamer.bring_in():
+            return self.forward(*args, **kwargs)  # patched again, or not: as the module is now
         try:
             return super().forward(*args, **kwargs)
         finally:  # also on KeyboardInterrupt, which skips torch's always_call hooks

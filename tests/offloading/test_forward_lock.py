@@ -1,0 +1,243 @@
+"""The forward lock: forwards and conversions of an offloaded model serialise, and a lock never
+outlives its holder. Each compares with the plain model converted the same way."""
+
+from __future__ import annotations
+
+import copy
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tardy
+from torchsurgery import offload
+
+X = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+_JOIN_S = 60.0  # only a deadlock waits this long
+
+
+class _Net(nn.Module):
+    """Six groups of leaves (a norm, four linears, a head) reading the input in the dtype of their weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.LayerNorm(64), *[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)], nn.Linear(64, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x.to(self.layers[0].weight.dtype))
+
+
+class _Parks(nn.Module):
+    """A layer whose forward, when told to, says it is inside and waits for ``go``, or raises ``error``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+        self.inside, self.go = threading.Event(), threading.Event()
+        self.park = False
+        self.error: BaseException | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.error is not None:
+            raise self.error
+        if self.park:
+            self.inside.set()
+            assert self.go.wait(_JOIN_S)
+        return self.linear(x.to(self.linear.weight.dtype))
+
+
+def _parking_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(_Parks(), nn.ReLU(), nn.Linear(64, 8))
+
+
+def _in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, list[Any], list[BaseException]]:
+    out: list[Any] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(target())
+        except Exception as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out, errors
+
+
+def _forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(x)
+
+
+# ---------------------------------------------------------------------- a lock never outlives its holder
+
+
+@pytest.mark.parametrize("error", [SystemExit(), KeyboardInterrupt(), ValueError("in the forward")], ids=["exit", "interrupt", "error"])
+def test_a_forward_that_ended_its_thread_or_raised_does_not_keep_the_next_forwards_waiting(error: BaseException) -> None:
+    # SystemExit and KeyboardInterrupt skip the hook that gives the lock back (torch runs
+    # always_call hooks on an Exception only), and the thread ends holding it
+    model = _parking_model()
+    handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
+    expected = _forward(model, X)
+    model[0].error = error
+    thread = threading.Thread(target=_ends_by, args=(model, error), daemon=True)
+    thread.start()
+    thread.join(_JOIN_S)
+    assert not thread.is_alive()
+    model[0].error = None
+    later, out, errors = _in_thread(lambda: _forward(model, X))
+    later.join(_JOIN_S)
+    assert not later.is_alive(), "the next forward waits for a lock held by a thread that ended"
+    assert not errors, errors
+    torch.testing.assert_close(out[0], expected, rtol=0, atol=0)
+    handle.remove()
+
+
+def _ends_by(model: nn.Module, error: BaseException) -> None:
+    """A forward of ``model`` raising ``error``, which ends the thread (quietly)."""
+    try:
+        _forward(model, X)
+    except type(error):
+        if not isinstance(error, Exception):
+            raise SystemExit from None  # ends the thread as the interrupt would, without a report
+
+
+def test_a_forward_interrupted_in_a_thread_that_goes_on_does_not_keep_the_next_forwards_waiting() -> None:
+    # the thread caught the interrupt outside the model and waits for something else: it is no
+    # longer inside the forward it took the lock for
+    model = _parking_model()
+    handle = offload(model, storage_dtype=torch.bfloat16, dtype=torch.float32)
+    with torch.no_grad():
+        expected = model(X)
+    model[0].error = KeyboardInterrupt()
+    interrupted, carry_on = threading.Event(), threading.Event()
+
+    def run() -> None:
+        try:
+            _forward(model, X)
+        except KeyboardInterrupt:
+            interrupted.set()
+        carry_on.wait(_JOIN_S)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        assert interrupted.wait(_JOIN_S)
+        model[0].error = None
+        later, out, errors = _in_thread(lambda: _forward(model, X))
+        later.join(_JOIN_S)
+        assert not later.is_alive(), "the next forward waits for a lock its holder left"
+        assert not errors, errors
+        torch.testing.assert_close(out[0], expected, rtol=0, atol=0)
+        # the thread that was interrupted runs the model again, after the other
+        torch.testing.assert_close(_forward(model, X), expected, rtol=0, atol=0)
+    finally:
+        carry_on.set()
+        thread.join(_JOIN_S)
+    handle.remove()
+
+
+# ---------------------------------------------------------------------- conversions wait for forwards
+
+
+@pytest.mark.accelerator
+def test_a_conversion_waits_for_the_forward_running_in_another_thread(accelerator: torch.device) -> None:
+    model, plain = _parking_model(), _parking_model().to(accelerator)  # equal weights
+    x = X.to(accelerator)
+    before, after = _forward(plain, x), _forward(plain.double(), x)
+    handle = offload(model, accelerator, groups="leaves", budget=1 << 20)
+    model[0].park = True
+    running, out, errors = _in_thread(lambda: _forward(model, x))
+    try:
+        assert model[0].inside.wait(_JOIN_S)
+        model[0].park = False
+        converting, _, refused = _in_thread(lambda: model.double())
+        converting.join(0.2)  # were it not waiting, it would have converted (or been refused) here
+        assert converting.is_alive() and not refused
+        assert {p.dtype for p in model.parameters()} == {torch.float32}  # nothing changed under the forward
+    finally:
+        model[0].go.set()
+        running.join(_JOIN_S)
+    converting.join(_JOIN_S)
+    assert not running.is_alive() and not converting.is_alive()
+    assert not errors and not refused, (errors, refused)
+    torch.testing.assert_close(out[0], before, rtol=0, atol=0)  # the forward ran whole before it
+    assert handle.active and {(p.dtype, p.device) for p in model.parameters()} == {(torch.float64, accelerator)}
+    torch.testing.assert_close(_forward(model, x), after, rtol=0, atol=0)
+    handle.remove()
+
+
+# ---------------------------------------------------------------------- the stress test
+
+_ROUNDS = 200
+# every way to convert that the offload takes: to each dtype, by each call (a device it is on already changes nothing)
+_TO: dict[torch.dtype, list[Callable[[nn.Module, torch.device], nn.Module]]] = {
+    torch.float32: [lambda m, d: m.float(), lambda m, d: m.to(torch.float32), lambda m, d: m.to(d, torch.float32),
+                    lambda m, d: m.to(dtype=torch.float32), lambda m, d: m.type(torch.float32)],
+    torch.float64: [lambda m, d: m.double(), lambda m, d: m.to(torch.float64), lambda m, d: m.to(d, dtype=torch.float64),
+                    lambda m, d: m.to(torch.zeros((), dtype=torch.float64, device=d)), lambda m, d: m.type(torch.float64)],
+}
+
+
+def _round(model: nn.Module, device: torch.device, x: torch.Tensor, rng: random.Random, to: torch.dtype) -> list[torch.Tensor]:
+    """A thread converting ``model`` to ``to`` races three threads running two forwards each, every
+    thread after a random delay; the forwards' outputs."""
+    outputs: list[torch.Tensor] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+    delays = [rng.uniform(0, 0.002) for _ in range(4)]
+    call = rng.choice(_TO[to])
+
+    def act(i: int) -> None:
+        try:
+            start.wait(_JOIN_S)
+            time.sleep(delays[i])
+            if i == 0:
+                call(model, device)
+            else:
+                outputs.extend(_forward(model, x) for _ in range(2))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=act, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(_JOIN_S)
+    assert not any(t.is_alive() for t in threads), "deadlock: a conversion or a forward never ended"
+    assert not errors, errors
+    return outputs
+
+
+@pytest.mark.accelerator
+def test_conversions_racing_forwards_in_threads_never_half_change_the_model(on_tardy: torch.device) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    x = X.to(on_tardy)
+    plain = {torch.float32: copy.deepcopy(model).to(on_tardy), torch.float64: copy.deepcopy(model).to(on_tardy).double()}
+    expected = {dtype: _forward(m, x) for dtype, m in plain.items()}  # exact: f32 -> f64 -> f32 changes no value
+    # the budget streams groups in both dtypes (the model whole does not fit in fp32)
+    handle = offload(model, on_tardy, groups="leaves", budget=68_000)
+    assert handle.stats().streamed_groups
+    rng = random.Random(48)
+    now = torch.float32
+    with tardy.settings(delay=(0.0, 0.0005), seed=48):  # copies land after random delays
+        for _ in range(_ROUNDS):
+            to = rng.choice([torch.float32, torch.float64])
+            for out in _round(model, on_tardy, x, rng, to):  # each forward ran whole before or after the conversion
+                assert any(out.dtype == expected[d].dtype and torch.equal(out, expected[d]) for d in (now, to))
+            now = to
+            assert handle.active
+            assert {(p.dtype, p.device) for p in model.parameters()} == {(to, on_tardy)}
+            assert torch.equal(_forward(model, x), expected[to])
+    handle.remove()
+    assert {(p.dtype, p.device.type) for p in model.parameters()} == {(now, "cpu")}
+    for p, q in zip(model.parameters(), plain[now].parameters(), strict=True):
+        assert torch.equal(p, q.cpu())
