@@ -28,6 +28,12 @@ __all__ = ["METHODS"]
 _DATA: Any = vars(torch._C.TensorBase)["data"]  # the `.data` property: its setter is what `t.data = x` calls
 
 
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    """The values ``t`` keeps (an OffloadedTensor's ``stored``)."""
+    stored: torch.Tensor = cast(Any, t).stored
+    return stored
+
+
 def _data_ptr(t: torch.Tensor) -> int:
     return _stored(t).data_ptr()
 
@@ -110,7 +116,7 @@ def _set_data(t: torch.Tensor, new: Any) -> None:
             f"{list(new.shape)} on {new.device}; write values of its shape in place, or remove the offload first"
         )
     kept = values.to(device=stored.device if here else values.device, dtype=stored.dtype)
-    weight: Any = type(t)
+    weight: Any = type(t)  # the weight's class: a weight of its kind over the new values
     _DATA.__set__(t, weight(kept, t.dtype, device=new.device))  # the wrapper's shape, strides, device
     cast(Any, t)._rehome(kept)
     shadow = t.__dict__[SHADOW]
@@ -130,9 +136,3 @@ METHODS: dict[Any, Callable[..., Any]] = {
     torch.Tensor.tolist: _tolist,
     _DATA.__set__: _set_data,
 }
-
-
-def _stored(t: torch.Tensor) -> torch.Tensor:
-    """The values ``t`` keeps (an OffloadedTensor's ``stored``)."""
-    stored: torch.Tensor = cast(Any, t).stored
-    return stored
