@@ -122,9 +122,9 @@ MUTATIONS = [
     ),
     Mutation(
         "state_dict of a scaled weight streamed to an accelerator is made on the host",
-        "src/torchsurgery/compact/tensor.py",
+        "src/torchsurgery/compact/stored.py",
         "_own_storage(stored) if scale is None else dequantize(stored, scale.to(stored.device), value.dtype)\n",
-        "_own_storage(stored) if scale is None else _wide(value)\n",
+        "_own_storage(stored) if scale is None else dequantize(stored.to(value.device), scale.to(value.device), value.dtype)\n",
         ("tests/offloading/test_scaled_streaming.py::test_state_dict_of_a_streamed_scaled_model_is_made_on_the_host",),
     ),
     Mutation(
@@ -248,7 +248,7 @@ MUTATIONS = [
     ),
     Mutation(
         "the device rule: a weight reading as the device gives its values there",
-        "src/torchsurgery/compact/tensor.py",
+        "src/torchsurgery/compact/values.py",
         "return stored.to(device=t.device, dtype=t.dtype)",
         "return stored.to(dtype=t.dtype)",
         ("tests/compact/test_tensor_api.py::test_a_streamed_weight_reads_as_a_tensor_on_the_device",),
@@ -291,8 +291,8 @@ MUTATIONS = [
     Mutation(
         "a master weight's narrow copy is a declared field of the flattened tensor",
         "src/torchsurgery/compact/tensor.py",
-        'inner = [_STORED] if self.__dict__[_SHADOW] is None else [_STORED, "_shadow_values"]',
-        "inner = [_STORED]",
+        'inner = [STORED] if self.__dict__[SHADOW] is None else [STORED, "_shadow_values"]',
+        "inner = [STORED]",
         ("tests/compact/test_tensor_api.py::test_a_compiled_no_grad_forward_of_a_master_weight_reads_its_narrow_copy_as_eager_does",),
     ),
     Mutation(
@@ -304,8 +304,8 @@ MUTATIONS = [
     ),
     Mutation(
         "weight.data = t writes t's values into the weight",
-        "src/torchsurgery/compact/tensor.py",
-        "        _store(t, values)\n        _written_in_place(t)\n        return\n",
+        "src/torchsurgery/compact/tensor_api.py",
+        "        store(t, values)\n        written_in_place(t)\n        return\n",
         "        return\n",
         ("tests/compact/test_tensor_api.py::test_data_assignment_writes_the_values_rounded_as_stored",),
     ),
@@ -508,7 +508,7 @@ MUTATIONS = [
     ),
     Mutation(
         "offload starts the kernel build before the first forward",
-        "src/torchsurgery/compact/tensor.py",
+        "src/torchsurgery/compact/stored.py",
         "    prepare_kernel(shadow_dtype if shadow_dtype is not None else stored.dtype, stored.device)\n", "",
         ("tests/compact/test_narrow.py::test_a_forward_does_not_wait_for_the_kernel_build",),
     ),
@@ -573,8 +573,8 @@ MUTATIONS = [
     ),
     Mutation(
         "writes through an OffloadedTensor are counted in its values' version counter",
-        "src/torchsurgery/compact/tensor.py",
-        "    torch.autograd.graph.increment_version(t.__dict__[_COUNTER])", "    pass",
+        "src/torchsurgery/compact/values.py",
+        "    torch.autograd.graph.increment_version(t.__dict__[COUNTER])", "    pass",
         ("tests/compact/test_tensor.py::test_writes_land_in_the_stored_values_through_views_data_and_optimizers",
          "tests/compact/test_tensor.py::test_a_master_copy_serves_gradients_and_a_refreshed_shadow_serves_inference"),
     ),
@@ -675,13 +675,13 @@ MUTATIONS = [
     Mutation(
         "audit/weight: after a copy's groups are packed again, writes count in the new values' version counter",
         "src/torchsurgery/compact/tensor.py",
-        "        d[_STORED] = d[_COUNTER] = stored.detach()\n", "        d[_STORED] = stored.detach()\n",
+        "        d[STORED] = d[COUNTER] = stored.detach()\n", "        d[STORED] = stored.detach()\n",
         ("tests/offloading/test_engine.py::test_writes_into_a_pickled_copy_after_its_groups_are_packed_again_reach_its_forwards",),
     ),
     Mutation(
         "audit/weight: after a master is packed again, its narrow copy follows the new values",
         "src/torchsurgery/compact/tensor.py",
-        "            shadow.follow(d[_STORED])\n", "            pass\n",
+        "            shadow.follow(d[STORED])\n", "            pass\n",
         ("tests/offloading/test_engine.py::"
          "test_writes_into_a_pickled_copy_after_its_groups_are_packed_again_reach_its_forwards[accelerator-fp32-master]",),
     ),
@@ -689,7 +689,7 @@ MUTATIONS = [
         "audit/weight: copy_ and load_state_dict into an offloaded weight count as a write",
         "src/torchsurgery/compact/tensor.py",
         "        dst.stored.copy_(src_values, **kwargs)  # rounded to the storage dtype, no widened copy\n"
-        "        _written_in_place(dst)\n",
+        "        written_in_place(dst)\n",
         "        dst.stored.copy_(src_values, **kwargs)  # rounded to the storage dtype, no widened copy\n",
         ("tests/offloading/test_engine.py::test_load_state_dict_and_copy_into_offloaded_weights_reach_the_forwards_as_writes",),
     ),
@@ -1051,7 +1051,7 @@ MUTATIONS = [
     ),
     Mutation(
         'framepack files: the .to(dtype) guard probes a weight stored meta with a stand-in',
-        'src/torchsurgery/compact/tensor.py',
+        'src/torchsurgery/compact/stored.py',
         ' if stored_values(t).is_meta and not t.is_meta else t\n',
         ' if False else t\n',
         ('tests/compat/test_framepack_streamed.py::test_the_job_streamed_from_files_on_the_accelerator_equals_the_app_s_loading[low-vram]',),
@@ -1268,7 +1268,7 @@ MUTATIONS = [
     ),
     Mutation(
         "composes: torch.export's fakifier sees an offloaded weight's own storage",
-        "src/torchsurgery/compact/tensor.py",
+        "src/torchsurgery/compact/tensor_api.py",
         "    if described_for_fakes():", "    if False:",
         ("tests/compact/test_export.py::test_the_exported_program_computes_as_the_plain_model[bf16]",
          "tests/compact/test_export.py::test_the_exported_program_computes_as_the_plain_model[int8-channel]"),

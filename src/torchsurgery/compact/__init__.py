@@ -13,13 +13,10 @@ from torchsurgery.compact.exporting import refuse_file_export
 from torchsurgery.compact.foreign import foreign_subclass
 from torchsurgery.compact.narrow import Scratch, is_matmul_layer, prepare_kernel
 from torchsurgery.compact.scaled import Scaled, dequantize, dequantize_temporary_bytes
-from torchsurgery.compact.tensor import (
-    OffloadedTensor,
-    ReadContext,
+from torchsurgery.compact.stored import (
     converted_by,
     load_scaled,
     offloaded_like,
-    own_scale,
     plain_reader,
     reads_elsewhere_only,
     rehome,
@@ -27,6 +24,7 @@ from torchsurgery.compact.tensor import (
     stored_state,
     stored_values,
 )
+from torchsurgery.compact.tensor import OffloadedTensor, ReadContext, own_scale
 
 __all__ = [
     # the weight

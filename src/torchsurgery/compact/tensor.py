@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,33 +45,23 @@ from torch.utils import _python_dispatch
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_map, tree_map_only
 
-from torchsurgery._swap import user_attributes
-from torchsurgery.compact.exporting import described_for_fakes
-from torchsurgery.compact.narrow import (
-    Scratch,
-    narrow_product,
-    narrow_product_op,
-    prepare_kernel,
+from torchsurgery.compact.narrow import Scratch, narrow_product, narrow_product_op
+from torchsurgery.compact.scaled import scale_laid_out_as, scaled_product
+from torchsurgery.compact.scaled_op import scaled_product_op
+from torchsurgery.compact.shadows import Shadow, TracedShadow, ViewedShadow
+from torchsurgery.compact.tensor_api import METHODS
+from torchsurgery.compact.values import (
+    COUNTER,
+    READS,
+    SCALE,
+    SHADOW,
+    STORED,
+    store,
+    wide,
+    written_in_place,
 )
-from torchsurgery.compact.scaled import (
-    Scaled,
-    dequantize,
-    quantize_with,
-    scale_laid_out_as,
-    scaled_product,
-)
-from torchsurgery.patching import Patch, patches
 
-__all__ = ["OffloadedTensor", "stored_values", "reads_elsewhere_only", "rehome"]
-
-# keys of an OffloadedTensor's __dict__ that belong to it; the prefix keeps them out of the
-# user's attributes, which swaps carry along (torchsurgery._swap.user_attributes)
-_STORED, _READS, _SHADOW = "_torchsurgery_stored", "_torchsurgery_reads", "_torchsurgery_shadow"
-_COUNTER = "_torchsurgery_counter"  # the stored tensor whose version counter counts writes (see _written_in_place)
-# a scaled weight's fp32 scale (compact/scaled.py), broadcast to the stored values' shape: a
-# view of the weight takes the same view of it, so every view reads q * scale elementwise
-_SCALE = "_torchsurgery_scale"
-
+__all__ = ["OffloadedTensor", "ReadContext", "own_scale"]
 
 _ONE_BYTE_FLOATS = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
 
@@ -113,74 +102,6 @@ def _distinct_nbytes(t: torch.Tensor) -> int:
         if stride:
             n *= size
     return n
-
-
-class Shadow:
-    """A narrow copy of master values, refreshed when the master changes (its version counter).
-
-    Several threads may read it; one refreshes while the others wait for the fresh copy.
-    """
-
-    def __init__(self, master: torch.Tensor, dtype: torch.dtype) -> None:
-        self.master = master
-        self.copy = master.detach().to(dtype)
-        self.version = master._version
-        self._lock = threading.Lock()
-
-    def current(self) -> torch.Tensor:
-        """The narrow copy of the master values as they are now."""
-        master = self.master
-        if self.version != master._version:  # an optimizer step (or any in-place write) since
-            with self._lock:
-                if self.version != master._version:
-                    self.copy.copy_(master.detach())
-                    self.version = master._version
-        return self.copy
-
-    def follow(self, master: torch.Tensor) -> None:
-        """Copy ``master`` from now on (the master values moved to new memory)."""
-        with self._lock:
-            self.master = master
-            self.version = -1  # no version counter reads -1: copied again at the next read
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"master": self.master, "copy": self.copy, "version": self.version}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-
-
-class ViewedShadow:
-    """The narrow copy of a view of a master weight: the same view of the base's narrow copy."""
-
-    def __init__(self, base: Shadow | TracedShadow | ViewedShadow, view: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        self.base, self.view, self.args, self.kwargs = base, view, args, kwargs
-
-    @property
-    def copy(self) -> torch.Tensor:
-        """The view of the base's copy as it is now."""
-        return self.current()
-
-    def current(self) -> torch.Tensor:
-        """The view of the base's copy, refreshed as the base is."""
-        out: torch.Tensor = self.view(self.base.current(), *self.args, **self.kwargs)
-        return out
-
-
-class TracedShadow:
-    """The narrow copy as ``torch.compile`` hands it to a graph: current when it was flattened.
-
-    A compiled call flattens its weights at every call (``__tensor_flatten__``), which
-    refreshes the :class:`Shadow` first, so the graph reads what eager would read.
-    """
-
-    def __init__(self, copy: torch.Tensor) -> None:
-        self.copy = copy
-
-    def current(self) -> torch.Tensor:
-        """The narrow copy, as flattened."""
-        return self.copy
 
 
 class OffloadedTensor(torch.Tensor):
@@ -246,36 +167,36 @@ class OffloadedTensor(torch.Tensor):
             requires_grad=requires_grad,
         )
         d = self.__dict__
-        d[_STORED] = stored  # a plain tensor needing no gradient (made so by the callers)
-        d[_READS] = reads
-        d[_SHADOW] = shadow
+        d[STORED] = stored  # a plain tensor needing no gradient (made so by the callers)
+        d[READS] = reads
+        d[SHADOW] = shadow
         # views and aliases made in __torch_dispatch__ (below autograd) get version counters of
         # their own: they count writes in the one of the tensor they came from
-        d[_COUNTER] = d[_STORED] if counter is None else counter
-        d[_SCALE] = None if scale is None else scale.expand(stored.shape)
+        d[COUNTER] = d[STORED] if counter is None else counter
+        d[SCALE] = None if scale is None else scale.expand(stored.shape)
         return self
 
     @property
     def stored(self) -> torch.Tensor:
         """The values as kept: in the storage dtype, or the master values (a plain tensor)."""
-        stored: torch.Tensor = self.__dict__[_STORED]
+        stored: torch.Tensor = self.__dict__[STORED]
         return stored
 
     def _narrow(self) -> torch.Tensor:
         """What a read without gradients uses: the shadow of the master values, or the stored ones."""
         d = self.__dict__
-        shadow: Shadow | TracedShadow | ViewedShadow | None = d[_SHADOW]
-        return d[_STORED] if shadow is None else shadow.current()
+        shadow: Shadow | TracedShadow | ViewedShadow | None = d[SHADOW]
+        return d[STORED] if shadow is None else shadow.current()
 
     @property
     def _shadow_values(self) -> torch.Tensor:
         # the narrow copy of a master weight as the compiler flattens it (refreshed first)
-        shadow: Shadow | TracedShadow | ViewedShadow = self.__dict__[_SHADOW]
+        shadow: Shadow | TracedShadow | ViewedShadow = self.__dict__[SHADOW]
         return shadow.current()
 
     def _frame(self) -> int:
         """How far the stored values' storage offset is from this tensor's (packed weights start inside a buffer)."""
-        return self.__dict__[_STORED].storage_offset() - self.storage_offset()
+        return self.__dict__[STORED].storage_offset() - self.storage_offset()
 
     def _rewrap(
         self,
@@ -291,7 +212,7 @@ class OffloadedTensor(torch.Tensor):
         # then gives it its base's version counter, which an inference tensor cannot take)
         with torch.inference_mode(self.is_inference()) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
             return OffloadedTensor(
-                stored, self.dtype, reads=d[_READS], shadow=shadow, counter=d[_COUNTER], offset=offset, device=self.device,
+                stored, self.dtype, reads=d[READS], shadow=shadow, counter=d[COUNTER], offset=offset, device=self.device,
                 scale=scale,
             )
 
@@ -302,21 +223,21 @@ class OffloadedTensor(torch.Tensor):
         them: what is kept by version (a ring slot, the narrow copy) sees every later write.
         """
         d = self.__dict__
-        d[_STORED] = d[_COUNTER] = stored.detach()
-        shadow = d[_SHADOW]
+        d[STORED] = d[COUNTER] = stored.detach()
+        shadow = d[SHADOW]
         if isinstance(shadow, Shadow):
-            shadow.follow(d[_STORED])
+            shadow.follow(d[STORED])
 
     def _rehome_scale(self, scale: torch.Tensor) -> None:
         """Keep a scaled weight's scale in ``scale`` from now on (the same values, in new memory,
         in the shape :func:`own_scale` gives)."""
         d = self.__dict__
-        d[_SCALE] = scale.detach().expand(d[_STORED].shape)
+        d[SCALE] = scale.detach().expand(d[STORED].shape)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
-        wide = _wide(self)
+        values = wide(self)
         kind = "OffloadedParameter" if isinstance(self, nn.Parameter) else "OffloadedTensor"
-        return f"{kind}(stored as {self.stored.dtype}):\n{wide!r}"
+        return f"{kind}(stored as {self.stored.dtype}):\n{values!r}"
 
     # -------------------------------------------------------------- compile, copies
 
@@ -324,9 +245,9 @@ class OffloadedTensor(torch.Tensor):
     # graph reads what eager code reads: the stored values, the narrow copy of a master weight
     # (its no-grad products read it), the dtype it reads as and where it starts in its frame.
     def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype, int | torch.SymInt, torch.device]]:
-        inner = [_STORED] if self.__dict__[_SHADOW] is None else [_STORED, "_shadow_values"]
-        if self.__dict__[_SCALE] is not None:
-            inner.append(_SCALE)
+        inner = [STORED] if self.__dict__[SHADOW] is None else [STORED, "_shadow_values"]
+        if self.__dict__[SCALE] is not None:
+            inner.append(SCALE)
         return inner, (self.dtype, self.storage_offset(), self.device)
 
     @staticmethod
@@ -338,33 +259,33 @@ class OffloadedTensor(torch.Tensor):
     ) -> OffloadedTensor:
         shadow = inner.get("_shadow_values")
         return OffloadedTensor(
-            inner[_STORED], ctx[0], shadow=None if shadow is None else TracedShadow(shadow), offset=ctx[1], device=ctx[2],
-            scale=inner.get(_SCALE),
+            inner[STORED], ctx[0], shadow=None if shadow is None else TracedShadow(shadow), offset=ctx[1], device=ctx[2],
+            scale=inner.get(SCALE),
         )
 
     def _stable_hash_for_caching(self) -> str:
         # the compiler's cache key for this input: what it reads as and how it is stored
-        stored, shadow = self.stored, self.__dict__[_SHADOW]
+        stored, shadow = self.stored, self.__dict__[SHADOW]
         narrow = "" if shadow is None else f":{shadow.copy.dtype}"
         where = "" if self.device == stored.device else f"@{self.device}"
-        narrow += "" if self.__dict__[_SCALE] is None else ":scaled"
+        narrow += "" if self.__dict__[SCALE] is None else ":scaled"
         return f"OffloadedTensor:{self.dtype}{where}:{stored.dtype}{narrow}:{tuple(stored.shape)}:{stored.stride()}"
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         # pickle and torch.save: the stored values (torch keeps the memory they share with
         # other tensors), the reads context, the shadow's dtype, the user's attributes
         d = self.__dict__
-        shadow: Shadow | None = d[_SHADOW]
-        extras = {k: v for k, v in d.items() if k not in (_STORED, _READS, _SHADOW, _COUNTER, _SCALE)}
+        shadow: Shadow | None = d[SHADOW]
+        extras = {k: v for k, v in d.items() if k not in (STORED, READS, SHADOW, COUNTER, SCALE)}
         shadow_dtype = shadow.copy.dtype if shadow is not None else None
-        stored: torch.Tensor = d[_STORED]
+        stored: torch.Tensor = d[STORED]
         # torch's pickle cannot load fp8 values back (its legacy loader wants a typed storage):
         # their bytes go as uint8, the same memory, and are viewed as fp8 again
         as_bytes = stored.dtype in _ONE_BYTE_FLOATS
         values = stored.view(torch.uint8) if as_bytes else stored
         device = None if self.device == stored.device else self.device
-        args = (values, self.dtype, self.requires_grad, d[_READS], shadow_dtype, extras, self.storage_offset(),
-                stored.dtype if as_bytes else None, device, d[_SCALE])
+        args = (values, self.dtype, self.requires_grad, d[READS], shadow_dtype, extras, self.storage_offset(),
+                stored.dtype if as_bytes else None, device, d[SCALE])
         return (_rebuild, args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OffloadedTensor:
@@ -372,17 +293,17 @@ class OffloadedTensor(torch.Tensor):
             return memo[id(self)]
         d = self.__dict__
         new = OffloadedTensor(
-            copy.deepcopy(d[_STORED], memo),
+            copy.deepcopy(d[STORED], memo),
             self.dtype,
             requires_grad=self.requires_grad,
-            reads=copy.deepcopy(d[_READS], memo),
-            shadow=copy.deepcopy(d[_SHADOW], memo),
+            reads=copy.deepcopy(d[READS], memo),
+            shadow=copy.deepcopy(d[SHADOW], memo),
             offset=self.storage_offset(),
             device=self.device,
-            scale=copy.deepcopy(d[_SCALE], memo),
+            scale=copy.deepcopy(d[SCALE], memo),
         )
         new.__dict__.update(
-            copy.deepcopy({k: v for k, v in d.items() if k not in (_STORED, _READS, _SHADOW, _COUNTER, _SCALE)}, memo)
+            copy.deepcopy({k: v for k, v in d.items() if k not in (STORED, READS, SHADOW, COUNTER, SCALE)}, memo)
         )
         memo[id(self)] = new
         return new
@@ -399,7 +320,7 @@ class OffloadedTensor(torch.Tensor):
                 # the compiler describes the wrapper itself (its own storage) and traces every
                 # op, products included, down to __torch_dispatch__: nothing of this runs per call
                 return func(*args, **kwargs)
-            method = _METHODS.get(func)
+            method = METHODS.get(func)
             if method is not None:
                 return method(*args, **kwargs)
             product = _PRODUCTS.get(func)
@@ -470,32 +391,14 @@ def _rebuild(
         stored = stored.view(byte_dtype)
     t = OffloadedTensor(stored, dtype, requires_grad=requires_grad, reads=reads, offset=offset, device=device, scale=scale)
     if shadow_dtype is not None:
-        t.__dict__[_SHADOW] = Shadow(t.stored, shadow_dtype)
+        t.__dict__[SHADOW] = Shadow(t.stored, shadow_dtype)
     t.__dict__.update(extras)
     return t
 
 
 def _widened(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``func`` on plain tensors: every OffloadedTensor among its arguments read as its values."""
-    return func(*tree_map_only(OffloadedTensor, _wide, args), **tree_map_only(OffloadedTensor, _wide, kwargs))
-
-
-def _wide(t: OffloadedTensor) -> torch.Tensor:
-    """``t``'s values in its dtype on its device: the stored tensor itself where it already is so."""
-    stored, scale = t.stored, t.__dict__[_SCALE]
-    if scale is not None:  # a scaled weight: q * scale (compact/scaled.py), q moved narrow
-        return dequantize(stored.to(t.device), scale.to(t.device), t.dtype)
-    return stored.to(device=t.device, dtype=t.dtype)
-
-
-def _store(t: OffloadedTensor, values: torch.Tensor) -> None:
-    """Write ``values`` (read as ``t`` reads) into ``t``'s stored values: rounded to the storage dtype,
-    or to a scaled weight's grid (its scale kept)."""
-    scale = t.__dict__[_SCALE]
-    t.stored.copy_(values if scale is None else quantize_with(values.to(scale.device), scale, t.stored.dtype))
-
-
-# ------------------------------------------------------------------ fast products
+    return func(*tree_map_only(OffloadedTensor, wide, args), **tree_map_only(OffloadedTensor, wide, kwargs))
 
 
 def _needs_graph(*tensors: torch.Tensor | None) -> bool:
@@ -504,7 +407,7 @@ def _needs_graph(*tensors: torch.Tensor | None) -> bool:
 
 def _narrow_operand(t: torch.Tensor | None) -> torch.Tensor | None:
     if isinstance(t, OffloadedTensor):
-        return _wide(t) if t.__dict__[_SCALE] is not None else t._narrow()
+        return wide(t) if t.__dict__[SCALE] is not None else t._narrow()
     return t
 
 
@@ -516,7 +419,7 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
         return t
     if torch.is_grad_enabled() and t.requires_grad:
         return torch.ops.aten._to_copy.default(t, dtype=t.dtype)
-    return _wide(t)
+    return wide(t)
 
 
 def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor | None:
@@ -533,11 +436,11 @@ def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor |
     if not (type(x) is torch.Tensor and isinstance(weight, OffloadedTensor)) or _transformed():
         return None
     d = weight.__dict__
-    stored: torch.Tensor = d[_STORED]
+    stored: torch.Tensor = d[STORED]
     if stored.dim() != 2 or x.dim() < 1:
         return None
-    reads: ReadContext | None = d[_READS]
-    shadow: Shadow | None = d[_SHADOW]
+    reads: ReadContext | None = d[READS]
+    shadow: Shadow | None = d[SHADOW]
     # autograd (and, with a master copy, every forward that records gradients) reads the
     # stored values whole, and so do inputs the plain layer would refuse (it refuses them
     # the same way); without gradients the narrow ones are read in place
@@ -551,14 +454,14 @@ def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor |
     whole = not fits or (grad and (shadow is not None or _needs_graph(x, weight, bias)))
     values = stored if whole or shadow is None else shadow.current()
     if reads is not None:
-        reads.count(values, dtype, d[_SCALE])
+        reads.count(values, dtype, d[SCALE])
     if whole:
         w, b = _whole(weight), None if bias is None else _whole(bias)
         if transposed:
             return torch.addmm(b, x, w) if b is not None else x @ w
         return F.linear(x, w, b)
     scratch = reads.scratch if reads is not None else None
-    scale = d[_SCALE]
+    scale = d[SCALE]
     if scale is not None and not transposed and values.device.type == "cpu":  # the scale applied to the sums
         def sums(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
             return narrow_product(x, w, b, False, scratch, scale=s)
@@ -566,7 +469,7 @@ def _product(x: Any, weight: Any, bias: Any, transposed: bool) -> torch.Tensor |
         return scaled_product(x, values, scale, _narrow_operand(bias), sums)
     if scale is not None:  # an [in, out] weight (Conv1D), whose scale runs along the sums; or on an
         # accelerator: dequantised as a streamed weight is widened into its ring slot, so that both compute alike
-        values = _wide(weight)
+        values = wide(weight)
     return narrow_product(x, values, _narrow_operand(bias), transposed, scratch)
 
 
@@ -605,7 +508,7 @@ def _alias(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Offloade
     # detach (state_dict, .data, nn.Parameter) and alias: the same values, read the same way
     t: OffloadedTensor = args[0]
     d = t.__dict__
-    return t._rewrap(t.stored, shadow=d[_SHADOW], scale=d[_SCALE])  # the very tensor: its version counter too
+    return t._rewrap(t.stored, shadow=d[SHADOW], scale=d[SCALE])  # the very tensor: its version counter too
 
 
 def _in_stored_frame(t: OffloadedTensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
@@ -620,9 +523,9 @@ def _in_stored_frame(t: OffloadedTensor, args: tuple[Any, ...], kwargs: dict[str
 def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # a view of the stored values, so writes through it land in them (weight[3] = 0)
     t: OffloadedTensor = args[0]
-    rest = tree_map_only(OffloadedTensor, _wide, args[1:])
-    kwargs = tree_map_only(OffloadedTensor, _wide, kwargs)
-    scale = t.__dict__[_SCALE]
+    rest = tree_map_only(OffloadedTensor, wide, args[1:])
+    kwargs = tree_map_only(OffloadedTensor, wide, kwargs)
+    scale = t.__dict__[SCALE]
     if scale is not None:  # the same view of the values and of their scale
         if func is _aten.as_strided.default:  # the values' strides are not the scale's: no view of both
             return _widened(func, args, kwargs)
@@ -636,7 +539,7 @@ def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return [t._rewrap(v, scale=s) for v, s in zip(values, scales, strict=True)]  # split, unbind
     in_stored = _in_stored_frame(t, rest, kwargs) if func is _aten.as_strided.default else (rest, kwargs)
     out = func(t.stored, *in_stored[0], **in_stored[1])
-    shadow = t.__dict__[_SHADOW]
+    shadow = t.__dict__[SHADOW]
     if shadow is None or torch.is_grad_enabled():  # a product with grad reads the master, as eager does
         return tree_map_only(torch.Tensor, t._rewrap, out)
     # without gradients the same view of the narrow copy serves products (a compiled F.linear
@@ -653,36 +556,36 @@ def _reshape_in_place(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     # take the new shape (aliases sharing t's stored tensor, w and w.data, keep theirs, as
     # plain tensors do), and the wrapper takes it too (its metadata only, nothing dispatched)
     t: OffloadedTensor = args[0]
-    rest = tree_map_only(OffloadedTensor, _wide, args[1:])
+    rest = tree_map_only(OffloadedTensor, wide, args[1:])
     in_stored = _in_stored_frame(t, rest, kwargs) if func is _aten.as_strided_.default else (rest, kwargs)
-    scale = t.__dict__[_SCALE]
+    scale = t.__dict__[SCALE]
     if scale is not None:  # the scale takes the same shape: where strides or the storage are given, in the values' layout
         laid_out = func in _RESIZES or func is _aten.as_strided_.default
         scale = scale_laid_out_as(scale, t.stored) if laid_out else _aten.alias.default(scale)
     reshaped = _aten.alias.default(t.stored)
     func(reshaped, *in_stored[0], **in_stored[1])
-    t.__dict__[_STORED] = reshaped  # writes still counted in t's counter
+    t.__dict__[STORED] = reshaped  # writes still counted in t's counter
     if scale is not None:
         func(scale, *in_stored[0], **in_stored[1])
-        t.__dict__[_SCALE] = scale
+        t.__dict__[SCALE] = scale
     with no_dispatch():
         func(t, *args[1:], **kwargs)
-    _written_in_place(t)
+    written_in_place(t)
     return t
 
 
 def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     dst, src = args[0], args[1]
     src_values = src.stored if isinstance(src, OffloadedTensor) else src  # its values exactly, not widened
-    if isinstance(src, OffloadedTensor) and src.__dict__[_SCALE] is not None:
-        src_values = _wide(src)  # q alone is not the values
-    if isinstance(dst, OffloadedTensor) and dst.__dict__[_SCALE] is not None:
-        _store(dst, src_values)
-        _written_in_place(dst)
+    if isinstance(src, OffloadedTensor) and src.__dict__[SCALE] is not None:
+        src_values = wide(src)  # q alone is not the values
+    if isinstance(dst, OffloadedTensor) and dst.__dict__[SCALE] is not None:
+        store(dst, src_values)
+        written_in_place(dst)
         return dst
     if isinstance(dst, OffloadedTensor):
         dst.stored.copy_(src_values, **kwargs)  # rounded to the storage dtype, no widened copy
-        _written_in_place(dst)
+        written_in_place(dst)
         return dst
     return dst.copy_(src_values, **kwargs)
 
@@ -698,7 +601,7 @@ def _as_read(t: OffloadedTensor, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
     t: OffloadedTensor = args[0]
-    return func(t.stored if t.__dict__[_SCALE] is None else _wide(t), **_as_read(t, kwargs))
+    return func(t.stored if t.__dict__[SCALE] is None else wide(t), **_as_read(t, kwargs))
 
 
 def _decomposed(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -711,15 +614,6 @@ def _like(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Ten
     # empty_like & co. read only the shape: no widened copy
     t: OffloadedTensor = args[0]
     return func(t.stored, *args[1:], **_as_read(t, kwargs))
-
-
-def _written_in_place(t: OffloadedTensor) -> None:
-    """Count a write into ``t``'s stored values in their version counter (shared with their base).
-
-    Below autograd, where ``__torch_dispatch__`` runs, in-place ops do not count themselves;
-    copies kept by version (a master's shadow, a streamed group's slot) must see the change.
-    """
-    torch.autograd.graph.increment_version(t.__dict__[_COUNTER])
 
 
 def _written(schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[int]:
@@ -745,18 +639,18 @@ def _write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
     def unwrap(t: OffloadedTensor) -> torch.Tensor:
         if id(t) not in written:
-            return _wide(t)
+            return wide(t)
         # already in the compute dtype where it computes: written directly; else a widened
         # copy (on the device it reads as), stored back after
-        plain = _wide(t)
+        plain = wide(t)
         targets[id(plain)] = (t, plain)
         return plain
 
     out = func(*tree_map_only(OffloadedTensor, unwrap, args), **tree_map_only(OffloadedTensor, unwrap, kwargs))
     for t, plain in targets.values():
         if plain is not t.stored:
-            _store(t, plain)
-        _written_in_place(t)
+            store(t, plain)
+        written_in_place(t)
     return tree_map(lambda o: targets[id(o)][0] if isinstance(o, torch.Tensor) and id(o) in targets else o, out)
 
 
@@ -782,7 +676,7 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             and values.dim() == 2 and x.dim() == 2
         ):
             narrow_bias = _narrow_operand(bias)  # as eager reads it: a master bias through its narrow copy
-            if w.__dict__[_SCALE] is not None:
+            if w.__dict__[SCALE] is not None:
                 scaled = _scaled_matmul(x, w, narrow_bias)
                 return scaled if scaled is not None else _widened(func, args, kwargs)
             if values.t().is_contiguous():  # W.T of an [out, in] weight: nn.Linear
@@ -795,34 +689,10 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _scaled_matmul(x: torch.Tensor, w: OffloadedTensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """A compiled product by a scaled weight as its eager forward takes it on the host (an
     ``nn.Linear``'s ``W.T``, one scale per output): the sums of ``q``, scaled; else None (dequantised)."""
-    values, scale = w.stored, w.__dict__[_SCALE]
+    values, scale = w.stored, w.__dict__[SCALE]
     if values.device.type != "cpu" or not values.t().is_contiguous() or scale.t().stride(1) != 0:
         return None
     return scaled_product_op(x, values.t(), scale.t()[:, 0].contiguous(), bias)
-
-
-@torch.library.custom_op("torchsurgery::scaled_product", mutates_args=())
-def scaled_product_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ (q * scale[:, None]).T + bias`` by :func:`~torchsurgery.compact.scaled.scaled_product` as one
-    operator: a compiled forward computes what the eager one does, the same kernels in the same order.
-
-    Example:
-        >>> import torch
-        >>> q = torch.tensor([[2, 4]], dtype=torch.int8)
-        >>> scaled_product_op(torch.ones(1, 2), q, torch.tensor([0.5]), None).tolist()
-        [[3.0]]
-    """
-    return scaled_product(x, q, scale[:, None].expand(q.shape), bias, _sums)
-
-
-@scaled_product_op.register_fake
-def _scaled_product_shape(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], q.shape[0]))
-
-
-def _sums(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    # a scaled product's sums: the narrow product of q itself, scaled, as eager takes them
-    return narrow_product(x, q, bias, False, None, scale=scale)
 
 
 _HANDLERS: dict[Any, Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = {
@@ -841,155 +711,7 @@ _HANDLERS: dict[Any, Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = {
 }
 
 
-# ------------------------------------------------------------------ memory
-# What a program asks of a tensor's memory is answered by the stored values: they are the
-# memory the weight has (its data_ptr and storage, what is shared or pinned). Values read
-# out (numpy, tolist) are the values it computes with, in its dtype: a narrow weight's numpy
-# array is a widened copy, a weight stored in its own dtype shares its memory as a plain
-# tensor does.
-
-
-_DATA: Any = vars(torch._C.TensorBase)["data"]  # the `.data` property: its setter is what `t.data = x` calls
-
-
-def _data_ptr(t: OffloadedTensor) -> int:
-    return t.stored.data_ptr()
-
-
-def _untyped_storage(t: OffloadedTensor) -> torch.UntypedStorage:
-    if described_for_fakes():  # torch.export's fake copy of the weight: the wrapper's own (compact/exporting.py)
-        return torch.Tensor.untyped_storage(t)
-    return t.stored.untyped_storage()
-
-
-def _share_memory(t: OffloadedTensor) -> OffloadedTensor:
-    t.stored.share_memory_()  # moves the storage itself: every view and alias of the values follows
-    shadow = t.__dict__[_SHADOW]
-    if isinstance(shadow, Shadow):
-        shadow.copy.share_memory_()
-    return t
-
-
-def _is_shared(t: OffloadedTensor) -> bool:
-    return t.stored.is_shared()
-
-
-def _is_pinned(t: OffloadedTensor, device: Any = None) -> bool:
-    return t.stored.is_pinned() if device is None else t.stored.is_pinned(device)
-
-
-def _pin_memory(t: OffloadedTensor, device: Any = None) -> OffloadedTensor:
-    pinned = t.stored.pin_memory() if device is None else t.stored.pin_memory(device)
-    return OffloadedTensor(pinned, t.dtype, reads=t.__dict__[_READS], device=t.device, scale=t.__dict__[_SCALE])
-
-
-def _values_out(t: OffloadedTensor, force: bool = False) -> torch.Tensor:
-    if t.requires_grad and not force:  # as torch refuses it for a plain tensor
-        raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
-    return _wide(t)
-
-
-def _numpy(t: OffloadedTensor, *, force: bool = False) -> Any:
-    return _values_out(t, force).numpy(force=force)
-
-
-def _array(t: OffloadedTensor, dtype: Any = None) -> Any:
-    return torch.Tensor.__array__(_values_out(t), dtype)
-
-
-def _tolist(t: OffloadedTensor) -> Any:
-    return _wide(t).tolist()
-
-
-def _set_data(t: OffloadedTensor, new: Any) -> None:
-    """``t.data = new``: ``t`` computes with ``new``'s values from now on, rounded to its storage dtype.
-
-    Values of the same shape are written into the memory ``t`` keeps (a streamed group's
-    host buffer stays the one it streams from, copies kept by version see the write);
-    another shape or device gets new memory, and ``t`` takes its shape. A plain tensor's
-    ``.data =`` shares ``new``'s memory instead; a narrow weight cannot share wider values.
-    """
-    if not isinstance(new, torch.Tensor):
-        _DATA.__set__(t, new)  # torch's own refusal
-    if new.dtype != t.dtype:
-        raise TypeError(
-            f"torchsurgery: cannot set .data of a weight that reads as {t.dtype} (stored as {t.stored.dtype}) "
-            f"to a {new.dtype} tensor; convert the module instead (module.to({new.dtype}) or "
-            "torchsurgery.convert_), or remove the offload first"
-        )
-    values = new.stored if isinstance(new, OffloadedTensor) else new.detach()
-    stored = t.stored
-    here = new.device == t.device  # values where it computes: kept where it keeps its values
-    scaled = t.__dict__[_SCALE] is not None
-    if scaled and isinstance(new, OffloadedTensor) and new.__dict__[_SCALE] is not None:
-        values = _wide(new)
-    if here and values.shape == stored.shape and values.stride() == stored.stride():
-        _store(t, values)
-        _written_in_place(t)
-        return
-    if scaled:
-        raise TypeError(
-            f"torchsurgery: cannot set .data of a scaled weight of shape {list(t.shape)} to a tensor of shape "
-            f"{list(new.shape)} on {new.device}; write values of its shape in place, or remove the offload first"
-        )
-    kept = values.to(device=stored.device if here else values.device, dtype=stored.dtype)
-    _DATA.__set__(t, OffloadedTensor(kept, t.dtype, device=new.device))  # the wrapper's shape, strides, device
-    t._rehome(kept)
-    shadow = t.__dict__[_SHADOW]
-    if isinstance(shadow, Shadow):
-        t.__dict__[_SHADOW] = Shadow(kept, shadow.copy.dtype)
-
-
-_METHODS: dict[Any, Callable[..., Any]] = {
-    torch.Tensor.data_ptr: _data_ptr,
-    torch.Tensor.untyped_storage: _untyped_storage,
-    torch.Tensor.share_memory_: _share_memory,
-    torch.Tensor.is_shared: _is_shared,
-    torch.Tensor.is_pinned: _is_pinned,
-    torch.Tensor.pin_memory: _pin_memory,
-    torch.Tensor.numpy: _numpy,
-    torch.Tensor.__array__: _array,
-    torch.Tensor.tolist: _tolist,
-    _DATA.__set__: _set_data,
-}
-
-
-# ------------------------------------------------------------------ making and unmaking
-
-
-def stored_values(tensor: torch.Tensor) -> torch.Tensor:
-    """What ``tensor`` keeps in memory: an :class:`OffloadedTensor`'s :attr:`~OffloadedTensor.stored`, else itself.
-
-    For measuring what a model takes (``stored_values(p).nbytes``) and reading its raw values.
-
-    Example:
-        >>> import torch
-        >>> from torchsurgery.compact import stored_values
-        >>> stored_values(torch.ones(2)).dtype
-        torch.float32
-    """
-    return tensor.stored if isinstance(tensor, OffloadedTensor) else tensor
-
-
-def rehome(weight: OffloadedTensor, stored: torch.Tensor | None, scale: torch.Tensor | None = None) -> None:
-    """Keep ``weight``'s values in ``stored`` (and a scaled weight's scale in ``scale``) from now on.
-
-    The values are the same, in new memory (a packed group's flat host copy, a slot): every
-    view, version counter and master's narrow copy follows them.
-
-    Example:
-        >>> import torch
-        >>> from torchsurgery.compact import OffloadedTensor, rehome
-        >>> w = OffloadedTensor(torch.ones(2, dtype=torch.bfloat16), torch.float32)
-        >>> home = torch.full((2,), 3.0, dtype=torch.bfloat16)
-        >>> rehome(w, home)
-        >>> w.stored.data_ptr() == home.data_ptr(), w.tolist()
-        (True, [3.0, 3.0])
-    """
-    if stored is not None:
-        weight._rehome(stored)
-    if scale is not None:
-        weight._rehome_scale(scale)
+# ------------------------------------------------------------------ a scaled weight's scale
 
 
 def own_scale(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -1002,186 +724,11 @@ def own_scale(tensor: torch.Tensor) -> torch.Tensor | None:
         >>> own_scale(torch.ones(2)) is None
         True
     """
-    if not isinstance(tensor, OffloadedTensor) or tensor.__dict__[_SCALE] is None:
+    if not isinstance(tensor, OffloadedTensor) or tensor.__dict__[SCALE] is None:
         return None
-    scale: torch.Tensor = tensor.__dict__[_SCALE]
+    scale: torch.Tensor = tensor.__dict__[SCALE]
     # one element along each dimension it is broadcast along (stride 0); a dimension of one
     # element takes stride 1, so that the view reads as plain memory (its bytes can be kept)
     shape = [1 if stride == 0 else size for size, stride in zip(scale.shape, scale.stride(), strict=True)]
     strides = [1 if size == 1 else stride for size, stride in zip(shape, scale.stride(), strict=True)]
     return scale.as_strided(shape, strides, scale.storage_offset())
-
-
-def load_scaled(tensor: OffloadedTensor, q: torch.Tensor, scale: torch.Tensor) -> None:
-    """Give the scaled weight ``tensor`` the values ``q * scale`` (``scale``: one number, fp32).
-
-    Values in the weight's own narrow dtype are taken as they are: ``q`` bit for bit, and
-    ``scale`` as the scale of every channel (a scale per tensor is a valid one per channel).
-    Another narrow dtype (e5m2 values for an e4m3fn weight) is quantised again, with a new
-    scale of the weight's granularity, from the values it stands for.
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> import torchsurgery
-        >>> from torchsurgery.compact import Scaled
-        >>> from torchsurgery.compact.tensor import load_scaled
-        >>> layer = nn.Linear(2, 2)
-        >>> handle = torchsurgery.offload(layer, storage_dtype=Scaled(torch.float8_e4m3fn), groups=[""])
-        >>> load_scaled(layer.weight, torch.ones(2, 2, dtype=torch.float8_e4m3fn), torch.tensor(0.5))
-        >>> layer.weight.tolist()
-        [[0.5, 0.5], [0.5, 0.5]]
-        >>> _ = handle.remove()
-    """
-    own = _own_scale_of(tensor, "load_scaled")
-    if q.dtype != tensor.stored.dtype:
-        rescale(tensor, dequantize(q, scale, torch.float32))
-        return
-    with torch.no_grad():
-        tensor.stored.copy_(q)  # counts in the stored values' version counter: copies kept by version see it
-        own.copy_(scale)
-
-
-def rescale(tensor: OffloadedTensor, values: torch.Tensor) -> None:
-    """Give the scaled weight ``tensor`` the plain ``values``, with a new scale chosen from them.
-
-    The scale has the weight's granularity (one per channel, or one for the tensor), chosen as
-    :meth:`~torchsurgery.compact.scaled.Scaled.quantize` chooses it: a load of new values must
-    not keep the scale of the values it replaces (a write, such as an optimizer step, keeps it).
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> import torchsurgery
-        >>> from torchsurgery.compact import Scaled
-        >>> from torchsurgery.compact.tensor import rescale
-        >>> layer = nn.Linear(2, 2)
-        >>> handle = torchsurgery.offload(layer, storage_dtype=Scaled(torch.int8), groups=[""])
-        >>> rescale(layer.weight, torch.tensor([[127.0, -64.0], [0.5, 0.25]]))
-        >>> layer.weight[0].tolist(), torchsurgery.compact.own_scale(layer.weight).flatten().tolist()
-        ([127.0, -64.0], [1.0, 0.003937007859349251])
-        >>> _ = handle.remove()
-    """
-    own = _own_scale_of(tensor, "rescale")
-    stored = tensor.stored
-    fmt = Scaled(stored.dtype, "channel" if own.numel() > 1 or stored.dtype == torch.int8 else "tensor")
-    q, scale = fmt.quantize(values.to(stored.device))
-    with torch.no_grad():
-        stored.copy_(q)
-        own.copy_(scale)
-
-
-def _own_scale_of(tensor: torch.Tensor, what: str) -> torch.Tensor:
-    own = own_scale(tensor)
-    if own is None:
-        dtype = tensor.stored.dtype if isinstance(tensor, OffloadedTensor) else tensor.dtype
-        raise TypeError(f"torchsurgery: {what} needs a weight stored with a scale, got one stored as {dtype}")
-    return own
-
-
-def reads_elsewhere_only(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is an :class:`OffloadedTensor` whose stored values differ from it only in where they are.
-
-    Plain values in its own dtype, kept on another device than the one it reads as (a
-    ``DynamicSwapInstaller``'s weight installed with a ``device``): a surgery that moves
-    weights itself can take the stored values as the plain tensor they are.
-
-    Example:
-        >>> import torch
-        >>> from torchsurgery.compact import reads_elsewhere_only
-        >>> reads_elsewhere_only(torch.ones(2))
-        False
-    """
-    if not isinstance(tensor, OffloadedTensor):
-        return False
-    d = tensor.__dict__
-    stored: torch.Tensor = d[_STORED]
-    return d[_SHADOW] is None and type(stored) is torch.Tensor and stored.dtype == tensor.dtype and stored.device != tensor.device
-
-
-def converted_by(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> str | None:
-    """The first tensor of ``module``'s subtree that ``Module._apply(fn)`` would change, if any.
-
-    ``fn`` is what ``.to()``, ``.half()``, ``.cuda()``... apply to every tensor; one that
-    returns the tensor itself changes nothing (``model.to("cpu")`` of a model on the CPU).
-    """
-    with torch.no_grad():
-        for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
-            # a weight whose values are in a checkpoint file (stored ``meta``) has none to convert:
-            # a stand-in of its dtype and device shows what ``fn`` would do
-            probe = torch.empty((0,) * t.dim(), dtype=t.dtype, device=t.device) if stored_values(t).is_meta and not t.is_meta else t
-            if fn(probe) is not probe:
-                return name
-    return None
-
-
-def plain_reader(module: nn.Module) -> type[Patch] | None:
-    """The patch of ``module`` that reads its weights' memory directly (it cannot serve an OffloadedTensor), if any."""
-    return next((p for p in patches(module) if p.__patch_needs_plain_weights__), None)
-
-
-def offloaded_like(
-    tensor: torch.Tensor,
-    stored: torch.Tensor,
-    dtype: torch.dtype,
-    *,
-    reads: ReadContext | None = None,
-    shadow_dtype: torch.dtype | None = None,
-    device: torch.device | None = None,
-    scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The object to swap into ``tensor`` so that it reads as ``dtype`` on ``device`` with ``stored`` as its values.
-
-    ``scale`` (a scaled weight, :mod:`torchsurgery.compact.scaled`) makes it read as
-    ``stored * scale``. ``device`` (default: where ``stored`` is) is where it computes: a weight kept in host
-    memory for a model offloaded to an accelerator reads as a tensor there. A parameter
-    stays a parameter (``isinstance``, ``requires_grad``); attributes the user set on the
-    tensor object are carried along.
-    """
-    wrapper = OffloadedTensor(stored, dtype, reads=reads, device=device, scale=scale)
-    prepare_kernel(shadow_dtype if shadow_dtype is not None else stored.dtype, stored.device)
-    if shadow_dtype is not None:  # follows the very tensor the wrapper keeps (copies keep the link)
-        wrapper.__dict__[_SHADOW] = Shadow(wrapper.stored, shadow_dtype)
-    new: torch.Tensor = wrapper
-    if isinstance(tensor, nn.Parameter):
-        new = nn.Parameter(new, requires_grad=tensor.requires_grad)
-    elif tensor.requires_grad:
-        new.requires_grad_(True)
-    new.__dict__.update(user_attributes(tensor))
-    return new
-
-
-def stored_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """A ``state_dict`` post-hook: offloaded tensors appear as their stored values.
-
-    ``state_dict()`` is what programs save (``torch.save``, ``save_pretrained`` through
-    safetensors, which reads memory): it holds plain tensors aliasing what the model keeps,
-    so saving writes the compact values without widening the model in memory and loading
-    them back gives exactly those values. ``state_dict(keep_vars=True)`` keeps the objects.
-    """
-    d = module.__dict__
-    for name, value in itertools.chain(d["_parameters"].items(), d["_buffers"].items()):
-        entry = state_dict.get(prefix + name)
-        # with keep_vars=True the entry is the tensor object itself: left as it is
-        if isinstance(value, OffloadedTensor) and isinstance(entry, OffloadedTensor) and entry is not value:
-            # a scaled weight's values are q * scale: given in the compute dtype, made where they are
-            # kept (the host, for a weight an accelerator streams: none of it stays on the device)
-            scale = value.__dict__[_SCALE]
-            stored = value.stored
-            state_dict[prefix + name] = (
-                _own_storage(stored) if scale is None else dequantize(stored, scale.to(stored.device), value.dtype)
-            )
-
-
-def _own_storage(values: torch.Tensor) -> torch.Tensor:
-    """``values``, on a storage of their own where they share one (a packed group's buffer).
-
-    safetensors and ``save_pretrained`` take tensors on one storage for shared (tied)
-    memory and refuse to save those that do not cover it; the plain model's weights each
-    have their own. The same memory, seen through a storage that starts and ends with the
-    values (numpy's view keeps the buffer alive), so nothing is copied.
-    """
-    if values.device.type != "cpu" or not values.is_contiguous() or values.untyped_storage().nbytes() == values.nbytes:
-        return values
-    memory = values.reshape(-1).view(torch.uint8).numpy()
-    return torch.from_numpy(memory).view(values.dtype).view(values.shape)
