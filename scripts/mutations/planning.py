@@ -54,7 +54,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a budget counts the ring's prefetch + 1 slots",
-        "src/torchsurgery/offloading/plan.py",
+        "src/torchsurgery/offloading/budgets.py",
         "return buffers + held + (prefetch + 1) * slot + max((r for _, r in streamed), default=0) + widened",
         "return buffers + held + slot + max((r for _, r in streamed), default=0) + widened",
         ("tests/offloading/test_engine_edges.py::test_the_device_peak_stays_within_a_budget_at_every_prefetch[3]",),
@@ -127,14 +127,14 @@ MUTATIONS = [
     ),
     Mutation(
         "planning: a streamed weight's cast to the compute dtype is counted in the budget",
-        "src/torchsurgery/offloading/plan.py",
+        "src/torchsurgery/offloading/budgets.py",
         "            per_run += _allocated(p.nbytes, granule)\n", "            pass\n",
         ("tests/offloading/test_engine_edges.py::"
          "test_the_device_peak_stays_within_the_least_budget_when_streamed_weights_are_cast[2]",),
     ),
     Mutation(
         "planning: what a streamed group's run adds (its casts) is counted in the budget",
-        "src/torchsurgery/offloading/plan.py",
+        "src/torchsurgery/offloading/budgets.py",
         " + max((r for _, r in streamed), default=0) + widened", " + widened",
         ("tests/offloading/test_engine_edges.py::"
          "test_the_device_peak_stays_within_the_least_budget_when_streamed_weights_are_cast[1]",),
@@ -182,7 +182,7 @@ MUTATIONS = [
     Mutation(
         "fallback: only a single weight too large is refused, naming it and the least budget",
         "src/torchsurgery/offloading/plan.py",
-        "    raise _least_refused(groups, last, options, buffers)\n", "    raise last\n",
+        "    raise least_refused(groups, last, options, buffers)\n", "    raise last\n",
         ("tests/offloading/test_fallback.py::test_without_a_budget_only_a_single_weight_too_large_is_refused_naming_it",),
     ),
     Mutation(

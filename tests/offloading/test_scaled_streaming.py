@@ -25,7 +25,7 @@ from torchsurgery import OffloadedTensor, offload
 from torchsurgery.compact import Scaled, own_scale, stored_values
 from torchsurgery.compact.scaled import dequantize, quantize_with
 from torchsurgery.offloading import Residency, measured_residency
-from torchsurgery.offloading.plan import streaming_bytes
+from torchsurgery.offloading.budgets import streaming_bytes
 
 D = 32
 

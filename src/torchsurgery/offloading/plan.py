@@ -7,15 +7,14 @@ matmul layer, ...) and its checkpoint key. It reads the model and the checkpoint
 but changes nothing, so a plan can be printed and checked before committing to it; the
 :class:`~torchsurgery.OffloadHandle` then installs exactly that plan.
 
-Everything is keyed by qualified names: a parameter shared by several modules (tied
-weights) is listed under each name, and every occurrence after the first names the
-first one in ``tied_to``.
+The plan's entries (:class:`ParamPlan`, :class:`GroupPlan`, :class:`Residency`) are defined in
+:mod:`torchsurgery.offloading.plan_types`, and the device bytes they take, which the budget is
+checked against, are counted in :mod:`torchsurgery.offloading.budgets`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import os
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -29,7 +28,6 @@ from torchsurgery import _undo
 from torchsurgery._checkpoint import SafetensorsSource, open_source, scaled_keys
 from torchsurgery._device import OffloadDevice, resolve_device
 from torchsurgery._format import human_bytes
-from torchsurgery._tensor_layout import ALIGNMENT, align
 from torchsurgery._validate import (
     STORAGE_DTYPES,
     check_bytes,
@@ -40,7 +38,6 @@ from torchsurgery._validate import (
 )
 from torchsurgery.compact import (
     Scaled,
-    dequantize_temporary_bytes,
     foreign_subclass,
     is_matmul_layer,
     plain_reader,
@@ -48,8 +45,17 @@ from torchsurgery.compact import (
     stored_values,
 )
 from torchsurgery.errors import ArgumentTypeError, ArgumentValueError, BudgetError, Setting
+from torchsurgery.offloading.budgets import (
+    buffer_bytes,
+    check_budget,
+    device_bytes,
+    held_by,
+    held_bytes,
+    least_refused,
+)
 from torchsurgery.offloading.grouping import find_groups
 from torchsurgery.offloading.host_tier import HostAccount, assign_tiers
+from torchsurgery.offloading.plan_types import GroupPlan, ParamPlan, PlanOptions, Residency
 
 __all__ = [
     "plan_offload", "OffloadPlan", "GroupPlan", "ParamPlan", "Residency", "DEFAULT_SKIP", "device_bytes",
@@ -73,149 +79,6 @@ def _is_norm_or_embedding(module: nn.Module, name: str) -> bool:
 
 DEFAULT_SKIP: Callable[[nn.Module, str], bool] = _is_norm_or_embedding
 """Modules kept in their own dtype when a ``storage_dtype`` is given: norms and embeddings."""
-
-
-class Residency(enum.Enum):
-    """Where a parameter's values live while the model is offloaded.
-
-    Example:
-        >>> from torchsurgery.offloading import Residency
-        >>> Residency.STREAMED.value
-        'streamed'
-    """
-
-    RESIDENT = "resident"
-    """On the device in its storage dtype (with a master: the master and its narrow copy) for as
-    long as the offload lasts."""
-    STREAMED = "streamed"
-    """In its group's flat host buffer (storage dtype), copied in through the ring of device buffers."""
-    FILE = "file"
-    """In the checkpoint file (the parameter is ``meta``), read in through the ring."""
-    NARROW = "narrow"
-    """In host memory in the storage dtype; its CPU matmul layer reads it narrow."""
-    CONVERTED = "converted"
-    """In host memory; converted for each forward without the ring (a tensor subclass, or a
-    weight tied to one whose host copy lives in an earlier group's buffer)."""
-    IN_PLACE = "in place"
-    """In host memory in its compute dtype, where a CPU computes with it directly: nothing is brought in."""
-
-
-@dataclass
-class ParamPlan:
-    """One parameter under one qualified name.
-
-    Attributes:
-        name: qualified name (``"blocks.0.fc.weight"``).
-        module: qualified name of the module holding it.
-        attr: its name in that module.
-        storage_dtype: the dtype it is kept in while offloaded, resident or not (in the file:
-            the file's).
-        compute_dtype: the dtype its group computes with.
-        shadow_dtype: with a ``master_dtype``: the dtype of the narrow copy that serves
-            forwards without gradients (``None``: no copy).
-        residency: where its values live while offloaded.
-        file_key: its key in the checkpoint file, where it is read from there.
-        tied_to: the name of the first occurrence of the same parameter, if this is not it.
-        nbytes: its bytes in the compute dtype (what a read of it widens to).
-        scaled: the scaled format its values are kept in (``storage_dtype`` is then the
-            format's narrow dtype; :mod:`torchsurgery.compact.scaled`), or ``None``.
-        file_scale: the key of the scale its values in the checkpoint file are multiplied by
-            (ComfyUI's scaled fp8 layout: ``<prefix>.scale_weight``), or ``None``.
-        scale_nbytes: the bytes of its fp32 scale, kept and moved next to its values (0 unscaled).
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> import torchsurgery
-        >>> layer = nn.Sequential(nn.Linear(2, 2))
-        >>> p = torchsurgery.plan_offload(layer, storage_dtype=torch.float16, dtype=torch.float32).params[0]
-        >>> p.name, p.storage_dtype, p.compute_dtype, p.lookup(layer) is layer[0].weight
-        ('0.weight', torch.float16, torch.float32, True)
-    """
-
-    name: str
-    module: str
-    attr: str
-    storage_dtype: torch.dtype
-    compute_dtype: torch.dtype
-    shadow_dtype: torch.dtype | None
-    residency: Residency
-    file_key: str | None
-    tied_to: str | None
-    nbytes: int
-    scaled: Scaled | None = None
-    file_scale: str | None = None
-    scale_nbytes: int = 0
-
-    def lookup(self, model: nn.Module) -> nn.Parameter:
-        """The parameter in ``model`` (the object itself, not what attribute access returns)."""
-        param = model.get_submodule(self.module)._parameters[self.attr]
-        assert param is not None
-        return param
-
-    def lookup_in(self, named: Mapping[str, nn.Module]) -> nn.Parameter:
-        """The parameter among the model's modules by qualified name (``dict(model.named_modules())``):
-        :meth:`lookup` without walking the model again, for code that looks up many."""
-        param = named[self.module]._parameters[self.attr]
-        assert param is not None
-        return param
-
-    def reads_as_computed(self) -> bool:
-        """Whether it becomes an :class:`~torchsurgery.compact.tensor.OffloadedTensor` (under its first name).
-
-        Weights kept in another dtype than they compute in (or next to a narrow shadow), in host
-        memory or resident on the device, do, so that they read as the compute dtype and their
-        values are those of the storage dtype wherever they live; the others already do.
-        """
-        return (
-            self.tied_to is None
-            and self.residency in (Residency.NARROW, Residency.STREAMED, Residency.RESIDENT)
-            and (self.storage_dtype != self.compute_dtype or self.shadow_dtype is not None)
-        )
-
-    def reads_elsewhere(self, device: torch.device) -> bool:
-        """Whether it keeps its values in host memory (or its file) while it computes on the accelerator ``device``.
-
-        It then becomes an :class:`~torchsurgery.compact.tensor.OffloadedTensor` reading as a
-        tensor on ``device`` (under its first name): the model reads as a model there
-        (``model.device``, ``next(model.parameters()).device``), as the dtype rule makes it read
-        as its compute dtype.
-        """
-        return self.tied_to is None and device.type != "cpu" and self.residency in (Residency.STREAMED, Residency.FILE)
-
-
-@dataclass
-class GroupPlan:
-    """A group of modules whose weights move together.
-
-    Attributes:
-        name: qualified name of the group's root module (``""``: the model).
-        resident: kept on the device from the start (more may follow from measurements).
-        nbytes: its parameters' bytes as they are held on the device when resident: in
-            their storage dtype, and a master's narrow copy besides (tied ones counted
-            once, in the first group holding them; see :func:`held_bytes`).
-        params: its parameters, in module order.
-        tier: where its weights are kept between runs: ``"device"`` (resident), ``"host"``
-            (host memory; from a checkpoint file: read once, then kept within ``host_budget``)
-            or ``"disk"`` (read from the checkpoint file on every forward).
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> import torchsurgery
-        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-        >>> [(g.name, g.nbytes) for g in torchsurgery.plan_offload(model, groups="leaves").groups]
-        [('0', 24), ('1', 24)]
-        >>> plan = torchsurgery.plan_offload(model, groups="leaves", storage_dtype=torch.bfloat16, dtype=torch.float32)
-        >>> [(g.name, g.nbytes) for g in plan.groups]  # held in bf16
-        [('0', 12), ('1', 12)]
-    """
-
-    name: str
-    resident: bool
-    nbytes: int
-    params: list[ParamPlan] = field(default_factory=list)
-    tier: str = "host"
 
 
 @dataclass
@@ -270,7 +133,7 @@ class OffloadPlan:
 
     def device_bytes(self, resident: Collection[str]) -> int:
         """Device bytes the offload holds at once with the groups named in ``resident`` kept
-        resident and the others streamed (see :func:`device_bytes`)."""
+        resident and the others streamed (see :func:`~torchsurgery.offloading.budgets.device_bytes`)."""
         return device_bytes(self.groups, resident, self.prefetch, self.offload_device.allocation_granule, self.buffer_bytes)
 
     def __str__(self) -> str:
@@ -296,21 +159,6 @@ class OffloadPlan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         return "\n".join([head, *lines])
-
-
-@dataclass(frozen=True)
-class _Options:
-    """The checked arguments of one plan."""
-
-    device: OffloadDevice
-    dtype: torch.dtype | None
-    storage_dtype: torch.dtype | Scaled | None
-    master_dtype: torch.dtype | None
-    budget: int | None
-    prefetch: int
-    pin: bool
-    skip: Callable[[nn.Module, str], bool] | None
-    finer_groups: bool  # whether groups finer than the chosen ones exist (not 'leaves' already)
 
 
 def already_offloaded(model: nn.Module) -> str | None:
@@ -351,7 +199,7 @@ def _check_options(
     groups: object,
     storage: object,
     offloaded_ok: bool = False,
-) -> _Options:
+) -> PlanOptions:
     """Every argument checked, in the order a user would fix them."""
     _undo.check_not_compiling("offload")
     _undo.check_module(model, _WHAT)
@@ -394,7 +242,7 @@ def _check_options(
             "pass {}", Setting("pin_memory", False),
         )
     pin = (not seam.host_compute and seam.can_pin) if pin_memory is None else pin_memory
-    return _Options(seam, compute, stored, master, budget, prefetch, pin, skip, groups != "leaves")
+    return PlanOptions(seam, compute, stored, master, budget, prefetch, pin, skip, groups != "leaves")
 
 
 def _members(named: dict[str, nn.Module], names: list[str]) -> dict[str, list[str]]:
@@ -479,51 +327,6 @@ def _check_master_holds(master: torch.dtype, name: str, dtype: torch.dtype) -> N
         )
 
 
-def held_bytes(p: ParamPlan, granule: int = 1) -> int:
-    """Device bytes ``p`` takes resident: its values in its storage dtype, and a master's narrow copy
-    or a scaled weight's scale besides.
-
-    Each is one allocation, rounded up to ``granule`` bytes (the device's allocation granule).
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> import torchsurgery
-        >>> plan = torchsurgery.plan_offload(nn.Linear(4, 4, bias=False), storage_dtype=torch.bfloat16,
-        ...                                  master_dtype=torch.float32, dtype=torch.float32)
-        >>> held_bytes(plan.params[0])  # 16 fp32 master values and their 16 bf16 copies
-        96
-        >>> from torchsurgery.compact import Scaled
-        >>> plan = torchsurgery.plan_offload(nn.Linear(4, 4, bias=False), storage_dtype=Scaled(torch.int8), dtype=torch.float32)
-        >>> held_bytes(plan.params[0])  # 16 int8 values and 4 fp32 scales
-        32
-    """
-    numel = p.nbytes // p.compute_dtype.itemsize
-    shadow = _allocated(numel * p.shadow_dtype.itemsize, granule) if p.shadow_dtype is not None else 0
-    scale = _allocated(p.scale_nbytes, granule) if p.scale_nbytes else 0
-    return _allocated(numel * p.storage_dtype.itemsize, granule) + shadow + scale
-
-
-def _allocated(nbytes: int, granule: int) -> int:
-    """What an allocation of ``nbytes`` takes on a device that rounds allocations up to ``granule`` bytes."""
-    return -(-nbytes // granule) * granule
-
-
-def _widened_bytes(p: ParamPlan) -> int:
-    """What a read of ``p`` widens it to for a product (its compute dtype, through fp32 for a scaled
-    weight: :func:`_through_fp32`), where it is held in another dtype."""
-    widened = p.tied_to is None and (p.storage_dtype != p.compute_dtype or p.shadow_dtype is not None)
-    return p.nbytes + _through_fp32(p) if widened else 0
-
-
-def _through_fp32(p: ParamPlan) -> int:
-    """What a scaled weight's dequantisation holds besides its result, for as long as the cast
-    takes (:func:`~torchsurgery.compact.dequantize_temporary_bytes`)."""
-    if p.scaled is None:
-        return 0
-    return dequantize_temporary_bytes(p.nbytes // p.compute_dtype.itemsize, p.compute_dtype)
-
-
 def sizes(
     model: nn.Module,
     what: str,
@@ -548,18 +351,18 @@ def sizes(
     groups, prefetch = ("leaves", 0) if least else (groups, prefetch)
     plan = _collect(named, find_groups(model, groups, what), dtype, storage_dtype, None, skip, converted)
     granule = device.allocation_granule if device is not None else 1
-    buffers = _buffer_bytes(model, device) if device is not None else 0
+    buffers = buffer_bytes(model, device) if device is not None else 0
     if device is not None:  # each weight as it would stream, as the offload's budget check takes them
-        _route(named, plan, _Options(device, dtype, storage_dtype, None, None, prefetch, False, skip, False), from_file=False)
+        _route(named, plan, PlanOptions(device, dtype, storage_dtype, None, None, prefetch, False, skip, False), from_file=False)
     whole = device_bytes(plan, {g.name for g in plan}, prefetch, granule, buffers)
     if not plan:
         return whole, 0, whole
-    largest = max(_held_by(g, granule) for g in plan)
+    largest = max(held_by(g, granule) for g in plan)
     streaming = min(whole, max(largest, device_bytes(plan, set(), prefetch, granule, buffers)))
     return whole, max(g.nbytes for g in plan), streaming
 
 
-def _reads_narrow(named: dict[str, nn.Module], group: GroupPlan, p: ParamPlan, options: _Options) -> bool:
+def _reads_narrow(named: dict[str, nn.Module], group: GroupPlan, p: ParamPlan, options: PlanOptions) -> bool:
     """Whether ``p`` is served by the narrow-weight layer path (CPU matmul layers)."""
     narrow = p.shadow_dtype or p.storage_dtype
     if not options.device.host_compute or narrow == p.compute_dtype or not is_matmul_layer(named[p.module]):
@@ -569,7 +372,7 @@ def _reads_narrow(named: dict[str, nn.Module], group: GroupPlan, p: ParamPlan, o
     return all((q.shadow_dtype or q.storage_dtype) == narrow for q in group.params if q.module == p.module)
 
 
-def _route(named: dict[str, nn.Module], groups: list[GroupPlan], options: _Options, from_file: bool) -> None:
+def _route(named: dict[str, nn.Module], groups: list[GroupPlan], options: PlanOptions, from_file: bool) -> None:
     """Each parameter's residency, the group's residency and tied weights given."""
     where: dict[str, tuple[Residency, str]] = {}  # first name -> (its residency, its group)
     for group in groups:
@@ -653,105 +456,6 @@ def _check_values(named: dict[str, nn.Module], groups: list[GroupPlan]) -> None:
             )
 
 
-def streaming_bytes(group: GroupPlan, granule: int = 1) -> tuple[int, int]:
-    """Device bytes ``group`` takes while it streams, besides what it takes when resident.
-
-    Every allocation is rounded up to ``granule`` bytes (the device's allocation granule).
-
-    Returns:
-        (its ring slot: the weights the ring carries, in their storage dtype, each aligned
-        as the ring packs them, and the scales of scaled weights after them; what a run adds:
-        casts to the compute dtype (through a master's narrow dtype, or a scaled weight's
-        fp32 dequantisation, whose copy lives next to the cast while it is made), the
-        weights converted at each run, such as a tied weight another group holds, and the
-        widest of the weights read narrow in place, widened for a product).
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> import torchsurgery
-        >>> plan = torchsurgery.plan_offload(nn.Conv1d(4, 4, 1), storage_dtype=torch.bfloat16, dtype=torch.float32)
-        >>> streaming_bytes(plan.groups[0])  # weight at 0, bias at 256 (bf16); both cast to fp32 per run
-        (264, 80)
-    """
-    ring = sorted(  # the order the engine packs them in
-        (p for p in group.params if p.residency in (Residency.STREAMED, Residency.FILE)), key=lambda p: str(p.storage_dtype)
-    )
-    end = per_run = through = 0
-    for p in ring:
-        end = align(end, ALIGNMENT) + p.nbytes // p.compute_dtype.itemsize * p.storage_dtype.itemsize
-        if p.storage_dtype != p.compute_dtype or p.shadow_dtype is not None:  # cast (a master: through its copy's dtype)
-            per_run += _allocated(p.nbytes, granule)
-        through = max(through, _allocated(_through_fp32(p), granule))
-    for p in ring:
-        if p.scale_nbytes:  # the scales, after every weight's values
-            end = align(end, ALIGNMENT) + p.scale_nbytes
-    converted = [p for p in group.params if p.residency is Residency.CONVERTED]
-    per_run += sum(_allocated(p.nbytes, granule) for p in converted)
-    for p in ring + converted:
-        if p.shadow_dtype is not None:
-            through = max(through, _allocated(p.nbytes // p.compute_dtype.itemsize * p.shadow_dtype.itemsize, granule))
-    in_place = (p for p in group.params if p.residency in (Residency.NARROW, Residency.RESIDENT))
-    widened = max((_allocated(_widened_bytes(p), granule) for p in in_place), default=0)
-    return _allocated(end, granule) if end else 0, per_run + through + widened
-
-
-def device_bytes(
-    groups: Sequence[GroupPlan], resident: Collection[str], prefetch: int, granule: int = 1, buffers: int = 0
-) -> int:
-    """Device bytes an offload holds at once with the groups named in ``resident`` kept resident.
-
-    The one account of a budget, used to check it, to keep groups resident from the start
-    and to choose more after the first forward: the buffers (``buffers`` bytes), the
-    resident groups' weights as held, the ring's ``prefetch + 1`` slots, each sized for the
-    largest group that still streams, what the largest run adds to them (casts, converted
-    weights) and the widest read of a resident weight held in another dtype. Every
-    allocation is rounded up to ``granule`` bytes. The groups outside ``resident`` are taken
-    as they are routed to stream (see :func:`streaming_bytes`). Forwards that record
-    gradients do not use the ring: autograd keeps their groups' weights until backward.
-
-    Example:
-        >>> from torch import nn
-        >>> import torchsurgery
-        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-        >>> plan = torchsurgery.plan_offload(model, "cpu", groups="leaves")
-        >>> device_bytes(plan.groups, {"0", "1"}, prefetch=1)  # both resident: 2 x (64 + 16)
-        160
-    """
-    kept = [g for g in groups if g.name in resident]
-    streamed = [streaming_bytes(g, granule) for g in groups if g.name not in resident]
-    slot = max((s for s, _ in streamed), default=0)
-    held = sum(_held_by(g, granule) for g in kept)
-    widened = max((_allocated(_widened_bytes(p), granule) for g in kept for p in g.params), default=0)
-    return buffers + held + (prefetch + 1) * slot + max((r for _, r in streamed), default=0) + widened
-
-
-def _check_budget(budget: int, groups: list[GroupPlan], options: _Options, buffers: int) -> None:
-    """Refuse a budget below what the offload needs at the least: the model kept whole, or else
-    its largest group resident and the ring at its prefetch with every group streamed."""
-    granule = options.device.allocation_granule
-    whole = device_bytes(groups, {g.name for g in groups}, options.prefetch, granule, buffers)
-    if budget >= whole:
-        return
-    big = max(groups, key=lambda g: _held_by(g, granule))
-    largest = _held_by(big, granule)
-    streaming = device_bytes(groups, set(), options.prefetch, granule, buffers)
-    needed = min(whole, max(largest, streaming))
-    if budget >= needed:
-        return
-    holding = None
-    ring = (
-        f"what streaming holds on the device at once with prefetch={options.prefetch}: "
-        f"{options.prefetch + 1} ring slots sized for the largest streamed group, a run's casts"
-        + (" and the model's buffers" if buffers else "")
-    )
-    if needed == whole:
-        holding = f"the model whole ({needed} bytes), less than {ring} ({streaming} bytes)"
-    elif needed > largest:
-        holding = f"{ring} ({needed} bytes)"
-    raise BudgetError(_WHAT, budget, needed, big.name, finer=options.finer_groups, holding=holding)
-
-
 def _warn(sentence: str) -> None:
     """Say which finer groups an offload without a budget of the user's took (one warning)."""
     warnings.warn(f"{_WHAT}: {sentence}", UserWarning, stacklevel=6)
@@ -761,7 +465,7 @@ def _quiet(sentence: str) -> None:
     """Say nothing (a plan made only to check another)."""
 
 
-def _finer(options: _Options) -> list[tuple[str, _Options]]:
+def _finer(options: PlanOptions) -> list[tuple[str, PlanOptions]]:
     """The finer plans to try, coarsest first, down to single weights: each module that holds
     weights alone (a layer's weight and bias), then one of them in the ring at a time."""
     leaves = dataclasses.replace(options, finer_groups=False)
@@ -773,8 +477,8 @@ def _finer(options: _Options) -> list[tuple[str, _Options]]:
 
 def _fitted(
     model: nn.Module, named: dict[str, nn.Module], groups: list[GroupPlan], converted: Mapping[int, torch.dtype] | None,
-    options: _Options, buffers: int, report: Callable[[str], None] | None,
-) -> tuple[list[GroupPlan], _Options, int | None, int | None]:
+    options: PlanOptions, buffers: int, report: Callable[[str], None] | None,
+) -> tuple[list[GroupPlan], PlanOptions, int | None, int | None]:
     """The groups with their residency chosen within the budget: as chosen, or (with ``report``:
     the budget is not the user's) the first finer plan that fits (:func:`_finer`), reported in one
     sentence. Refused (:class:`BudgetError`) only where the finest cannot fit: its largest single weight."""
@@ -798,28 +502,11 @@ def _fitted(
             f"there; streaming {step} instead"
         )
         return groups, finer, budget, measured
-    raise _least_refused(groups, last, options, buffers)
-
-
-def _least_refused(groups: list[GroupPlan], error: BudgetError, options: _Options, buffers: int) -> BudgetError:
-    """The refusal of a budget below the least the model runs in: streamed one module at a time."""
-    granule = options.device.allocation_granule
-    weight = max((p for g in groups for p in g.params if p.tied_to is None), key=lambda p: held_bytes(p, granule))
-    holding = (
-        f"the model streamed one module at a time (groups='leaves', prefetch=0), the least it runs in: its largest "
-        f"single weight {weight.name!r} ({held_bytes(weight, granule)} bytes) in one ring slot, with a run's casts"
-        + (" and the model's buffers" if buffers else "") + f" ({error.needed} bytes)"
-    )
-    return BudgetError(_WHAT, error.budget, error.needed, weight.module, finer=False, holding=holding)
-
-
-def _held_by(group: GroupPlan, granule: int) -> int:
-    """Device bytes ``group`` takes resident (:func:`held_bytes` of its parameters, tied ones once)."""
-    return sum(held_bytes(p, granule) for p in group.params if p.tied_to is None)
+    raise least_refused(groups, last, options, buffers)
 
 
 def _choose_residency(
-    named: dict[str, nn.Module], groups: list[GroupPlan], options: _Options, buffers: int
+    named: dict[str, nn.Module], groups: list[GroupPlan], options: PlanOptions, buffers: int
 ) -> tuple[int | None, int | None]:
     """Mark the groups resident from the start; returns (budget, budget left for measured residency)."""
     seam, budget = options.device, options.budget
@@ -829,7 +516,7 @@ def _choose_residency(
         return None, None
     # every group as it would stream: what the budget is counted against
     _route(named, groups, options, from_file=False)
-    _check_budget(budget, groups, options, buffers)
+    check_budget(budget, groups, options, buffers)
     every = {g.name for g in groups}
     if device_bytes(groups, every, options.prefetch, seam.allocation_granule, buffers) <= budget:
         for g in groups:
@@ -846,14 +533,6 @@ def _choose_residency(
             g.resident = True
             resident.add(g.name)
     return budget, budget - sum(g.nbytes for g in groups if g.resident)
-
-
-def _buffer_bytes(model: nn.Module, seam: OffloadDevice) -> int:
-    """Device bytes of the model's buffers, which the offload moves to the device (none on a CPU)."""
-    if seam.host_compute:
-        return 0
-    unique = {id(b): b for b in model.buffers()}
-    return sum(_allocated(b.nbytes, seam.allocation_granule) for b in unique.values())
 
 
 def _file_keys(model: nn.Module, named: dict[str, nn.Module], groups: list[GroupPlan], storage: str | os.PathLike[str]) -> None:
@@ -994,7 +673,7 @@ def plan_converted(
     if storage is None:
         _check_values(named, plan)
     from_file = storage is not None
-    buffers = _buffer_bytes(model, options.device)
+    buffers = buffer_bytes(model, options.device)
     if fallback is None and budget is None and not options.device.host_compute:
         fallback = _warn  # the budget comes from the device's free memory: never refuse what can run
     fallback = _quiet if fallback is not None and offloaded_ok else fallback  # a check: the plan after it reports
