@@ -258,4 +258,17 @@ MUTATIONS = [
         "    lo = piece.start\n",
         ("tests/offloading/test_file_reader.py::test_direct_and_buffered_reads_give_the_file_bytes",),
     ),
+    Mutation(
+        "checkpoint faults: reads through the file reader are refused where the file changed since it was opened",
+        "src/torchsurgery/offloading/file_reader.py",
+        "        try:\n            self._unchanged(read)\n        except CheckpointError:\n",
+        "        try:\n            pass\n        except CheckpointError:\n",
+        ("tests/offloading/test_checkpoint_faults.py::test_a_shard_changed_between_forwards[rewrite-skeleton]",),
+    ),
+    Mutation(
+        "checkpoint faults: reads through the file reader count in the slow-filesystem hint",
+        "src/torchsurgery/offloading/file_reader.py",
+        "        source.seconds_reading += max(0.0, _checkpoint._clock() - read.started)\n", "",
+        ("tests/offloading/test_checkpoint_faults.py::test_a_slow_filesystem_is_named_in_the_hint[slow]",),
+    ),
 ]

@@ -85,7 +85,8 @@ def _offloaded(reference: nn.Module, folder: Path, own_values: bool) -> tuple[nn
     else:
         with torchsurgery.skeleton():
             model = _blocks()
-    return model, offload(model, storage=index)
+    # no host tier: every forward reads the files (a group kept in memory is not read again)
+    return model, offload(model, storage=index, host_budget=0)
 
 
 def _check_removed(model: nn.Module, reference: nn.Module, own_values: bool) -> None:
@@ -130,7 +131,7 @@ def test_a_shard_truncated_in_the_middle_of_a_forward(reference: nn.Module, tmp_
     shard = tmp_path / "ckpt" / "model-3.safetensors"
     shutil.copy(shard, tmp_path / "saved.safetensors")
     hook = model[1].register_forward_pre_hook(lambda *_: _truncate(shard))
-    with pytest.raises(CheckpointError, match=r"model-3.safetensors: '3\.0\.(weight|bias)' ends early.*its size went from"):
+    with pytest.raises(CheckpointError, match=r"model-3.safetensors: ('3\.0\.(weight|bias)' ends early|changed since it was opened).*its size went from"):
         with torch.no_grad():
             model(x)
     hook.remove()
@@ -152,11 +153,11 @@ def test_an_io_error_names_the_file_and_key(
     x = torch.randn(2, WIDTH)
     with monkeypatch.context() as patched:
         patched.setattr(_checkpoint.os, "preadv", failing)
-        with pytest.raises(OSError, match=r"model-0.safetensors: reading '0\.0\.(weight|bias)' failed \(Input/output error\); check the disk"):
+        with pytest.raises(OSError, match=r"reading group '0' from .*model-0.safetensors failed \(Input/output error\); check the file and its disk"):
             with torch.no_grad():
                 model(x)
         if own_values:  # its values cannot be read back: refused, nothing changed
-            with pytest.raises(OSError, match=r"model-\d.safetensors: reading .*\(Input/output error\)"):
+            with pytest.raises(OSError, match=r"model-\d.safetensors.*\(Input/output error\)"):
                 handle.remove()
             assert handle.active
     with torch.no_grad():  # the disk is back: the model runs again

@@ -101,7 +101,12 @@ def test_a_failed_read_surfaces_in_the_forward_that_needs_it_naming_the_file(tmp
         path.write_bytes(whole[: len(whole) // 2])  # truncated while streamed
         with pytest.raises(torchsurgery.CheckpointError, match=str(path)):
             model(X)
-        path.write_bytes(whole)  # put back: the next forward reads it again
+        path.write_bytes(whole)  # put back, written in place: still refused (nothing says the bytes match) ...
+        with pytest.raises(torchsurgery.CheckpointError, match="changed since it was opened"):
+            model(X)
+    handle.remove()
+    handle = torchsurgery.offload(model, storage=path, host_budget=0)  # ... until offloaded from it again
+    with torch.no_grad():
         torch.testing.assert_close(model(X), reference(X), rtol=0, atol=0)
     handle.remove()
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from torchsurgery import _checkpoint
 from torchsurgery._checkpoint import CheckpointError
 from torchsurgery._device import OffloadDevice
 from torchsurgery.offloading.host_tier import HostAccount
@@ -164,6 +165,7 @@ class _Read:
     buffer: torch.Tensor
     futures: list[concurrent.futures.Future[None]]
     keep: bool  # into the group's host-tier buffer, kept once done
+    started: float = 0.0  # by the checkpoint's clock, for the reads' speed (the slow-filesystem hint)
 
 
 def _normal_tensors(allocate: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
@@ -335,8 +337,9 @@ class FileReader:
         buffer = _aligned(group.layout.nbytes, self._allocate) if keep else self._buffer()
         if not keep:
             self._lent[buffer.data_ptr()] = buffer
+        started = _checkpoint._clock()
         futures = [self._pool.submit(self._read_piece, name, buffer, piece) for piece in pieces or ()]
-        read = _Read(name, buffer, futures, keep)
+        read = _Read(name, buffer, futures, keep, started)
         self._flight[name] = read
         return read
 
@@ -364,12 +367,31 @@ class FileReader:
             error = future.exception()
             if error is not None:
                 self._recycle(read)
+                if isinstance(error, CheckpointError):  # cut short: where the file changed, say how
+                    self._unchanged(read)
                 raise error
+        self._checked(read)
         if read.keep:
             self._kept[read.name] = read.buffer
             self._kept_bytes += self._bytes(read.name)
             self._stats.peak_host_bytes = max(self._stats.peak_host_bytes, self._kept_bytes)
         return read.buffer
+
+    def _checked(self, read: _Read) -> None:
+        """Count ``read`` in its source's reads (their speed); refuse it where a file changed since the
+        offload opened it (truncated, written in place, deleted or replaced: its source's check)."""
+        source = self._groups[read.name][0].source
+        source.bytes_read += self._bytes(read.name)
+        source.seconds_reading += max(0.0, _checkpoint._clock() - read.started)
+        try:
+            self._unchanged(read)
+        except CheckpointError:
+            self._recycle(read)
+            raise
+
+    def _unchanged(self, read: _Read) -> None:
+        group, pieces = self._groups[read.name]
+        group.source.check_unchanged({piece.path for piece in pieces or ()})
 
     def _recycle(self, read: _Read) -> None:
         """A read not handed out: its buffer back to the free ones."""
