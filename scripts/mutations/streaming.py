@@ -224,8 +224,8 @@ MUTATIONS = [
     Mutation(
         "host tier: a read error is raised in the forward that needs the group",
         "src/torchsurgery/offloading/file_reader.py",
-        "                self._recycle(read)\n                raise error\n",
-        "                self._recycle(read)\n",
+        "                    self._unchanged(read)\n                raise error\n",
+        "                    self._unchanged(read)\n",
         ("tests/offloading/test_file_reader.py::test_a_failed_read_surfaces_in_the_forward_that_needs_it_naming_the_file",
          "tests/offloading/test_file_reader.py::test_an_io_error_in_a_read_thread_names_the_file"),
     ),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -12,6 +13,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+# what importing torchao (a test dependency, which transformers imports when it is installed) logs
+# with this torch: its native libraries, built for CUDA and another Python, fail to load, and torch
+# warns of the enums it registers. Not the command's output: taken out of what the tests read.
+_OTHER_LIBRARIES = re.compile(
+    r"^(Failed to load \S*torchao\S*: .*|Skipping import of cpp extensions due to TORCHAO_\w+.*"
+    r"|W\d{4} [\d:.]+ \d+ \S*torch/utils/_pytree\.py:\d+\] .*)\n", re.MULTILINE,
+)
+
+
+def command_stderr(text: str) -> str:
+    """``text`` (a command's stderr) without the lines other libraries log when imported."""
+    return _OTHER_LIBRARIES.sub("", text)
 
 
 @dataclass
@@ -33,7 +47,7 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
     done = subprocess.run(
         [sys.executable, "-m", "torchsurgery", *args], capture_output=True, text=True, env=environ, cwd=cwd, timeout=300
     )
-    return Result(done.returncode, done.stdout, done.stderr)
+    return Result(done.returncode, done.stdout, command_stderr(done.stderr))
 
 
 @pytest.fixture(scope="session")
