@@ -198,6 +198,8 @@ def test_a_conversion_of_another_thread_waits_while_one_installs_the_offload_aga
     assert not thread.is_alive() and not errors, errors
     assert handle.active and {p.dtype for p in model.parameters()} == {torch.bfloat16}
     torch.testing.assert_close(_forward(model, X), expected, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="while it is offloaded"):  # the new installation guards its conversions
+        model.to("meta")
     handle.remove()
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         assert p.dtype == q.dtype and torch.equal(p, q)
@@ -208,7 +210,7 @@ def test_a_conversion_failing_half_way_leaves_the_model_as_it_was_offloaded_and_
     monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     model, plain = _parking_model(), _parking_model()
-    handle = offload(model, groups="leaves", budget="least", storage_dtype=torch.bfloat16, dtype=torch.float32)
+    handle = offload(model, groups="leaves", budget="least")
     expected = _forward(model, X)
     weights = list(model.parameters())
     install, planned = engine.Installer.install, engine.plan_converted
@@ -229,7 +231,7 @@ def test_a_conversion_failing_half_way_leaves_the_model_as_it_was_offloaded_and_
     else:
         monkeypatch.setattr(engine, "plan_converted", fails_once(planned))
     with pytest.raises(MemoryError, match="half-way"):
-        model.double()
+        model.bfloat16()  # narrowing: values that stayed converted would round
     monkeypatch.undo()
     assert handle.active and list(model.parameters()) == weights
     assert {(p.dtype, p.device.type) for p in model.parameters()} == {(torch.float32, "cpu")}
@@ -237,13 +239,13 @@ def test_a_conversion_failing_half_way_leaves_the_model_as_it_was_offloaded_and_
     model.double()  # and it converts as before
     assert {p.dtype for p in model.parameters()} == {torch.float64}
     handle.remove()
-    for p, q in zip(model.parameters(), plain.parameters(), strict=True):  # the stored (bf16) values, converted
-        assert p.dtype == torch.float64 and torch.equal(p, q.bfloat16().double())
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):  # the values it had, converted
+        assert p.dtype == torch.float64 and torch.equal(p, q.double())
 
 
 # ---------------------------------------------------------------------- the stress test
 
-_ROUNDS = 200
+_ROUNDS = 100  # per number of converters: 200 rounds in all
 # every way to convert that the offload takes: to each dtype, by each call (a device it is on already changes nothing)
 _TO: dict[torch.dtype, list[Callable[[nn.Module, torch.device], nn.Module]]] = {
     torch.float32: [lambda m, d: m.float(), lambda m, d: m.to(torch.float32), lambda m, d: m.to(d, torch.float32),
@@ -287,7 +289,7 @@ def _round(
 
 
 @pytest.mark.accelerator
-@pytest.mark.parametrize("converters", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("converters", [2, 4])
 def test_conversions_racing_forwards_in_threads_never_half_change_the_model(on_tardy: torch.device, converters: int) -> None:
     torch.manual_seed(0)
     model = _Net()
