@@ -172,9 +172,8 @@ MUTATIONS = [
     Mutation(
         "pending backward: a conversion hands a pending graph's gradient on to the weights it converts",
         "src/torchsurgery/offloading/conversion.py",
-        "hand_over(t, wrap_like(t, t.detach().to(read_as).to(dtype)))",
-        '__import__("torchsurgery._swap", fromlist=["swap_in"]).swap_in('
-        "t, wrap_like(t, t.detach().to(read_as).to(dtype)), pending_backward_ok=True)",
+        "                hand_over(t, replacement)\n",
+        '                __import__("torchsurgery._swap", fromlist=["swap_in"]).swap_in(t, replacement, pending_backward_ok=True)\n',
         ("tests/offloading/test_pending.py::test_a_conversion_while_a_backward_is_pending_hands_its_gradients_on_to_the_converted_weights",),
     ),
     Mutation(
