@@ -27,8 +27,8 @@ MUTATIONS = [
     Mutation(
         "an offloaded module's .to(dtype) converts its weights (the offload is planned again)",
         "src/torchsurgery/offloading/conversion.py",
-        "hand_over(t, wrap_like(t, t.detach().to(read_as).to(dtype)))",
-        "pass",
+        "                hand_over(t, replacement)\n",
+        "                pass\n",
         ("tests/offloading/test_engine.py::test_an_offloaded_model_takes_dtype_conversions_as_the_plain_model",),
     ),
     Mutation(
@@ -172,9 +172,8 @@ MUTATIONS = [
     Mutation(
         "pending backward: a conversion hands a pending graph's gradient on to the weights it converts",
         "src/torchsurgery/offloading/conversion.py",
-        "hand_over(t, wrap_like(t, t.detach().to(read_as).to(dtype)))",
-        '__import__("torchsurgery._swap", fromlist=["swap_in"]).swap_in('
-        "t, wrap_like(t, t.detach().to(read_as).to(dtype)), pending_backward_ok=True)",
+        "                hand_over(t, replacement)\n",
+        '                __import__("torchsurgery._swap", fromlist=["swap_in"]).swap_in(t, replacement, pending_backward_ok=True)\n',
         ("tests/offloading/test_pending.py::test_a_conversion_while_a_backward_is_pending_hands_its_gradients_on_to_the_converted_weights",),
     ),
     Mutation(
@@ -216,8 +215,36 @@ MUTATIONS = [
     Mutation(
         "threads (issue 48): a conversion keeps the forward lock, which the forwards waiting for it hold next",
         "src/torchsurgery/offloading/engine.py",
-        "            self._streaming.lock = lock\n",
+        "        self._streaming.lock = lock\n",
         "",
         ("tests/offloading/test_forward_lock.py::test_conversions_racing_forwards_in_threads_never_half_change_the_model",),
+    ),
+    Mutation(
+        "threads (issue 48): a conversion re-installing the offload holds off other threads' conversions until it is in place",
+        "src/torchsurgery/offloading/engine.py",
+        "            Attachments.hold_conversions(model, lock)\n",
+        "",
+        ("tests/offloading/test_forward_lock.py::test_a_conversion_of_another_thread_waits_while_one_installs_the_offload_again",),
+    ),
+    Mutation(
+        "threads (issue 48): the new installation's conversions replace the stand-ins holding them off",
+        "src/torchsurgery/offloading/attach.py",
+        ' or isinstance(module.__dict__["_apply"], Reinstalling):\n',
+        ":\n",
+        ("tests/offloading/test_forward_lock.py::test_a_conversion_of_another_thread_waits_while_one_installs_the_offload_again",),
+    ),
+    Mutation(
+        "threads (issue 48): a conversion failing half-way puts the model back as it was, offloaded",
+        "src/torchsurgery/offloading/engine.py",
+        "                undo()\n                self._reinstall(model, *before, lock)\n",
+        "",
+        ("tests/offloading/test_forward_lock.py::test_a_conversion_failing_half_way_leaves_the_model_as_it_was_offloaded_and_working",),
+    ),
+    Mutation(
+        "threads (issue 48): a conversion failing half-way gives the weights back their contents",
+        "src/torchsurgery/offloading/engine.py",
+        "                undo()\n",
+        "",
+        ("tests/offloading/test_forward_lock.py::test_a_conversion_failing_half_way_leaves_the_model_as_it_was_offloaded_and_working",),
     ),
 ]

@@ -16,6 +16,7 @@ from torch import nn
 
 import tardy
 from torchsurgery import offload
+from torchsurgery.offloading import engine
 
 X = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
 _JOIN_S = 60.0  # only a deadlock waits this long
@@ -174,9 +175,77 @@ def test_a_conversion_waits_for_the_forward_running_in_another_thread(accelerato
     handle.remove()
 
 
+def test_a_conversion_of_another_thread_waits_while_one_installs_the_offload_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # between taking the offload off and installing it again, the weights are the plain module's:
+    # a conversion starting then in another thread must wait, then go through the new installation
+    model, plain = _parking_model(), _parking_model()
+    expected = _forward(plain.double().bfloat16(), X)
+    handle = offload(model, groups="leaves", budget="least")
+    late: list[tuple[threading.Thread, list[Any], list[BaseException]]] = []
+    convert = engine.convert_values
+
+    def convert_then_race(*args: Any) -> Any:
+        undo = convert(*args)
+        if not late:
+            late.append(_in_thread(lambda: model.bfloat16()))
+            late[0][0].join(0.5)  # were it not waiting, it would have converted the plain weights here
+        return undo
+
+    monkeypatch.setattr(engine, "convert_values", convert_then_race)
+    model.double()
+    thread, _, errors = late[0]
+    thread.join(_JOIN_S)
+    assert not thread.is_alive() and not errors, errors
+    assert handle.active and {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    torch.testing.assert_close(_forward(model, X), expected, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="while it is offloaded"):  # the new installation guards its conversions
+        model.to("meta")
+    handle.remove()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        assert p.dtype == q.dtype and torch.equal(p, q)
+
+
+@pytest.mark.parametrize("where", ["install", "plan"])
+def test_a_conversion_failing_half_way_leaves_the_model_as_it_was_offloaded_and_working(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    model, plain = _parking_model(), _parking_model()
+    handle = offload(model, groups="leaves", budget="least")
+    expected = _forward(model, X)
+    weights = list(model.parameters())
+    install, planned = engine.Installer.install, engine.plan_converted
+    calls = []
+
+    def fails_once(real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(real)
+            if where == "plan" and "offloaded_ok" in kwargs:
+                return real(*args, **kwargs)  # the check before anything changes passes
+            if calls.count(real) == (2 if where == "plan" else 1):
+                raise MemoryError("out of memory, half-way")
+            return real(*args, **kwargs)
+        return call
+
+    if where == "install":
+        monkeypatch.setattr(engine.Installer, "install", fails_once(install))
+    else:
+        monkeypatch.setattr(engine, "plan_converted", fails_once(planned))
+    with pytest.raises(MemoryError, match="half-way"):
+        model.bfloat16()  # narrowing: values that stayed converted would round
+    monkeypatch.undo()
+    assert handle.active and list(model.parameters()) == weights
+    assert {(p.dtype, p.device.type) for p in model.parameters()} == {(torch.float32, "cpu")}
+    torch.testing.assert_close(_forward(model, X), expected, rtol=0, atol=0)
+    model.double()  # and it converts as before
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    handle.remove()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):  # the values it had, converted
+        assert p.dtype == torch.float64 and torch.equal(p, q.double())
+
+
 # ---------------------------------------------------------------------- the stress test
 
-_ROUNDS = 200
+_ROUNDS = 100  # per number of converters: 200 rounds in all
 # every way to convert that the offload takes: to each dtype, by each call (a device it is on already changes nothing)
 _TO: dict[torch.dtype, list[Callable[[nn.Module, torch.device], nn.Module]]] = {
     torch.float32: [lambda m, d: m.float(), lambda m, d: m.to(torch.float32), lambda m, d: m.to(d, torch.float32),
@@ -186,27 +255,30 @@ _TO: dict[torch.dtype, list[Callable[[nn.Module, torch.device], nn.Module]]] = {
 }
 
 
-def _round(model: nn.Module, device: torch.device, x: torch.Tensor, rng: random.Random, to: torch.dtype) -> list[torch.Tensor]:
-    """A thread converting ``model`` to ``to`` races three threads running two forwards each, every
-    thread after a random delay; the forwards' outputs."""
+def _round(
+    model: nn.Module, device: torch.device, x: torch.Tensor, rng: random.Random, to: torch.dtype, converters: int = 1
+) -> list[torch.Tensor]:
+    """``converters`` threads converting ``model`` to ``to`` (each by its own call) race three threads
+    running two forwards each, every thread after a random delay; the forwards' outputs."""
     outputs: list[torch.Tensor] = []
     errors: list[BaseException] = []
-    start = threading.Barrier(4)
-    delays = [rng.uniform(0, 0.002) for _ in range(4)]
-    call = rng.choice(_TO[to])
+    count = converters + 3
+    start = threading.Barrier(count)
+    delays = [rng.uniform(0, 0.002) for _ in range(count)]
+    calls = [rng.choice(_TO[to]) for _ in range(converters)]
 
     def act(i: int) -> None:
         try:
             start.wait(_JOIN_S)
             time.sleep(delays[i])
-            if i == 0:
-                call(model, device)
+            if i < converters:
+                calls[i](model, device)
             else:
                 outputs.extend(_forward(model, x) for _ in range(2))
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=act, args=(i,), daemon=True) for i in range(4)]
+    threads = [threading.Thread(target=act, args=(i,), daemon=True) for i in range(count)]
     for t in threads:
         t.start()
     for t in threads:
@@ -217,7 +289,8 @@ def _round(model: nn.Module, device: torch.device, x: torch.Tensor, rng: random.
 
 
 @pytest.mark.accelerator
-def test_conversions_racing_forwards_in_threads_never_half_change_the_model(on_tardy: torch.device) -> None:
+@pytest.mark.parametrize("converters", [2, 4])
+def test_conversions_racing_forwards_in_threads_never_half_change_the_model(on_tardy: torch.device, converters: int) -> None:
     torch.manual_seed(0)
     model = _Net()
     x = X.to(on_tardy)
@@ -231,7 +304,7 @@ def test_conversions_racing_forwards_in_threads_never_half_change_the_model(on_t
     with tardy.settings(delay=(0.0, 0.0005), seed=48):  # copies land after random delays
         for _ in range(_ROUNDS):
             to = rng.choice([torch.float32, torch.float64])
-            for out in _round(model, on_tardy, x, rng, to):  # each forward ran whole before or after the conversion
+            for out in _round(model, on_tardy, x, rng, to, converters):  # each forward ran whole before or after the conversion
                 assert any(out.dtype == expected[d].dtype and torch.equal(out, expected[d]) for d in (now, to))
             now = to
             assert handle.active

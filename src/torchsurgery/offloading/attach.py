@@ -23,7 +23,7 @@ from torch import nn
 
 from torchsurgery import _undo
 from torchsurgery.compact import stored_state
-from torchsurgery.offloading.conversion import Conversion, ConvertSubtree
+from torchsurgery.offloading.conversion import Conversion, ConvertSubtree, Reinstalling
 from torchsurgery.offloading.forward_lock import ForwardLock
 from torchsurgery.offloading.streams import (
     AfterFirst,
@@ -95,7 +95,8 @@ class Attachments:
             # behind its back: refused, before anything changes (the instance attribute wins over
             # the class method; removed with the offload)
             # an instance attribute stays: every module needs it, and no hook reaches Module._apply
-            if "_apply" not in module.__dict__:
+            # (in place of the stand-in a conversion re-installing the offload put there)
+            if "_apply" not in module.__dict__ or isinstance(module.__dict__["_apply"], Reinstalling):
                 module.__dict__["_apply"] = Conversion(module, name, convert, lock)
 
     def detach(self) -> None:
@@ -114,5 +115,21 @@ class Attachments:
     def release_conversions(self, model: nn.Module) -> None:
         """``.to()`` and its kin are the modules' own again."""
         for module in model.modules():
-            if isinstance(module.__dict__.get("_apply"), Conversion):
+            found = module.__dict__.get("_apply")
+            if isinstance(found, Conversion) and not isinstance(found, Reinstalling):  # those go with their conversion
+                del module.__dict__["_apply"]
+
+    @staticmethod
+    def hold_conversions(model: nn.Module, lock: ForwardLock) -> None:
+        """While a conversion re-installs the offload (holding ``lock``): ``.to()`` and its kin of
+        another thread wait for it (see :class:`~torchsurgery.offloading.conversion.Reinstalling`)."""
+        for name, module in model.named_modules():
+            if "_apply" not in module.__dict__:
+                module.__dict__["_apply"] = Reinstalling(module, name, None, lock)
+
+    @staticmethod
+    def end_hold(model: nn.Module) -> None:
+        """The stand-ins :meth:`hold_conversions` put that the new installation did not replace go."""
+        for module in model.modules():
+            if isinstance(module.__dict__.get("_apply"), Reinstalling):
                 del module.__dict__["_apply"]

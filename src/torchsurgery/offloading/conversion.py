@@ -30,7 +30,7 @@ from torchsurgery.offloading.pending import hand_over
 from torchsurgery.offloading.plan import OffloadPlan, sizes
 from torchsurgery.offloading.streams import GroupStreamer
 
-__all__ = ["Conversion", "Changes", "dtype_changes", "check_convertible", "grown_budget", "convert_values", "warn_if_unscaled"]
+__all__ = ["Conversion", "Reinstalling", "Changes", "dtype_changes", "check_convertible", "grown_budget", "convert_values", "warn_if_unscaled"]
 
 _WHAT = "torchsurgery.offload"
 
@@ -96,6 +96,29 @@ class Conversion:
         )
 
 
+class Reinstalling(Conversion):
+    """Stands in for ``Module._apply`` while a conversion takes the offload off and installs it again.
+
+    The converting thread holds the lock: its own ``_apply`` calls (converting the values) are the
+    plain module's. A conversion of another thread waits for the lock, then goes through what the
+    module has by then (the new installation's :class:`Conversion`, or the plain method): never
+    between the removal and the new installation, where the weights are the plain module's.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from torchsurgery.offloading.forward_lock import ForwardLock
+        >>> layer, lock = nn.Linear(2, 2), ForwardLock()
+        >>> layer.__dict__["_apply"] = Reinstalling(layer, "", None, lock)
+        >>> with lock.held():
+        ...     layer.double().weight.dtype
+        torch.float64
+    """
+
+    def _apply(self, fn: Any, recurse: bool) -> nn.Module:
+        return nn.Module._apply(self.module, fn, recurse)
+
+
 def dtype_changes(
     module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device, label: str
 ) -> Changes:
@@ -155,19 +178,37 @@ def grown_budget(model: nn.Module, plan: OffloadPlan, options: dict[str, Any], c
     return options
 
 
-def convert_values(module: nn.Module, changes: Changes, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Once the offload is removed: the changed tensors converted as the offloaded module read them."""
+def convert_values(module: nn.Module, changes: Changes, fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+    """Once the offload is removed: the changed tensors converted as the offloaded module read them.
+
+    Returns:
+        What puts them back as they were (the contents swapped out are kept until then).
+    """
+    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
     with torch.no_grad():
         for t, read_as, dtype in changes.values():
             if not isinstance(t, OffloadedTensor):
                 # as the offloaded module read it (the compute dtype), then converted
                 # (a graph recorded before the conversion hands its gradient on to the converted weight)
-                hand_over(t, wrap_like(t, t.detach().to(read_as).to(dtype)))
+                replacement = wrap_like(t, t.detach().to(read_as).to(dtype))
+                hand_over(t, replacement)
+                swapped.append((t, replacement))  # the replacement holds the content swapped out
         # weights that read as another dtype or device than they keep (an installer's): as
         # their own modules convert them, so that they go on reading as installed
-        for m in module.modules():
-            if any(isinstance(t, OffloadedTensor) and id(t) in changes for t in [*m._parameters.values(), *m._buffers.values()]):
-                m._apply(fn, recurse=False)
+        wrapped = [m for m in module.modules()
+                   if any(isinstance(t, OffloadedTensor) and id(t) in changes for t in [*m._parameters.values(), *m._buffers.values()])]
+        for m in wrapped:
+            m._apply(fn, recurse=False)
+
+    def undo() -> None:
+        with torch.no_grad():
+            for t, content in reversed(swapped):
+                hand_over(t, content)
+            back = {id(t): read_as for t, read_as, _ in changes.values() if isinstance(t, OffloadedTensor)}
+            for m in wrapped:
+                m._apply(lambda t: t.to(back[id(t)]) if id(t) in back else t, recurse=False)
+
+    return undo
 
 
 def warn_if_unscaled(plan: OffloadPlan, named: Mapping[str, nn.Module], changes: Changes) -> None:

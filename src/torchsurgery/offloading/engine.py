@@ -55,6 +55,7 @@ from torchsurgery.offloading.conversion import (
     warn_if_unscaled,
 )
 from torchsurgery.offloading.file_reader import FileReader
+from torchsurgery.offloading.forward_lock import ForwardLock
 from torchsurgery.offloading.host_tier import HostAccount
 from torchsurgery.offloading.install import Installer
 from torchsurgery.offloading.measured_residency import MeasuredResidency
@@ -238,19 +239,34 @@ class OffloadHandle:
         # anything changes (a refusal leaves the model as it was, offloaded)
         plan_converted(model, seam, converted, offloaded_ok=True, **options)
         warn_if_unscaled(self.plan, dict(model.named_modules()), changes)
-        # the lock (held by this thread: see Conversion) is kept, and forwards starting meanwhile wait for it
+        # the lock (held by this thread: see Conversion) is kept, and forwards starting meanwhile wait for it,
+        # and so do conversions of other threads (see Reinstalling)
         lock, guard = self._streaming.lock, model.register_forward_pre_hook(StartForward(self._streaming), prepend=True)
+        before = (self.plan, self._options, self.converted)
         try:
             self.remove()
-            convert_values(module, changes, fn)
-            # planned and installed again on this handle, so that references to it stay valid
-            OffloadHandle.__init__(self, model, plan_converted(model, seam, converted, **options), options)
-            self._streaming.lock = lock
-            self.converted = converted
-            self._install()
+            Attachments.hold_conversions(model, lock)
+            undo = convert_values(module, changes, fn)
+            try:
+                self._reinstall(model, plan_converted(model, seam, converted, **options), options, converted, lock)
+            except BaseException:
+                # (the failed installation removed itself): the model as it was, offloaded as it was
+                undo()
+                self._reinstall(model, *before, lock)
+                raise
         finally:
+            Attachments.end_hold(model)
             guard.remove()
         return True
+
+    def _reinstall(
+        self, model: nn.Module, plan: OffloadPlan, options: dict[str, Any], converted: dict[int, torch.dtype], lock: ForwardLock
+    ) -> None:
+        """Install ``plan`` on ``model`` again on this handle (references to it stay valid), keeping ``lock``."""
+        OffloadHandle.__init__(self, model, plan, options)
+        self._streaming.lock = lock
+        self.converted = converted
+        self._install()
 
     def remove(self) -> nn.Module:
         """Undo the offload: hooks and patches off, every tensor back where it was.
