@@ -224,8 +224,8 @@ MUTATIONS = [
     Mutation(
         "host tier: a read error is raised in the forward that needs the group",
         "src/torchsurgery/offloading/file_reader.py",
-        "                    self._unchanged(read)\n                raise error\n",
-        "                    self._unchanged(read)\n",
+        "                    _unchanged(*self._groups[read.name])\n                raise error\n",
+        "                    _unchanged(*self._groups[read.name])\n",
         ("tests/offloading/test_file_reader.py::test_a_failed_read_surfaces_in_the_forward_that_needs_it_naming_the_file",
          "tests/offloading/test_file_reader.py::test_an_io_error_in_a_read_thread_names_the_file"),
     ),
@@ -261,14 +261,13 @@ MUTATIONS = [
     Mutation(
         "checkpoint faults: reads through the file reader are refused where the file changed since it was opened",
         "src/torchsurgery/offloading/file_reader.py",
-        "        try:\n            self._unchanged(read)\n        except CheckpointError:\n",
-        "        try:\n            pass\n        except CheckpointError:\n",
+        "    try:\n        _unchanged(group, pieces)\n    except", "    try:\n        pass\n    except",
         ("tests/offloading/test_checkpoint_faults.py::test_a_shard_changed_between_forwards[rewrite-skeleton]",),
     ),
     Mutation(
         "checkpoint faults: reads through the file reader count in the slow-filesystem hint",
         "src/torchsurgery/offloading/file_reader.py",
-        "        source.seconds_reading += max(0.0, _checkpoint._clock() - read.started)\n", "",
+        "    source.seconds_reading += max(0.0, _checkpoint.read_clock() - read.started)\n", "",
         ("tests/offloading/test_checkpoint_faults.py::test_a_slow_filesystem_is_named_in_the_hint[slow]",),
     ),
 ]

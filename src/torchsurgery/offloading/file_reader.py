@@ -337,7 +337,7 @@ class FileReader:
         buffer = _aligned(group.layout.nbytes, self._allocate) if keep else self._buffer()
         if not keep:
             self._lent[buffer.data_ptr()] = buffer
-        started = _checkpoint._clock()
+        started = _checkpoint.read_clock()
         futures = [self._pool.submit(self._read_piece, name, buffer, piece) for piece in pieces or ()]
         read = _Read(name, buffer, futures, keep, started)
         self._flight[name] = read
@@ -368,34 +368,17 @@ class FileReader:
             if error is not None:
                 self._recycle(read)
                 if isinstance(error, CheckpointError):  # cut short: where the file changed, say how
-                    self._unchanged(read)
+                    _unchanged(*self._groups[read.name])
                 raise error
-        self._checked(read)
+        _counted_and_checked(*self._groups[read.name], self._bytes(read.name), read, self._recycle)
         if read.keep:
             self._kept[read.name] = read.buffer
             self._kept_bytes += self._bytes(read.name)
             self._stats.peak_host_bytes = max(self._stats.peak_host_bytes, self._kept_bytes)
         return read.buffer
 
-    def _checked(self, read: _Read) -> None:
-        """Count ``read`` in its source's reads (their speed); refuse it where a file changed since the
-        offload opened it (truncated, written in place, deleted or replaced: its source's check)."""
-        source = self._groups[read.name][0].source
-        source.bytes_read += self._bytes(read.name)
-        source.seconds_reading += max(0.0, _checkpoint._clock() - read.started)
-        try:
-            self._unchanged(read)
-        except CheckpointError:
-            self._recycle(read)
-            raise
-
-    def _unchanged(self, read: _Read) -> None:
-        group, pieces = self._groups[read.name]
-        group.source.check_unchanged({piece.path for piece in pieces or ()})
-
     def _recycle(self, read: _Read) -> None:
-        """A read not handed out: its buffer back to the free ones."""
-        if not read.keep:
+        if not read.keep:  # a read not handed out: its buffer back to the free ones
             self.give_back(read.buffer)
 
     def _ahead(self, name: str) -> None:
@@ -417,8 +400,7 @@ class FileReader:
             self._start(upcoming)
             in_flight += 1
 
-    def _bounce(self) -> torch.Tensor:
-        """This thread's aligned buffer for direct reads (a piece and its alignment)."""
+    def _bounce(self) -> torch.Tensor:  # this thread's aligned buffer for direct reads (a piece and its alignment)
         bounce = getattr(self._local, "bounce", None)
         if bounce is None:
             bounce = self._local.bounce = _aligned(_PIECE + 2 * _ALIGN, lambda n: torch.empty(n, dtype=torch.uint8))
@@ -446,6 +428,26 @@ class FileReader:
             ) from exc
         except CheckpointError as exc:
             raise CheckpointError(f"{exc} (reading group {name!r})") from exc
+
+
+def _counted_and_checked(
+    group: Any, pieces: list[_Piece] | None, nbytes: int, read: _Read, recycle: Callable[[_Read], None]
+) -> None:
+    """Count ``read`` of ``group`` in its source's reads (their speed); refuse it (its buffer to
+    ``recycle``) where a file changed since the offload opened it (truncated, written in place,
+    deleted or replaced: its source's check)."""
+    source = group.source
+    source.bytes_read += nbytes
+    source.seconds_reading += max(0.0, _checkpoint.read_clock() - read.started)
+    try:
+        _unchanged(group, pieces)
+    except CheckpointError:
+        recycle(read)
+        raise
+
+
+def _unchanged(group: Any, pieces: list[_Piece] | None) -> None:
+    group.source.check_unchanged({piece.path for piece in pieces or ()})
 
 
 def _read_buffered(fd: int, buffer: torch.Tensor, piece: _Piece) -> None:

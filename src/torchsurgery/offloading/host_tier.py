@@ -75,6 +75,17 @@ class HostAccount:
         self._held: dict[Any, int] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (pickle, deepcopy, torch.save of a model whose offload keeps this account, a pool's)
+        # gets an account of its own with the same budget and nothing held: what the original's
+        # offloads hold stays theirs, and a lock is not copied
+        return {"budget": self.budget}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.budget = state["budget"]
+        self._held = {}
+        self._lock = threading.Lock()
+
     def free_bytes(self) -> int:
         """Bytes of the budget nobody holds."""
         with self._lock:
