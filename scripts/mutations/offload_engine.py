@@ -247,4 +247,11 @@ MUTATIONS = [
         "",
         ("tests/offloading/test_forward_lock.py::test_a_conversion_failing_half_way_leaves_the_model_as_it_was_offloaded_and_working",),
     ),
+    Mutation(
+        "threads (issue 48): a conversion while the offload is installed again converts as the module's class does (an installer's)",
+        "src/torchsurgery/offloading/conversion.py",
+        "        return type(self.module)._apply(self.module, fn, recurse)\n",
+        "        return nn.Module._apply(self.module, fn, recurse)\n",
+        ("tests/compat/test_framepack.py::test_the_app_pattern_in_its_dtypes_equals_the_app_s_own_memory_module[low-vram]",),
+    ),
 ]

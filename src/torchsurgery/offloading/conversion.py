@@ -116,7 +116,8 @@ class Reinstalling(Conversion):
     """
 
     def _apply(self, fn: Any, recurse: bool) -> nn.Module:
-        return nn.Module._apply(self.module, fn, recurse)
+        # the module's class's own (an installer's converts its weights as installed)
+        return type(self.module)._apply(self.module, fn, recurse)
 
 
 def dtype_changes(
