@@ -34,6 +34,22 @@ import torch
 from torchsurgery._validate import check_device
 
 
+def host_available_memory() -> int:
+    """Host memory the system reports available now (``MemAvailable``; else free pages), in bytes.
+
+    Example:
+        >>> host_available_memory() > 0
+        True
+    """
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
 class OffloadDevice(abc.ABC):
     """Where an offloaded model computes, and every device operation the engine needs.
 
@@ -230,14 +246,7 @@ class AcceleratorDevice(OffloadDevice):
             free, _ = torch.accelerator.get_memory_info(self.device)
             stats = torch.accelerator.memory_stats(self.device)
             return int(free + stats.get("reserved_bytes.all.current", 0) - stats.get("active_bytes.all.current", 0))
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return host_available_memory()
 
     def missing(self) -> str | None:
         """Why the device is not there any more (PyTorch stopped reporting it), or ``None``."""

@@ -13,11 +13,11 @@ they fit: a group read early in a forward is the one whose read nothing earlier 
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
 
+from torchsurgery._device import host_available_memory
 from torchsurgery._validate import check_bytes
 
 __all__ = ["HostAccount", "available_memory", "default_host_budget", "assign_tiers", "MARGIN"]
@@ -35,14 +35,7 @@ def available_memory() -> int:
         >>> available_memory() > 0
         True
     """
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return host_available_memory()
 
 
 def default_host_budget() -> int:
