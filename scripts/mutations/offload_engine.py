@@ -227,6 +227,20 @@ MUTATIONS = [
         ("tests/offloading/test_forward_lock.py::test_a_conversion_of_another_thread_waits_while_one_installs_the_offload_again",),
     ),
     Mutation(
+        "threads (issue 48): the stand-ins go on before the offload comes off (no window with the plain method)",
+        "src/torchsurgery/offloading/engine.py",
+        "            Attachments.hold_conversions(model, lock)\n            self.remove()\n",
+        "            self.remove()\n            Attachments.hold_conversions(model, lock)\n",
+        ("tests/offloading/test_forward_lock.py::test_a_conversion_of_another_thread_waits_while_one_installs_the_offload_again",),
+    ),
+    Mutation(
+        "threads (issue 48): the stand-ins replace the installation's own conversions",
+        "src/torchsurgery/offloading/attach.py",
+        " or (isinstance(found, Conversion) and not isinstance(found, Reinstalling))",
+        "",
+        ("tests/offloading/test_forward_lock.py::test_a_conversion_of_another_thread_waits_while_one_installs_the_offload_again",),
+    ),
+    Mutation(
         "threads (issue 48): the new installation's conversions replace the stand-ins holding them off",
         "src/torchsurgery/offloading/attach.py",
         ' or isinstance(module.__dict__["_apply"], Reinstalling):\n',

@@ -122,9 +122,13 @@ class Attachments:
     @staticmethod
     def hold_conversions(model: nn.Module, lock: ForwardLock) -> None:
         """While a conversion re-installs the offload (holding ``lock``): ``.to()`` and its kin of
-        another thread wait for it (see :class:`~torchsurgery.offloading.conversion.Reinstalling`)."""
+        another thread wait for it (see :class:`~torchsurgery.offloading.conversion.Reinstalling`).
+
+        Put on before the offload comes off: in place of the installation's own stand-ins, so that
+        no ``.to()`` of another thread finds the plain method in between."""
         for name, module in model.named_modules():
-            if "_apply" not in module.__dict__:
+            found = module.__dict__.get("_apply")
+            if found is None or (isinstance(found, Conversion) and not isinstance(found, Reinstalling)):
                 module.__dict__["_apply"] = Reinstalling(module, name, None, lock)
 
     @staticmethod

@@ -244,8 +244,9 @@ class OffloadHandle:
         lock, guard = self._streaming.lock, model.register_forward_pre_hook(StartForward(self._streaming), prepend=True)
         before = (self.plan, self._options, self.converted)
         try:
-            self.remove()
+            # the stand-ins first: a .to() of another thread never finds the plain method between the two
             Attachments.hold_conversions(model, lock)
+            self.remove()
             undo = convert_values(module, changes, fn)
             try:
                 self._reinstall(model, plan_converted(model, seam, converted, **options), options, converted, lock)
