@@ -84,7 +84,11 @@ def test_remove_with_a_read_in_flight_waits_for_it_and_restores_the_model(tmp_pa
     assert entered.wait(60)
     removing = threading.Thread(target=handle.remove)
     removing.start()
-    gate.set()
+    try:
+        removing.join(0.5)
+        assert removing.is_alive()  # it waits for the read in flight (held until the gate opens)
+    finally:
+        gate.set()
     removing.join()
     assert not handle.active
     assert all(p.is_meta for p in model.parameters())

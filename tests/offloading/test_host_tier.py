@@ -7,6 +7,8 @@ every forward; outputs equal the plain model's bit for bit, on the CPU and on th
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,10 @@ class Blocks(nn.Module):
         for block in self.blocks:
             x = x + block(x)
         return x
+
+
+def _refuse(path: Any) -> int:
+    raise OSError(errno.EINVAL, "direct I/O refused")  # as tmpfs does
 
 
 def block_bytes(w: int, d: int = 16) -> int:
@@ -93,6 +99,87 @@ def test_the_host_keeps_the_groups_read_first_within_its_budget_and_reads_the_re
     assert all(p.is_meta for p in model.parameters())  # back to the skeleton it was
 
 
+@pytest.mark.parametrize("cut", [500, 1000, 1088], ids=["inside-a-weight", "in-a-later-piece", "between-weights"])
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_where_the_budget_ends_inside_a_group_the_host_keeps_its_first_bytes_and_reads_the_rest(
+    device: torch.device, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut: int, direct: bool
+) -> None:
+    from torchsurgery.offloading import file_reader
+
+    reference, path = saved(tmp_path)
+    if direct:
+        try:
+            os.close(file_reader._open_direct(path))
+        except OSError:
+            pytest.skip("this filesystem refuses direct I/O")
+    else:
+        monkeypatch.setattr(file_reader, "_open_direct", _refuse)
+    monkeypatch.setattr(file_reader, "_PIECE", 640)  # the kept bytes end inside a read's piece, or after several
+    model = skeleton()
+    budget = block_bytes(8) + cut  # the first block and part of the second (1088: its first weight and bias)
+    with torch.no_grad():
+        handle = torchsurgery.offload(model, device, storage=path, host_budget=budget, **streamed(device, reference))
+        assert [g.tier for g in handle.plan.groups] == ["host", "split", "disk", "disk", "disk", "disk"]
+        assert [g.host_bytes for g in handle.plan.groups][:2] == [block_bytes(8), cut]
+        expected = reference.to(device)(X.to(device))
+        reads = []
+        for _ in range(3):
+            torch.testing.assert_close(model(X.to(device)), expected, rtol=0, atol=0)
+            reads.append(handle.stats().storage_bytes_read)
+        stats = handle.stats()
+        handle.remove()
+    total = sum(block_bytes(w) for w in WIDTHS)
+    assert reads == [total, total - budget, total - budget]  # the whole budget saves reads
+    assert stats.peak_host_bytes == budget
+    assert all(p.is_meta for p in model.parameters())
+
+
+def stalls_by_this_clock(monkeypatch: pytest.MonkeyPatch, seconds: dict[int, float], names: list[str]) -> None:
+    """A clock by which the forward waits ``seconds[i]`` for the bytes of group ``names[i]``."""
+    from torchsurgery.offloading import file_reader
+
+    taking, now = [""], [0.0]
+    take = file_reader.FileReader.take
+
+    def taking_group(self: file_reader.FileReader, group: Any) -> torch.Tensor:
+        taking[0] = group.name
+        return take(self, group)
+
+    def clock() -> float:  # called as the wait starts and as it ends: each call moves by the group's seconds
+        now[0] += seconds.get(names.index(taking[0]), 0.0) if taking[0] in names else 0.0
+        return now[0]
+
+    monkeypatch.setattr(file_reader.FileReader, "take", taking_group)
+    monkeypatch.setattr(file_reader, "_clock", clock)
+
+
+@pytest.mark.parametrize("waits", [{2: 1.0}, {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.52}], ids=["one-group-waits", "waits-alike"])
+def test_after_the_first_forward_the_host_keeps_the_groups_whose_reads_kept_it_waiting_clearly_longer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, waits: dict[int, float]
+) -> None:
+    widths = [16, 16, 16, 16]
+    reference, path = saved(tmp_path, widths)
+    model = skeleton(widths)
+    handle = torchsurgery.offload(model, storage=path, host_budget=block_bytes(16))
+    assert [g.tier for g in handle.plan.groups] == ["host", "disk", "disk", "disk"]  # model order, until measured
+    stalls_by_this_clock(monkeypatch, waits, [g.name for g in handle.plan.groups])
+    reads = []
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(model(X), reference(X), rtol=0, atol=0)
+            reads.append(handle.stats().storage_bytes_read)
+    b = block_bytes(16)
+    if len(waits) == 1:  # the third group's read kept the forward waiting: the host keeps it from then on
+        assert [g.tier for g in handle.plan.groups] == ["disk", "disk", "host", "disk"]
+        # read once more (kept as it is read), then no longer
+        assert reads == [4 * b, 4 * b, 3 * b]
+    else:  # a choice that saves little over the one kept is no gain: it would cost reads
+        assert [g.tier for g in handle.plan.groups] == ["host", "disk", "disk", "disk"]
+        assert reads == [4 * b, 3 * b, 3 * b]
+    assert handle.stats().peak_host_bytes == b
+    handle.remove()
+
+
 def test_the_plan_shows_each_group_tier(tmp_path: Path) -> None:
     reference, path = saved(tmp_path, [8, 8])
     plan = torchsurgery.plan_offload(skeleton([8, 8]), storage=path, host_budget=block_bytes(8))
@@ -150,7 +237,7 @@ def test_a_host_budget_that_is_no_byte_count_is_refused_before_anything_changes(
 
 
 def host_bytes(handle: torchsurgery.OffloadHandle) -> int:
-    return sum(g.nbytes for g in handle.plan.groups if g.tier == "host")
+    return sum(g.host_bytes for g in handle.plan.groups)
 
 
 def test_models_offloaded_with_one_host_account_share_its_budget(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ streamed alike; with a ``master_dtype``, the master values: the original ones).
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from collections.abc import Callable, Sequence
@@ -56,7 +57,7 @@ from torchsurgery.offloading.conversion import (
 )
 from torchsurgery.offloading.file_reader import FileReader
 from torchsurgery.offloading.forward_lock import ForwardLock
-from torchsurgery.offloading.host_tier import HostAccount
+from torchsurgery.offloading.host_tier import HostAccount, retier
 from torchsurgery.offloading.install import Installer
 from torchsurgery.offloading.measured_residency import MeasuredResidency
 from torchsurgery.offloading.originals import Originals
@@ -82,7 +83,8 @@ class OffloadRecord(_undo.Record):
     def describe(self) -> str:
         s = self.handle.stats()
         tiers = [g.tier for g in self.handle.plan.groups] if self.handle.plan.storage is not None else []
-        read = f"; from the file: {tiers.count('host')} kept in host memory, {tiers.count('disk')} read every forward" if tiers else ""
+        part = f", {tiers.count('split')} in part" if "split" in tiers else ""
+        read = f"; from the file: {tiers.count('host')} kept in host memory{part}, {tiers.count('disk')} read every forward" if tiers else ""
         return f"offload to {self.handle.device} ({len(s.streamed_groups)} streamed, {len(s.resident_groups)} resident groups{read})"
 
     def undo(self, module: nn.Module) -> None:
@@ -208,11 +210,11 @@ class OffloadHandle:
         plan, streaming = self.plan, self._streaming
         shared = self._options.get("host_budget")
         account = shared if isinstance(shared, HostAccount) else HostAccount(plan.host_budget)
-        host = {g.name for g in plan.groups if g.tier == "host"}
+        host = {g.name: g.host_bytes for g in plan.groups if g.host_bytes}
         packed = [p for p in streaming.packed.values() if p.from_file]
         # a buffer more than the ring's slots: one group computes, one lands, one is read
         streaming.reader = FileReader(packed, host, account, plan.offload_device, streaming.order, self._stats,
-                                      plan.prefetch + 2)
+                                      plan.prefetch + 2, functools.partial(retier, plan.groups))
         if streaming.ring is not None:
             streaming.ring.reader = streaming.reader
 

@@ -27,6 +27,7 @@ import concurrent.futures
 import errno
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ import torch
 from torchsurgery import _checkpoint
 from torchsurgery._checkpoint import CheckpointError
 from torchsurgery._device import OffloadDevice
-from torchsurgery.offloading.host_tier import HostAccount
+from torchsurgery.offloading.host_tier import HostAccount, fill
 from torchsurgery.offloading.order import OrderRecorder
 from torchsurgery.offloading.stats import OffloadStats
 
@@ -166,6 +167,7 @@ class _Read:
     futures: list[concurrent.futures.Future[None]]
     keep: bool  # into the group's host-tier buffer, kept once done
     started: float = 0.0  # by the checkpoint's clock, for the reads' speed (the slow-filesystem hint)
+    nbytes: int = 0  # read from the files (a split group's kept bytes are not)
 
 
 def _normal_tensors(allocate: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
@@ -179,12 +181,140 @@ def _normal_tensors(allocate: Callable[[int], torch.Tensor]) -> Callable[[int], 
     return normal
 
 
+@dataclass(frozen=True)
+class _Segment:
+    """Bytes a split group keeps: ``nbytes`` at ``at`` in what it keeps belong at ``offset`` in its buffer."""
+
+    offset: int
+    at: int
+    nbytes: int
+
+
+def _split(pieces: list[_Piece], kept: int) -> tuple[list[_Segment], list[_Piece]]:
+    """The first ``kept`` bytes of ``pieces`` (a group's reads, in file order) as segments of the
+    group's buffer, and the reads of the rest."""
+    segments: list[_Segment] = []
+    rest: list[_Piece] = []
+    at = 0
+    for piece in pieces:
+        mid = min(piece.end, piece.start + max(0, kept - at))
+        for s in piece.spans:
+            first, last = max(piece.start, s.start), min(mid, s.end)
+            if first < last:
+                segments.append(_Segment(s.offset + first - s.start, at + first - piece.start, last - first))
+        if mid < piece.end:
+            rest.append(_Piece(piece.path, mid, piece.end, tuple(s for s in piece.spans if s.end > mid)))
+        at += mid - piece.start
+    return segments, rest
+
+
+def _fill(buffer: torch.Tensor, part: torch.Tensor, segments: list[_Segment]) -> None:
+    """A split group's kept bytes to their places in ``buffer``."""
+    for seg in segments:
+        buffer[seg.offset : seg.offset + seg.nbytes].copy_(part[seg.at : seg.at + seg.nbytes])
+
+
+_clock = time.perf_counter  # how long a forward waited for a group's bytes (its stall)
+_GAIN = 0.05  # seconds of stall a new choice must save over the one kept, at the least...
+_SHARE = 0.05  # ...and this share of the stalls measured: less is noise, and a change costs reads
+
+
+class _Kept:
+    """What the host tier keeps of the groups a :class:`FileReader` reads: whole groups' buffers,
+    split groups' first bytes; chosen again by the stalls the first forward measured.
+
+    Args:
+        sizes: each group's bytes in the files, by name, in model order.
+        host: the bytes of each the plan keeps (by name).
+        account: the host budget they are held in (by ``owner``).
+        owner: whom ``account`` counts them for.
+    """
+
+    def __init__(self, sizes: dict[str, int], host: dict[str, int], account: HostAccount, owner: object) -> None:
+        self.sizes, self.account, self.owner = sizes, account, owner
+        self.keep: dict[str, int] = {}  # bytes kept (or to keep once read) by name
+        for name, nbytes in sizes.items():
+            wanted = min(host.get(name, 0), nbytes)
+            if wanted and account.reserve(owner, wanted):
+                self.keep[name] = wanted
+        self.whole: dict[str, torch.Tensor] = {}  # kept groups' buffers
+        self.parts: dict[str, tuple[torch.Tensor, list[_Segment], list[_Piece]]] = {}  # split groups': kept bytes, where they go, the rest's reads
+        self.stalls: dict[str, float] | None = {}  # measured in the first forward, then None
+        self.nbytes = 0  # kept now
+
+    def is_whole(self, name: str) -> bool:
+        """Whether the host keeps all of group ``name``."""
+        return self.keep.get(name, 0) >= self.sizes[name]
+
+    def store(self, name: str, read: _Read, group: Any, pieces: list[_Piece], allocate: Callable[[int], torch.Tensor]) -> None:
+        """Keep what the tier keeps of group ``name``, just read (into a buffer of its own where it
+        was kept whole when the read started, else a lent one); ``allocate`` makes host buffers."""
+        kept, buffer = self.keep.get(name, 0), read.buffer
+        if not kept or name in self.whole or name in self.parts:
+            return
+        if kept >= self.sizes[name]:
+            if not read.keep:  # read ahead before the tier chose it: a buffer of its own
+                buffer = _aligned(group.layout.nbytes, allocate).copy_(buffer[: group.layout.nbytes])
+            self.whole[name] = buffer
+        else:
+            segments, rest = _split(pieces, kept)
+            part = _normal_tensors(lambda n: torch.empty(n, dtype=torch.uint8))(kept)  # read by the reading threads
+            for seg in segments:
+                part[seg.at : seg.at + seg.nbytes].copy_(buffer[seg.offset : seg.offset + seg.nbytes])
+            self.parts[name] = (part, segments, rest)
+        self.nbytes += kept
+
+    def drop(self, name: str) -> None:
+        """Keep nothing of group ``name`` from now on; its bytes go back to the budget."""
+        if self.whole.pop(name, None) is not None or self.parts.pop(name, None) is not None:
+            self.nbytes -= self.keep[name]
+        held = self.keep.pop(name, 0)
+        if held:
+            self.account.give(self.owner, held)
+
+    def stalled(self, name: str, seconds: float) -> None:
+        """The forward waited ``seconds`` for group ``name``'s bytes (counted in the first forward)."""
+        if self.stalls is not None:
+            self.stalls[name] = self.stalls.get(name, 0.0) + seconds
+
+    def choose(self) -> dict[str, int] | None:
+        """After the first forward: keep the groups whose reads kept it waiting longest per byte,
+        where that saves clearly more stall than the groups kept now (:data:`_GAIN`, :data:`_SHARE`);
+        what is kept now, or ``None`` where nothing changed."""
+        stalls, self.stalls = self.stalls, None
+        if not stalls:
+            return None
+        order = {name: i for i, name in enumerate(self.sizes)}
+        ranked = sorted(self.sizes, key=lambda n: (-stalls.get(n, 0.0) / max(1, self.sizes[n]), order[n]))
+        room = self.account.held(self.owner) + self.account.free_bytes()
+        chosen = fill([(name, self.sizes[name]) for name in ranked], room)
+
+        def saved(kept: dict[str, int]) -> float:  # the stall a choice removes (a split group's in proportion)
+            return sum(stalls.get(n, 0.0) * b / max(1, self.sizes[n]) for n, b in kept.items())
+
+        if saved(chosen) - saved(self.keep) < max(_GAIN, _SHARE * sum(stalls.values())):
+            return None
+        for name in [n for n in self.keep if chosen.get(n) != self.keep[n]]:
+            self.drop(name)
+        self.account.release(self.owner)
+        self.keep = chosen if self.account.reserve(self.owner, sum(chosen.values())) else {}
+        return dict(self.keep)
+
+    def release(self) -> None:
+        """Keep nothing; give the budget back."""
+        self.whole.clear()
+        self.parts.clear()
+        self.keep.clear()
+        self.nbytes = 0
+        self.account.release(self.owner)
+
+
 class FileReader:
     """Reads the groups streamed from a checkpoint file, ahead of use; keeps the host tier's.
 
     Args:
         groups: the packed groups read from the file, in model order.
-        host: names of those the host keeps once read (within ``account``).
+        host: the bytes of each the host keeps once read, by name (within ``account``).
         account: the host budget the kept groups are held in.
         device: the offload's device (where it copies from: pinned buffers when it can).
         order: the execution order recorded by the offload (read-ahead follows it).
@@ -211,23 +341,24 @@ class FileReader:
         >>> _ = handle.remove()
     """
 
-    def __init__(self, groups: list[Any], host: set[str], account: HostAccount, device: OffloadDevice,
-                 order: OrderRecorder, stats: OffloadStats, buffers: int) -> None:
+    def __init__(self, groups: list[Any], host: dict[str, int], account: HostAccount, device: OffloadDevice,
+                 order: OrderRecorder, stats: OffloadStats, buffers: int,
+                 chosen: Callable[[dict[str, int]], None] | None = None) -> None:
         planned = {g.name: (g, _pieces(g)) for g in groups}
         self._groups = {name: (g, p) for name, (g, p) in planned.items() if p is not None}
         self._names = list(self._groups)
-        self._keep = {n for n in self._names if n in host and account.reserve(self, self._bytes(n))}
-        self._account, self._device, self._order, self._stats = account, device, order, stats
-        self._size = max((g.layout.nbytes for n, (g, _) in self._groups.items() if n not in self._keep), default=0)
+        self._kept = _Kept({n: self._bytes(n) for n in self._names}, host, account, self)
+        self._device, self._order, self._stats, self._chosen = device, order, stats, chosen
+        self._size = self._largest_read()
         self._buffers = max(1, buffers)
         pinned = device.can_pin and not device.host_compute
         self._allocate = _normal_tensors(device.pinned_empty if pinned else lambda n: torch.empty(n, dtype=torch.uint8))
         try:
             paths = {piece.path for _, pieces in self._groups.values() for piece in pieces or ()}
             # direct reads where the files hold more than the host keeps
-            self._files = _Files(paths, direct=len(self._keep) < len(self._names))
+            self._files = _Files(paths, direct=not all(self._kept.is_whole(n) for n in self._names))
         except BaseException:
-            account.release(self)
+            self._kept.release()
             raise
         self._pool = concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="torchsurgery-read")
         self._local = threading.local()  # each thread's bounce buffer for direct reads
@@ -236,8 +367,6 @@ class FileReader:
         self._made = 0
         self._lent: dict[int, torch.Tensor] = {}  # read buffers handed out, by address
         self._flight: dict[str, _Read] = {}
-        self._kept: dict[str, torch.Tensor] = {}
-        self._kept_bytes = 0
         self._read_now = 0  # bytes read from the files for the groups of this forward
         self.closed = False
 
@@ -258,7 +387,7 @@ class FileReader:
         """Whether ``group``'s bytes are in memory now (kept, or read ahead and landed)."""
         read = self._flight.get(group.name)
         if read is None:
-            return group.name in self._kept
+            return group.name in self._kept.whole
         return all(f.done() for f in read.futures)
 
     def take(self, group: Any) -> torch.Tensor:
@@ -272,22 +401,27 @@ class FileReader:
         """
         name = group.name
         read = self._flight.pop(name, None)
-        if read is None and name in self._kept:
-            data = self._kept[name]
+        if read is None and name in self._kept.whole:
+            data = self._kept.whole[name]
         else:
+            waiting = _clock()
             try:
                 data = self._finish(read if read is not None else self._start(name))
             except (OSError, CheckpointError):
                 if read is None:
                     raise
                 data = self._finish(self._start(name))  # read ahead, maybe before the cause was fixed: once more
-            self._read_now += self._bytes(name)
+            self._kept.stalled(name, _clock() - waiting)
         self._ahead(name)
         return data[: group.layout.nbytes]
 
     def _bytes(self, name: str) -> int:
         """The bytes of group ``name``'s weights in the file (what the host tier counts of it)."""
         return sum(p.end - p.start for p in self._groups[name][1] or ())
+
+    def _largest_read(self) -> int:
+        """The bytes of the largest group not kept whole (a read buffer's)."""
+        return max((g.layout.nbytes for n, (g, _) in self._groups.items() if not self._kept.is_whole(n)), default=0)
 
     def give_back(self, data: torch.Tensor, copied: Any = None) -> None:
         """Return a buffer :meth:`take` lent, once ``copied`` (an event of the copy reading it) completed."""
@@ -299,6 +433,11 @@ class FileReader:
         """A forward ended: its bytes read become the statistics' ``storage_bytes_read``."""
         self._stats.storage_bytes_read = self._read_now
         self._read_now = 0
+        chosen = self._kept.choose()  # after the first forward: by its stalls
+        if chosen is not None:
+            self._size = max(self._size, self._largest_read())  # smaller free buffers go (_buffer)
+            if self._chosen is not None:
+                self._chosen(chosen)
 
     def forget(self, name: str) -> None:
         """Group ``name`` no longer streams (it became resident): its read and kept bytes go."""
@@ -306,12 +445,8 @@ class FileReader:
         if read is not None:
             concurrent.futures.wait(read.futures)
             self._recycle(read)
-        kept = self._kept.pop(name, None)
-        if name in self._keep:
-            self._keep.discard(name)
-            self._account.give(self, self._bytes(name))
-        if kept is not None:
-            self._kept_bytes -= self._bytes(name)
+        self._kept.drop(name)
+        self._kept.sizes.pop(name, None)
         self._groups.pop(name, None)
         self._names.remove(name)
 
@@ -326,31 +461,36 @@ class FileReader:
         self._pool.shutdown(wait=True)
         self._files.close()
         self._flight.clear()
-        self._kept.clear()
+        self._kept.release()
         self._free.clear()
         self._lent.clear()
-        self._account.release(self)
 
     def _start(self, name: str) -> _Read:
         group, pieces = self._groups[name]
-        keep = name in self._keep
+        keep = self._kept.is_whole(name)
         buffer = _aligned(group.layout.nbytes, self._allocate) if keep else self._buffer()
         if not keep:
             self._lent[buffer.data_ptr()] = buffer
         started = _checkpoint.read_clock()
-        futures = [self._pool.submit(self._read_piece, name, buffer, piece) for piece in pieces or ()]
-        read = _Read(name, buffer, futures, keep, started)
+        part = self._kept.parts.get(name)
+        reads = part[2] if part is not None else pieces or []
+        futures = [self._pool.submit(self._read_piece, name, buffer, piece) for piece in reads]
+        if part is not None:  # a split group: its first bytes from what the host keeps
+            futures.append(self._pool.submit(_fill, buffer, part[0], part[1]))
+        read = _Read(name, buffer, futures, keep, started, sum(p.end - p.start for p in reads))
         self._flight[name] = read
         return read
 
     def _buffer(self) -> torch.Tensor:
         """A free read buffer: reused, new while fewer than ``buffers`` exist, else one read ahead for
         a group not asked for yet is dropped for it (the order changed)."""
-        if self._free:
+        while self._free:
             buffer, copied = self._free.pop()
             if copied is not None:
                 self._device.synchronize(copied)  # the copy that read it has landed
-            return buffer
+            if buffer.numel() >= self._size:
+                return buffer
+            self._made -= 1  # made before a larger group came to be read (the host tier chose again)
         victim = next((r for r in self._flight.values() if not r.keep), None)
         if self._made < self._buffers or victim is None:
             self._made += 1
@@ -358,7 +498,7 @@ class FileReader:
         del self._flight[victim.name]
         concurrent.futures.wait(victim.futures)
         del self._lent[victim.buffer.data_ptr()]
-        return victim.buffer
+        return victim.buffer if victim.buffer.numel() >= self._size else _aligned(self._size, self._allocate)
 
     def _finish(self, read: _Read) -> torch.Tensor:
         self._flight.pop(read.name, None)
@@ -370,11 +510,10 @@ class FileReader:
                 if isinstance(error, CheckpointError):  # cut short: where the file changed, say how
                     _unchanged(*self._groups[read.name])
                 raise error
-        _counted_and_checked(*self._groups[read.name], self._bytes(read.name), read, self._recycle)
-        if read.keep:
-            self._kept[read.name] = read.buffer
-            self._kept_bytes += self._bytes(read.name)
-            self._stats.peak_host_bytes = max(self._stats.peak_host_bytes, self._kept_bytes)
+        _counted_and_checked(*self._groups[read.name], read.nbytes, read, self._recycle)
+        self._read_now += read.nbytes
+        self._kept.store(read.name, read, *self._groups[read.name], self._allocate)
+        self._stats.peak_host_bytes = max(self._stats.peak_host_bytes, self._kept.nbytes)
         return read.buffer
 
     def _recycle(self, read: _Read) -> None:
@@ -393,41 +532,48 @@ class FileReader:
         for upcoming in dict.fromkeys(following):
             if in_flight >= self._buffers:
                 break
-            if upcoming == name or upcoming not in self._groups or upcoming in self._flight or upcoming in self._kept:
+            if upcoming == name or upcoming not in self._groups or upcoming in self._flight or upcoming in self._kept.whole:
                 continue
-            if upcoming not in self._keep and not self._free and self._made >= self._buffers:
+            if not self._kept.is_whole(upcoming) and not self._free and self._made >= self._buffers:
                 break  # no read buffer free: the next one starts when one is given back
             self._start(upcoming)
             in_flight += 1
 
-    def _bounce(self) -> torch.Tensor:  # this thread's aligned buffer for direct reads (a piece and its alignment)
-        bounce = getattr(self._local, "bounce", None)
-        if bounce is None:
-            bounce = self._local.bounce = _aligned(_PIECE + 2 * _ALIGN, lambda n: torch.empty(n, dtype=torch.uint8))
-        return bounce
-
     def _read_piece(self, name: str, buffer: torch.Tensor, piece: _Piece) -> None:
-        if self._stop.is_set():
-            return
-        fd, direct = self._files.fd(piece.path)
-        try:
-            if direct:
-                try:
-                    _read_direct(fd, buffer, piece, self._bounce())
-                    return
-                except OSError as exc:
-                    if exc.errno not in _REFUSED:
-                        raise
-                    self._files.refuse_direct(piece.path)
-                    fd, _ = self._files.fd(piece.path)
-            _read_buffered(fd, buffer, piece)
-        except OSError as exc:
-            raise OSError(
-                exc.errno, f"torchsurgery.offload: reading group {name!r} from {piece.path} failed "
-                f"({exc.strerror or exc}); check the file and its disk, then run the forward again",
-            ) from exc
-        except CheckpointError as exc:
-            raise CheckpointError(f"{exc} (reading group {name!r})") from exc
+        if not self._stop.is_set():
+            _read_piece(self._files, self._local, name, buffer, piece)
+
+
+def _bounce(local: threading.local) -> torch.Tensor:
+    """This thread's aligned buffer for direct reads (a piece and its alignment)."""
+    bounce = getattr(local, "bounce", None)
+    if bounce is None:
+        bounce = local.bounce = _aligned(_PIECE + 2 * _ALIGN, lambda n: torch.empty(n, dtype=torch.uint8))
+    return bounce
+
+
+def _read_piece(files: _Files, local: threading.local, name: str, buffer: torch.Tensor, piece: _Piece) -> None:
+    """``piece`` of group ``name`` into ``buffer``: direct where the file is so opened (through the
+    page cache from then on where its filesystem refuses), errors naming the file."""
+    fd, direct = files.fd(piece.path)
+    try:
+        if direct:
+            try:
+                _read_direct(fd, buffer, piece, _bounce(local))
+                return
+            except OSError as exc:
+                if exc.errno not in _REFUSED:
+                    raise
+                files.refuse_direct(piece.path)
+                fd, _ = files.fd(piece.path)
+        _read_buffered(fd, buffer, piece)
+    except OSError as exc:
+        raise OSError(
+            exc.errno, f"torchsurgery.offload: reading group {name!r} from {piece.path} failed "
+            f"({exc.strerror or exc}); check the file and its disk, then run the forward again",
+        ) from exc
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc} (reading group {name!r})") from exc
 
 
 def _counted_and_checked(

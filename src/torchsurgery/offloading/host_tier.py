@@ -7,8 +7,12 @@ A :class:`HostAccount` holds the host budget; one account can serve several offl
 :class:`~torchsurgery.DevicePool`'s models share one). Without a ``host_budget``, the budget
 is the memory the system reports available (``MemAvailable``) minus a margin, never more.
 
-The host tier takes the streamed groups in the order they are read, first first, while
-they fit: a group read early in a forward is the one whose read nothing earlier could hide.
+Until a forward has run, the host tier takes the streamed groups in the order they are read,
+first first, while they fit: a group read early in a forward is the one whose read nothing
+earlier could hide. The first forward measures how long each group's read kept the model
+waiting; from then on the host tier keeps the groups that kept it waiting longest for their
+bytes (:func:`fill`). Where the budget ends inside a group, the host keeps that group's
+first bytes and reads the rest (tier ``"split"``), so the whole budget saves reads.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 from torchsurgery._device import host_available_memory
 from torchsurgery._validate import check_bytes
 
-__all__ = ["HostAccount", "available_memory", "default_host_budget", "assign_tiers", "MARGIN"]
+__all__ = ["HostAccount", "available_memory", "default_host_budget", "assign_tiers", "fill", "tier_of", "retier", "MARGIN"]
 
 _WHAT = "torchsurgery.offload"
 
@@ -128,26 +132,67 @@ def _stored_bytes(group: Any) -> int:
                for p in group.params if p.tied_to is None or p.tied_to not in names)
 
 
+def fill(sizes: Sequence[tuple[str, int]], room: int) -> dict[str, int]:
+    """The bytes kept of each of ``sizes`` (name, bytes), taken in the order given, within ``room``.
+
+    Whole while they fit (one that does not is passed over for the next); the first one left
+    out then takes what room is left: its first bytes.
+
+    Example:
+        >>> fill([("a", 40), ("b", 50), ("c", 10)], 80)
+        {'a': 40, 'c': 10, 'b': 30}
+    """
+    kept: dict[str, int] = {}
+    for name, nbytes in sizes:
+        if 0 < nbytes <= room:
+            kept[name] = nbytes
+            room -= nbytes
+    part = next((name for name, nbytes in sizes if name not in kept and nbytes > 0), None)
+    if part is not None and room > 0:
+        kept[part] = room
+    return kept
+
+
 def assign_tiers(groups: Sequence[Any], host_budget: int | HostAccount | None, from_file: bool) -> int:
-    """Set each group's ``tier``: ``"device"`` (resident), ``"host"`` or ``"disk"``.
+    """Set each group's ``tier`` and ``host_bytes``: ``"device"`` (resident), ``"host"``,
+    ``"split"`` or ``"disk"``.
 
     Groups held in memory stream from the host. Of those streamed from a checkpoint file, the
     first ones in model order (the order a forward reads them in, until one has run) stay in
-    host memory while their bytes fit ``host_budget``; the rest are read on every forward.
+    host memory while their bytes fit ``host_budget`` (:func:`fill`); the rest are read on
+    every forward, the first of them in part where the budget ends inside it.
 
     Returns:
         The host budget (checked; the free part of an account).
     """
     budget = host_budget_of(host_budget)
-    room = budget if from_file else 0
+    streamed = [g for g in groups if not g.resident]
+    kept = fill([(g.name, _stored_bytes(g)) for g in streamed], budget) if from_file else {}
     for g in groups:
+        g.host_bytes = kept.get(g.name, 0)
         if g.resident:
             g.tier = "device"
         elif not from_file:
             g.tier = "host"
-        elif _stored_bytes(g) <= room:
-            g.tier = "host"
-            room -= _stored_bytes(g)
         else:
-            g.tier = "disk"
+            g.tier = tier_of(g.host_bytes, _stored_bytes(g))
     return budget
+
+
+def tier_of(kept: int, nbytes: int) -> str:
+    """The tier of a group streamed from a file of which the host keeps ``kept`` of its ``nbytes``.
+
+    Example:
+        >>> tier_of(0, 10), tier_of(4, 10), tier_of(10, 10)
+        ('disk', 'split', 'host')
+    """
+    return "disk" if kept <= 0 else "host" if kept >= nbytes else "split"
+
+
+def retier(groups: Sequence[Any], kept: dict[str, int]) -> None:
+    """Set the tiers of ``groups`` streamed from a checkpoint file to what the host keeps of
+    each now (``kept``: bytes by name; after the first forward's measurements)."""
+    for g in groups:
+        if g.tier in ("host", "split", "disk"):
+            g.host_bytes = kept.get(g.name, 0)
+            g.tier = tier_of(g.host_bytes, _stored_bytes(g))

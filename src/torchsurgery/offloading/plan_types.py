@@ -143,8 +143,11 @@ class GroupPlan:
             :func:`~torchsurgery.offloading.budgets.held_bytes`).
         params: its parameters, in module order.
         tier: where its weights are kept between runs: ``"device"`` (resident), ``"host"``
-            (host memory; from a checkpoint file: read once, then kept within ``host_budget``)
-            or ``"disk"`` (read from the checkpoint file on every forward).
+            (host memory; from a checkpoint file: read once, then kept within ``host_budget``),
+            ``"disk"`` (read from the checkpoint file on every forward) or ``"split"`` (its
+            first ``host_bytes`` kept in host memory, the rest read on every forward).
+        host_bytes: of a group streamed from a checkpoint file, the bytes of it (as the file
+            holds them) the host tier keeps.
 
     Example:
         >>> import torch
@@ -163,6 +166,7 @@ class GroupPlan:
     nbytes: int
     params: list[ParamPlan] = field(default_factory=list)
     tier: str = "host"
+    host_bytes: int = 0
 
 
 @dataclass(frozen=True)
