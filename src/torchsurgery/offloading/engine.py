@@ -54,7 +54,7 @@ from torchsurgery.offloading.conversion import (
     grown_budget,
     warn_if_unscaled,
 )
-from torchsurgery.offloading.file_reader import FileReader
+from torchsurgery.offloading.file_reader import FileReader, read_buffers
 from torchsurgery.offloading.forward_lock import ForwardLock
 from torchsurgery.offloading.host_tier import HostAccount
 from torchsurgery.offloading.install import Installer
@@ -212,7 +212,7 @@ class OffloadHandle:
         packed = [p for p in streaming.packed.values() if p.from_file]
         # a buffer more than the ring's slots: one group computes, one lands, one is read
         streaming.reader = FileReader(packed, host, account, plan.offload_device, streaming.order, self._stats,
-                                      plan.prefetch + 2)
+                                      read_buffers(plan.prefetch))
         if streaming.ring is not None:
             streaming.ring.reader = streaming.reader
 

@@ -41,12 +41,41 @@ from torchsurgery.offloading.host_tier import HostAccount
 from torchsurgery.offloading.order import OrderRecorder
 from torchsurgery.offloading.stats import OffloadStats
 
-__all__ = ["FileReader"]
+__all__ = ["FileReader", "read_buffers", "reader_bytes"]
 
 _ALIGN = 4096  # what direct I/O asks of offsets, lengths and buffer addresses
 _PIECE = 32 << 20  # bytes one read asks for: a group's reads are several of these, in flight together
 _THREADS = 4  # reads wait on the disk: more in flight than cores
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)  # a filesystem without direct I/O
+_BOUNCE = _PIECE + 2 * _ALIGN  # a thread's buffer for direct reads: a piece and its alignment on both ends
+
+
+def read_buffers(prefetch: int) -> int:
+    """The read buffers a :class:`FileReader` of an offload at ``prefetch`` makes at most: one more
+    than the ring's slots (one group computes, one lands, one is read).
+
+    Example:
+        >>> read_buffers(1)
+        3
+    """
+    return prefetch + 2
+
+
+def reader_bytes(largest: int, prefetch: int) -> int:
+    """Host bytes a :class:`FileReader` of an offload at ``prefetch`` holds at most besides the groups
+    the host tier keeps, where the largest group it reads on every forward takes ``largest`` bytes.
+
+    Its :func:`read_buffers`, each that large, and each reading thread's buffer for direct reads, of
+    which a read fills at most one piece (a group's bytes, at most ``_PIECE``) and its alignment; every
+    allocation with its alignment slack. 0 where it reads nothing on every forward.
+
+    Example:
+        >>> reader_bytes(0, 1), reader_bytes(1000, 1) == 3 * (1000 + 4096) + 4 * (1000 + 3 * 4096)
+        (0, True)
+    """
+    if not largest:
+        return 0
+    return read_buffers(prefetch) * (largest + _ALIGN) + _THREADS * (min(largest, _PIECE) + 3 * _ALIGN)
 
 
 def _open_direct(path: Path) -> int:
@@ -403,7 +432,7 @@ class FileReader:
     def _bounce(self) -> torch.Tensor:  # this thread's aligned buffer for direct reads (a piece and its alignment)
         bounce = getattr(self._local, "bounce", None)
         if bounce is None:
-            bounce = self._local.bounce = _aligned(_PIECE + 2 * _ALIGN, lambda n: torch.empty(n, dtype=torch.uint8))
+            bounce = self._local.bounce = _aligned(_BOUNCE, lambda n: torch.empty(n, dtype=torch.uint8))
         return bounce
 
     def _read_piece(self, name: str, buffer: torch.Tensor, piece: _Piece) -> None:
