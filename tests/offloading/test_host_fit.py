@@ -123,6 +123,25 @@ def test_without_a_host_budget_a_single_weight_the_host_cannot_hold_is_refused_n
     assert all(not p.is_meta and torch.equal(p, state[n]) for n, p in model.named_parameters())
 
 
+def test_without_a_host_budget_a_model_the_host_can_keep_whole_keeps_its_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept whole, no group is read on any forward after the first: no read buffer is needed, though
+    those of its blocks would not fit."""
+    model, path, expected = _saved(tmp_path)
+    whole = sum(t.nbytes for t in model.state_dict().values())
+    assert whole < _need(model, path, "blocks", 1)
+    _available(monkeypatch, host_tier.MARGIN + whole)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        handle = torchsurgery.offload(model, storage=path)
+    assert [(g.name, g.tier) for g in handle.plan.groups] == [(str(b), "host") for b in range(8)]
+    with torch.no_grad():
+        assert all(torch.equal(model(X), expected) for _ in range(2))
+    assert handle.stats().storage_bytes_read == 0
+    handle.remove()
+
+
 def test_an_explicit_host_budget_keeps_the_chosen_groups_and_refuses_only_buffers_beyond_what_is_available(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
