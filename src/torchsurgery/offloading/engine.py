@@ -363,7 +363,12 @@ def offload(
             their ``state_dict`` names: streamed groups are read from it (for models larger than RAM; inference only),
             their parameters ``meta`` while offloaded, in the file's dtypes (no ``storage_dtype``); a skeleton too.
         host_budget: with ``storage``: host bytes of weights kept in memory, the rest read every forward (docs/offload.md).
-            ``stats()`` reports ``storage_bytes_read`` per forward and ``peak_host_bytes``.
+            ``stats()`` reports ``storage_bytes_read`` per forward and ``peak_host_bytes``. The read buffers of the
+            groups read every forward come besides, and first: ``None`` keeps what the memory available less a
+            margin and those buffers allows, and where the buffers do not fit there streams finer groups (single
+            modules, then one at a time) with one warning, refusing only a single weight too large for the memory
+            available. A budget given keeps the groups as chosen, refused where their buffers alone exceed the
+            memory available.
 
     Returns:
         An :class:`OffloadHandle` (``plan``, ``stats()``, ``remove()``, context manager).
@@ -371,7 +376,8 @@ def offload(
 
     Raises:
         TypeError, ValueError, RuntimeError: as :func:`~torchsurgery.plan_offload` (a wrong argument, a budget
-            below the largest group, a model offloaded already), before anything changes.
+            below the largest group, a model offloaded already, a host too small for what streams from
+            ``storage``), before anything changes.
 
     Example:
         >>> import torch
