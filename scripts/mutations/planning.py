@@ -210,7 +210,7 @@ MUTATIONS = [
     Mutation(
         "host fallback: without a host budget of the user's, blocks whose read buffers the host cannot hold stream finer",
         "src/torchsurgery/offloading/host_fit.py",
-        "    for step, make in finer:  # coarsest first", "    for step, make in []:  # coarsest first",
+        "    for taken, make in finer:  # coarsest first", "    for taken, make in []:  # coarsest first",
         ("tests/offloading/test_host_fit.py::test_without_a_host_budget_blocks_whose_buffers_the_host_cannot_hold_stream_as_single_modules[cpu]",
          "tests/offloading/test_host_fit.py::test_a_pool_without_a_host_budget_reports_the_finer_groups_through_on_fallback"),
     ),
@@ -248,7 +248,7 @@ MUTATIONS = [
     Mutation(
         "host fallback: a pool without a host budget tells its on_fallback",
         "src/torchsurgery/offloading/pool.py",
-        "            member.host_fallback = self._host_fallback(member)\n", "            pass\n",
+        "member.host_fallback = self._host_fallback(member) if host_budget", "member.host_fallback = None if host_budget",
         ("tests/offloading/test_host_fit.py::test_a_pool_without_a_host_budget_reports_the_finer_groups_through_on_fallback",),
     ),
     Mutation(

@@ -362,22 +362,16 @@ def offload(
         storage: a safetensors checkpoint (file, sharded ``*.index.json`` or folder) with the model's weights under
             their ``state_dict`` names: streamed groups are read from it (for models larger than RAM; inference only),
             their parameters ``meta`` while offloaded, in the file's dtypes (no ``storage_dtype``); a skeleton too.
-        host_budget: with ``storage``: host bytes of weights kept in memory, the rest read every forward (docs/offload.md).
-            ``stats()`` reports ``storage_bytes_read`` per forward and ``peak_host_bytes``. The read buffers of the
-            groups read every forward come besides, and first: ``None`` keeps what the memory available less a
-            margin and those buffers allows, and where the buffers do not fit there streams finer groups (single
-            modules, then one at a time) with one warning, refusing only a single weight too large for the memory
-            available. A budget given keeps the groups as chosen, refused where their buffers alone exceed the
-            memory available.
+        host_budget: with ``storage``: host bytes of weights kept in memory, the rest read every forward (``stats()``:
+            ``storage_bytes_read``, ``peak_host_bytes``), besides the read buffers, which come first. ``None``: what is
+            available less a margin, and finer groups where the buffers do not fit there (one warning; docs/offload.md).
 
     Returns:
         An :class:`OffloadHandle` (``plan``, ``stats()``, ``remove()``, context manager).
         :func:`~torchsurgery.plan_offload` with the same arguments shows the plan.
 
     Raises:
-        TypeError, ValueError, RuntimeError: as :func:`~torchsurgery.plan_offload` (a wrong argument, a budget
-            below the largest group, a model offloaded already, a host too small for what streams from
-            ``storage``), before anything changes.
+        TypeError, ValueError, RuntimeError: as :func:`~torchsurgery.plan_offload`, before anything changes.
 
     Example:
         >>> import torch

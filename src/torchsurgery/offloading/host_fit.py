@@ -20,6 +20,7 @@ memory available now.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+
 from torchsurgery._device import OffloadDevice
 from torchsurgery._format import human_bytes
 from torchsurgery.offloading import host_tier
@@ -127,8 +128,8 @@ def fit_to_host(
     if need <= room:
         return placed, min(keep, room - need)
     chosen, step = _needs(placed, need), ""
-    for step, make in finer:  # coarsest first, down to single modules one at a time
-        placed = make()
+    for taken, make in finer:  # coarsest first, down to single modules one at a time
+        step, placed = taken, make()
         need = _need(placed, keep)
         if need <= room:
             break

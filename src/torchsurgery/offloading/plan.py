@@ -597,8 +597,7 @@ def plan_offload(
             must hold their values exactly.
         storage: a safetensors checkpoint to stream weights from (the weights are then
             stored in its dtypes: no ``storage_dtype``). :func:`~torchsurgery.offload` says more.
-        host_budget: host bytes of weights from ``storage`` kept in memory (``GroupPlan.tier``; as for ``offload``:
-            the read buffers come first; without one, finer groups where the host cannot hold them).
+        host_budget: host bytes of weights from ``storage`` kept in memory (``GroupPlan.tier``; as for ``offload``).
 
     Returns:
         An :class:`OffloadPlan`: per group and per parameter the storage, compute and
@@ -611,10 +610,8 @@ def plan_offload(
         ValueError: a device that does not exist, ``pin_memory=True`` where host memory
             cannot be pinned, a budget below the largest group, an unknown group name,
             weights without values and no checkpoint, a checkpoint lacking weights, a
-            ``storage_dtype`` with a checkpoint, with a ``host_budget``: read buffers of the groups
-            streamed from ``storage`` that alone exceed the host memory available.
-        RuntimeError: the model is already offloaded (by torchsurgery, accelerate or diffusers); without a
-            ``host_budget``, a single weight streamed from ``storage`` too large for the host memory available.
+            ``storage_dtype`` with a checkpoint, read buffers beyond the host's memory with a ``host_budget``.
+        RuntimeError: already offloaded (by torchsurgery, accelerate or diffusers); a weight too large for the host.
 
     Example:
         >>> import torch
