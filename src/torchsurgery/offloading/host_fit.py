@@ -5,8 +5,9 @@ Groups read from a checkpoint on every forward pass through a
 :class:`~torchsurgery.offloading.file_reader.FileReader`'s read buffers, each as large as the
 largest such group (:func:`~torchsurgery.offloading.file_reader.reader_bytes`), and on a CPU a
 group whose weights compute in another dtype than the file's is cast at each run, in host
-memory. A CPU computes on the read buffers themselves: the ring's slots, reserved there, are
-never written for groups read from a file, and take no memory.
+memory. A CPU computes on the read buffers themselves: the ring's slots, reserved there, are not
+written for the groups the reader serves, and take no memory (pages never written are not
+committed).
 
 Those buffers come first; the host tier keeps groups in what is left. Without a ``host_budget``
 of the user's, when they do not fit in the memory available less :data:`~torchsurgery.offloading.host_tier.MARGIN`,
