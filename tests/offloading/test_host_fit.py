@@ -218,3 +218,33 @@ def test_the_reader_makes_no_more_than_the_host_need_counts(tmp_path: Path, monk
     assert len(reads) == read_buffers(1) and len(made) - len(reads) <= file_reader._THREADS
     # what a direct read fills of its thread's buffer: a piece (here a whole module) and its alignment
     assert sum(n + 4096 for n in reads) + (len(made) - len(reads)) * (largest + 3 * 4096) <= need
+
+
+def test_from_pretrained_without_a_host_budget_streams_single_modules_where_the_host_cannot_hold_its_layers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sharded bf16 Llama folder of twelve layers (more bytes than its layers' buffers): the
+    library's own loading of the same folder gives the same logits, bit for bit."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="200KB")
+    with torchsurgery.skeleton():
+        skeleton = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    blocks, modules = _need(skeleton, tmp_path, "blocks", 1), _need(skeleton, tmp_path, "leaves", 1)
+    assert modules < blocks < sum(p.nbytes for p in skeleton.parameters())
+    expected = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    for p in expected.parameters():  # memory of its own, not the file's map (as the offload's buffers are)
+        p.data = p.data.clone()
+    _available(monkeypatch, host_tier.MARGIN + (modules + blocks) // 2)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model = torchsurgery.from_pretrained(transformers.LlamaForCausalLM, tmp_path)
+    messages = [str(w.message) for w in said if "torchsurgery" in str(w.message)]
+    assert len(messages) == 1 and messages[0].endswith("streaming single modules (groups='leaves') instead"), messages
+    tokens = torch.tensor([[1, 5, 9, 33, 2, 63, 17]])
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, expected(tokens).logits)
+    torchsurgery.restore(model)
