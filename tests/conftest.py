@@ -55,6 +55,18 @@ def _native_kernel_built() -> None:
 
 
 @pytest.fixture(autouse=True)
+def _stalls_measured_by_a_still_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host tier chooses its groups again by how long the first forward waited for each
+    (:mod:`torchsurgery.offloading.file_reader`). On a busy machine a wait is whatever the
+    scheduler makes it, so the suite measures waits by a clock that stands still: no choice
+    changes, every forward reads what the plan says. The tests of that choice script the waits
+    (tests/offloading/test_host_tier.py)."""
+    from torchsurgery.offloading import file_reader
+
+    monkeypatch.setattr(file_reader, "_clock", lambda: 0.0)
+
+
+@pytest.fixture(autouse=True)
 def _no_hazards() -> Iterator[None]:
     """Memory a test freed while another stream's use of it was unordered fails that test."""
     yield

@@ -81,7 +81,7 @@ MUTATIONS = [
     Mutation(
         "a patch that reads weight memory directly keeps its module from narrow storage",
         "src/torchsurgery/offloading/plan.py",
-        "    _check_plain_readers(named, plan)\n", "",
+        "    _check_plain_readers(named, groups)\n", "",
         ("tests/offloading/test_engine.py::test_a_patch_that_cannot_serve_narrow_weights_is_refused_in_either_order",),
     ),
     Mutation(
@@ -175,7 +175,7 @@ MUTATIONS = [
     Mutation(
         "fallback: an explicit budget below the chosen groups is still refused",
         "src/torchsurgery/offloading/plan.py",
-        "    if fallback is None and budget is None and not options.device.host_compute:\n",
+        "    if fallback is None and no_budget and not options.device.host_compute:\n",
         "    if fallback is None:\n",
         ("tests/offloading/test_fallback.py::test_an_explicit_budget_below_the_blocks_is_still_refused",),
     ),
@@ -206,5 +206,57 @@ MUTATIONS = [
         "src/torchsurgery/offloading/plan.py",
         '    if budget == "least":\n', '    if False:\n',
         ("tests/offloading/test_engine_edges.py::test_budget_least_streams_every_group_and_follows_the_model_through_a_conversion",),
+    ),
+    Mutation(
+        "host fallback: without a host budget of the user's, blocks whose read buffers the host cannot hold stream finer",
+        "src/torchsurgery/offloading/host_fit.py",
+        "    for taken, make in finer:  # coarsest first", "    for taken, make in []:  # coarsest first",
+        ("tests/offloading/test_host_fit.py::test_without_a_host_budget_blocks_whose_buffers_the_host_cannot_hold_stream_as_single_modules[cpu]",
+         "tests/offloading/test_host_fit.py::test_a_pool_without_a_host_budget_reports_the_finer_groups_through_on_fallback",
+         "tests/offloading/test_host_fit.py::"
+         "test_from_pretrained_without_a_host_budget_streams_single_modules_where_the_host_cannot_hold_its_layers"),
+    ),
+    Mutation(
+        "host fallback: only a single weight the host cannot hold is refused, naming it",
+        "src/torchsurgery/offloading/host_fit.py",
+        "    if need > available:\n        raise _too_small(", "    if False:\n        raise _too_small(",
+        ("tests/offloading/test_host_fit.py::test_without_a_host_budget_a_single_weight_the_host_cannot_hold_is_refused_naming_it",),
+    ),
+    Mutation(
+        "host fallback: with the user's host budget, buffers beyond the memory available are refused",
+        "src/torchsurgery/offloading/host_fit.py",
+        "        if need > available:\n            raise _refused(", "        if False:\n            raise _refused(",
+        ("tests/offloading/test_host_fit.py::test_an_explicit_host_budget_keeps_the_chosen_groups_and_refuses_only_buffers_beyond_what_is_available",),
+    ),
+    Mutation(
+        "host fallback: the user's host budget keeps the chosen groups",
+        "src/torchsurgery/offloading/plan.py",
+        "    if host_fallback is None and host_budget is None:\n", "    if host_fallback is None:\n",
+        ("tests/offloading/test_host_fit.py::test_an_explicit_host_budget_keeps_the_chosen_groups_and_refuses_only_buffers_beyond_what_is_available",),
+    ),
+    Mutation(
+        "host fallback: the read buffers come first, the host tier keeps groups in what they leave",
+        "src/torchsurgery/offloading/host_fit.py",
+        "        return placed, min(keep, room - need)\n", "        return placed, keep\n",
+        ("tests/offloading/test_host_tier.py::"
+         "test_without_a_host_budget_the_host_keeps_what_is_available_less_a_margin_and_the_read_buffers",),
+    ),
+    Mutation(
+        "host fallback: no read buffer is counted where the host keeps every streamed group",
+        "src/torchsurgery/offloading/host_fit.py",
+        "if p.tied_to is None) <= room:\n        return 0\n", "if p.tied_to is None) < 0:\n        return 0\n",
+        ("tests/offloading/test_host_fit.py::test_without_a_host_budget_a_model_the_host_can_keep_whole_keeps_its_blocks",),
+    ),
+    Mutation(
+        "host fallback: a pool without a host budget tells its on_fallback",
+        "src/torchsurgery/offloading/pool.py",
+        "member.host_fallback = self._host_fallback(member) if host_budget", "member.host_fallback = None if host_budget",
+        ("tests/offloading/test_host_fit.py::test_a_pool_without_a_host_budget_reports_the_finer_groups_through_on_fallback",),
+    ),
+    Mutation(
+        "host fallback: the reader makes no more read buffers than the host's need counts",
+        "src/torchsurgery/offloading/engine.py",
+        "                                      read_buffers(plan.prefetch), functools", "                                      plan.prefetch + 3, functools",
+        ("tests/offloading/test_host_fit.py::test_the_reader_makes_no_more_than_the_host_need_counts",),
     ),
 ]

@@ -202,9 +202,16 @@ MUTATIONS = [
     Mutation(
         "host tier (issue 47): a new choice must save clearly more stall than the groups kept",
         "src/torchsurgery/offloading/file_reader.py",
-        " < max(_GAIN, _SHARE * sum(stalls.values())):",
+        " < max(_GAIN, _SHARE * sum(stalls.values()), (_HOLD - 1) * now):",
         " <= 0:",
         ("tests/offloading/test_host_tier.py::test_after_the_first_forward_the_host_keeps_the_groups_whose_reads_kept_it_waiting_clearly_longer[waits-alike]",),
+    ),
+    Mutation(
+        "host tier (issue 47): a new choice must remove twice the waiting the kept groups removed",
+        "src/torchsurgery/offloading/file_reader.py",
+        ", (_HOLD - 1) * now):",
+        "):",
+        ("tests/offloading/test_host_tier.py::test_after_the_first_forward_the_host_keeps_the_groups_whose_reads_kept_it_waiting_clearly_longer[less-than-twice-the-kept-group-s-wait]",),
     ),
     Mutation(
         "host tier (issue 47): a group chosen while its read was in flight is kept from that read",

@@ -19,6 +19,7 @@ from torch import nn
 import tardy
 import torchsurgery
 from torchsurgery.offloading import host_tier
+from torchsurgery.offloading.host_fit import host_need
 
 WIDTHS = [8, 16, 32, 8, 16, 24]
 X = torch.linspace(-1, 1, 3 * 16).reshape(3, 16)
@@ -153,7 +154,8 @@ def stalls_by_this_clock(monkeypatch: pytest.MonkeyPatch, seconds: dict[int, flo
     monkeypatch.setattr(file_reader, "_clock", clock)
 
 
-@pytest.mark.parametrize("waits", [{2: 1.0}, {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.52}], ids=["one-group-waits", "waits-alike"])
+@pytest.mark.parametrize("waits", [{2: 1.0}, {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.52}, {0: 0.5, 3: 0.8}],
+                         ids=["one-group-waits", "waits-alike", "less-than-twice-the-kept-group-s-wait"])
 def test_after_the_first_forward_the_host_keeps_the_groups_whose_reads_kept_it_waiting_clearly_longer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, waits: dict[int, float]
 ) -> None:
@@ -173,7 +175,7 @@ def test_after_the_first_forward_the_host_keeps_the_groups_whose_reads_kept_it_w
         assert [g.tier for g in handle.plan.groups] == ["disk", "disk", "host", "disk"]
         # read once more (kept as it is read), then no longer
         assert reads == [4 * b, 4 * b, 3 * b]
-    else:  # a choice that saves little over the one kept is no gain: it would cost reads
+    else:  # a choice that saves little over the one kept (or less than twice its waits) is no gain: it costs reads
         assert [g.tier for g in handle.plan.groups] == ["host", "disk", "disk", "disk"]
         assert reads == [4 * b, 3 * b, 3 * b]
     assert handle.stats().peak_host_bytes == b
@@ -216,16 +218,23 @@ def test_inspect_shows_how_many_groups_sit_in_each_tier(tmp_path: Path) -> None:
     assert any("2 kept in host memory, 4 read every forward" in line for line in surgery)
 
 
-def test_without_a_host_budget_the_host_keeps_what_is_available_minus_a_margin(
+def test_without_a_host_budget_the_host_keeps_what_is_available_less_a_margin_and_the_read_buffers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    reference, path = saved(tmp_path)
-    monkeypatch.setattr(host_tier, "available_memory", lambda: host_tier.MARGIN + block_bytes(8) + block_bytes(16))
-    plan = torchsurgery.plan_offload(skeleton(), storage=path)
-    assert plan.host_budget == block_bytes(8) + block_bytes(16)
-    assert [g.tier for g in plan.groups] == ["host", "host", "disk", "disk", "disk", "disk"]
+    """The read buffers of the groups read on every forward come first (host_fit); the host tier keeps
+    groups in what is left. Many small blocks: more bytes than the buffers, not all kept."""
+    widths = [8] * 128
+    reference, path = saved(tmp_path, widths)
+    given = torchsurgery.plan_offload(skeleton(widths), storage=path, host_budget=0)
+    buffers = host_need(given.groups, given.prefetch, given.offload_device)
+    assert 0 < buffers < sum(map(block_bytes, widths))
+    monkeypatch.setattr(host_tier, "available_memory", lambda: host_tier.MARGIN + buffers + 2 * block_bytes(8))
+    plan = torchsurgery.plan_offload(skeleton(widths), storage=path)
+    assert plan.host_budget == 2 * block_bytes(8)
+    assert [g.tier for g in plan.groups] == ["host", "host"] + ["disk"] * 126
     monkeypatch.setattr(host_tier, "available_memory", lambda: host_tier.MARGIN // 2)  # never more than available
-    assert [g.tier for g in torchsurgery.plan_offload(skeleton(), storage=path).groups] == ["disk"] * 6
+    with pytest.warns(UserWarning, match="in part of that margin"):
+        assert {g.tier for g in torchsurgery.plan_offload(skeleton(widths), storage=path).groups} == {"disk"}
 
 
 def test_a_host_budget_that_is_no_byte_count_is_refused_before_anything_changes(tmp_path: Path) -> None:

@@ -55,7 +55,7 @@ from torchsurgery.offloading.conversion import (
     grown_budget,
     warn_if_unscaled,
 )
-from torchsurgery.offloading.file_reader import FileReader
+from torchsurgery.offloading.file_reader import FileReader, read_buffers
 from torchsurgery.offloading.forward_lock import ForwardLock
 from torchsurgery.offloading.host_tier import HostAccount, retier
 from torchsurgery.offloading.install import Installer
@@ -214,7 +214,7 @@ class OffloadHandle:
         packed = [p for p in streaming.packed.values() if p.from_file]
         # a buffer more than the ring's slots: one group computes, one lands, one is read
         streaming.reader = FileReader(packed, host, account, plan.offload_device, streaming.order, self._stats,
-                                      plan.prefetch + 2, functools.partial(retier, plan.groups))
+                                      read_buffers(plan.prefetch), functools.partial(retier, plan.groups))
         if streaming.ring is not None:
             streaming.ring.reader = streaming.reader
 
@@ -364,16 +364,16 @@ def offload(
         storage: a safetensors checkpoint (file, sharded ``*.index.json`` or folder) with the model's weights under
             their ``state_dict`` names: streamed groups are read from it (for models larger than RAM; inference only),
             their parameters ``meta`` while offloaded, in the file's dtypes (no ``storage_dtype``); a skeleton too.
-        host_budget: with ``storage``: host bytes of weights kept in memory, the rest read every forward (docs/offload.md).
-            ``stats()`` reports ``storage_bytes_read`` per forward and ``peak_host_bytes``.
+        host_budget: with ``storage``: host bytes of weights kept in memory, the rest read every forward (``stats()``:
+            ``storage_bytes_read``, ``peak_host_bytes``), besides the read buffers, which come first. ``None``: what is
+            available less a margin, and finer groups where the buffers do not fit there (one warning; docs/offload.md).
 
     Returns:
         An :class:`OffloadHandle` (``plan``, ``stats()``, ``remove()``, context manager).
         :func:`~torchsurgery.plan_offload` with the same arguments shows the plan.
 
     Raises:
-        TypeError, ValueError, RuntimeError: as :func:`~torchsurgery.plan_offload` (a wrong argument, a budget
-            below the largest group, a model offloaded already), before anything changes.
+        TypeError, ValueError, RuntimeError: as :func:`~torchsurgery.plan_offload`, before anything changes.
 
     Example:
         >>> import torch

@@ -42,12 +42,41 @@ from torchsurgery.offloading.host_tier import HostAccount, fill
 from torchsurgery.offloading.order import OrderRecorder
 from torchsurgery.offloading.stats import OffloadStats
 
-__all__ = ["FileReader"]
+__all__ = ["FileReader", "read_buffers", "reader_bytes"]
 
 _ALIGN = 4096  # what direct I/O asks of offsets, lengths and buffer addresses
 _PIECE = 32 << 20  # bytes one read asks for: a group's reads are several of these, in flight together
 _THREADS = 4  # reads wait on the disk: more in flight than cores
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)  # a filesystem without direct I/O
+_BOUNCE = _PIECE + 2 * _ALIGN  # a thread's buffer for direct reads: a piece and its alignment on both ends
+
+
+def read_buffers(prefetch: int) -> int:
+    """The read buffers a :class:`FileReader` of an offload at ``prefetch`` makes at most: one more
+    than the ring's slots (one group computes, one lands, one is read).
+
+    Example:
+        >>> read_buffers(1)
+        3
+    """
+    return prefetch + 2
+
+
+def reader_bytes(largest: int, prefetch: int) -> int:
+    """Host bytes a :class:`FileReader` of an offload at ``prefetch`` holds at most besides the groups
+    the host tier keeps, where the largest group it reads on every forward takes ``largest`` bytes.
+
+    Its :func:`read_buffers`, each that large, and each reading thread's buffer for direct reads, of
+    which a read fills at most one piece (a group's bytes, at most ``_PIECE``) and its alignment; every
+    allocation with its alignment slack. 0 where it reads nothing on every forward.
+
+    Example:
+        >>> reader_bytes(0, 1), reader_bytes(1000, 1) == 3 * (1000 + 4096) + 4 * (1000 + 3 * 4096)
+        (0, True)
+    """
+    if not largest:
+        return 0
+    return read_buffers(prefetch) * (largest + _ALIGN) + _THREADS * (min(largest, _PIECE) + 3 * _ALIGN)
 
 
 def _open_direct(path: Path) -> int:
@@ -216,7 +245,9 @@ def _fill(buffer: torch.Tensor, part: torch.Tensor, segments: list[_Segment]) ->
 
 _clock = time.perf_counter  # how long a forward waited for a group's bytes (its stall)
 _GAIN = 0.05  # seconds of stall a new choice must save over the one kept, at the least...
-_SHARE = 0.05  # ...and this share of the stalls measured: less is noise, and a change costs reads
+_SHARE = 0.05  # ...and this share of the stalls measured: less is noise, and a change costs reads...
+_HOLD = 2.0  # ...and it must remove this many times the stall the groups kept removed (a disk that
+# reads every group alike saves the same per byte kept, whichever group it is)
 
 
 class _Kept:
@@ -292,7 +323,8 @@ class _Kept:
         def saved(kept: dict[str, int]) -> float:  # the stall a choice removes (a split group's in proportion)
             return sum(stalls.get(n, 0.0) * b / max(1, self.sizes[n]) for n, b in kept.items())
 
-        if saved(chosen) - saved(self.keep) < max(_GAIN, _SHARE * sum(stalls.values())):
+        now = saved(self.keep)
+        if saved(chosen) - now < max(_GAIN, _SHARE * sum(stalls.values()), (_HOLD - 1) * now):
             return None
         for name in [n for n in self.keep if chosen.get(n) != self.keep[n]]:
             self.drop(name)
@@ -548,7 +580,7 @@ def _bounce(local: threading.local) -> torch.Tensor:
     """This thread's aligned buffer for direct reads (a piece and its alignment)."""
     bounce = getattr(local, "bounce", None)
     if bounce is None:
-        bounce = local.bounce = _aligned(_PIECE + 2 * _ALIGN, lambda n: torch.empty(n, dtype=torch.uint8))
+        bounce = local.bounce = _aligned(_BOUNCE, lambda n: torch.empty(n, dtype=torch.uint8))
     return bounce
 
 

@@ -15,6 +15,7 @@ checked against, are counted in :mod:`torchsurgery.offloading.budgets`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -54,6 +55,7 @@ from torchsurgery.offloading.budgets import (
     least_refused,
 )
 from torchsurgery.offloading.grouping import find_groups
+from torchsurgery.offloading.host_fit import Placed, fit_to_host
 from torchsurgery.offloading.host_tier import HostAccount, assign_tiers
 from torchsurgery.offloading.plan_types import GroupPlan, ParamPlan, PlanOptions, Residency
 
@@ -608,8 +610,8 @@ def plan_offload(
         ValueError: a device that does not exist, ``pin_memory=True`` where host memory
             cannot be pinned, a budget below the largest group, an unknown group name,
             weights without values and no checkpoint, a checkpoint lacking weights, a
-            ``storage_dtype`` with a checkpoint.
-        RuntimeError: the model is already offloaded (by torchsurgery, accelerate or diffusers).
+            ``storage_dtype`` with a checkpoint, read buffers beyond the host's memory with a ``host_budget``.
+        RuntimeError: already offloaded (by torchsurgery, accelerate or diffusers); a weight too large for the host.
 
     Example:
         >>> import torch
@@ -646,6 +648,7 @@ def plan_converted(
     offloaded_ok: bool = False,
     fallback: Callable[[str], None] | None = None,
     host_budget: int | HostAccount | None = None,
+    host_fallback: Callable[[str], None] | None = None,
 ) -> OffloadPlan:
     """:func:`plan_offload`, with the parameters the user converted while offloaded (see :func:`_collect`).
 
@@ -654,7 +657,11 @@ def plan_converted(
     memory): when the groups do not fit in it, finer ones are planned (:func:`_fitted`) and
     ``fallback`` is called with one sentence naming the choice. With no ``budget`` on an
     accelerator (the budget then comes from its free memory) the same, with a warning. ``host_budget`` may be a
-    :class:`~torchsurgery.offloading.host_tier.HostAccount` (a pool's): the part of it free now.
+    :class:`~torchsurgery.offloading.host_tier.HostAccount` (a pool's): the part of it free now. ``host_fallback``:
+    given where the host budget is not the user's (a pool's made from the memory available): when the
+    host cannot hold the buffers of the groups streamed from ``storage``, finer ones are planned
+    (:func:`~torchsurgery.offloading.host_fit.fit_to_host`) and it is told the choice; with no
+    ``host_budget``, the same, with a warning.
     ``budget="least"``: every group streamed, at the least the (converted) model takes."""
     if budget == "least":
         keywords = {"dtype": dtype, "storage_dtype": storage_dtype, "prefetch": prefetch, "pin_memory": pin_memory,
@@ -672,22 +679,71 @@ def plan_converted(
         raise ValueError(f"{_WHAT}: the model has no parameters to offload")
     if storage is None:
         _check_values(named, plan)
-    from_file = storage is not None
     buffers = buffer_bytes(model, options.device)
-    if fallback is None and budget is None and not options.device.host_compute:
-        fallback = _warn  # the budget comes from the device's free memory: never refuse what can run
-    fallback = _quiet if fallback is not None and offloaded_ok else fallback  # a check: the plan after it reports
-    plan, options, budget, measured = _fitted(model, named, plan, converted, options, buffers, fallback)
-    prefetch = options.prefetch
-    _route(named, plan, options, from_file)
-    _check_scaled_plain(named, plan)
-    _check_plain_readers(named, plan)
-    if storage is not None:
-        _file_keys(model, named, plan, storage)
-    host = assign_tiers(plan, host_budget, from_file)
+    tell = (fallback, host_fallback, offloaded_ok)
+    placed, host = _fit(model, named, plan, converted, options, buffers, storage, budget is None, host_budget, tell)
+    plan, options, budget, measured = placed
+    assign_tiers(plan, host if storage is not None else host_budget, storage is not None)
     seam = options.device
-    return OffloadPlan(seam.device, plan, budget, measured, prefetch, options.pin, storage, seam, buffers,
-                       host if from_file else None)
+    return OffloadPlan(seam.device, plan, budget, measured, options.prefetch, options.pin, storage, seam, buffers, host)
+
+
+def _fit(
+    model: nn.Module, named: dict[str, nn.Module], plan: list[GroupPlan], converted: Mapping[int, torch.dtype] | None,
+    options: PlanOptions, buffers: int, storage: str | os.PathLike[str] | None, no_budget: bool,
+    host_budget: int | HostAccount | None, tell: tuple[Callable[[str], None] | None, Callable[[str], None] | None, bool],
+) -> tuple[Placed, int | None]:
+    """The plan placed on the device and, streamed from ``storage``, fitted to the host (the host tier's
+    budget second); ``tell``: who hears of a fallback on the device and on the host (:func:`plan_converted`'s
+    ``fallback`` and ``host_fallback``), and whether the plan only checks another (then nobody)."""
+    fallback, host_fallback, offloaded_ok = tell
+    if fallback is None and no_budget and not options.device.host_compute:
+        fallback = _warn  # the budget comes from the device's free memory: never refuse what can run
+    if host_fallback is None and host_budget is None:
+        host_fallback = _warn  # the host budget comes from the memory available: the same
+    fallback, host_fallback = ((_quiet if f is not None and offloaded_ok else f) for f in (fallback, host_fallback))
+    heard: list[str] = []  # the device's choice, told once the host's is known (one sentence for both)
+    placed = _placed(model, named, plan, converted, options, buffers, None if fallback is None else heard.append, storage)
+    host: int | None = None
+    if storage is not None:
+        host_heard: list[str] = []
+        placed, host = fit_to_host(placed, _finer_placed(model, named, converted, placed[1], buffers, storage),
+                                   host_budget, None if host_fallback is None else host_heard.append)
+        if host_heard:  # the host's choice is the last word: it names what streams
+            heard, fallback = host_heard, host_fallback
+    if heard and fallback is not None:
+        fallback(heard[-1])
+    return placed, host
+
+
+def _placed(
+    model: nn.Module, named: dict[str, nn.Module], groups: list[GroupPlan], converted: Mapping[int, torch.dtype] | None,
+    options: PlanOptions, buffers: int, report: Callable[[str], None] | None, storage: str | os.PathLike[str] | None,
+) -> Placed:
+    """The groups fitted to the device (:func:`_fitted`; ``report`` as there), each weight routed and
+    checked, and found in ``storage`` (in the file's dtypes) where the weights stream from it."""
+    groups, options, budget, measured = _fitted(model, named, groups, converted, options, buffers, report)
+    _route(named, groups, options, storage is not None)
+    _check_scaled_plain(named, groups)
+    _check_plain_readers(named, groups)
+    if storage is not None:
+        _file_keys(model, named, groups, storage)
+    return groups, options, budget, measured
+
+
+def _finer_placed(
+    model: nn.Module, named: dict[str, nn.Module], converted: Mapping[int, torch.dtype] | None, options: PlanOptions,
+    buffers: int, storage: str | os.PathLike[str],
+) -> list[tuple[str, Callable[[], Placed]]]:
+    """The finer plans than ``options``' (:func:`_finer`), coarsest first, each placed as it is asked for
+    (the host's fallback: the device takes finer groups within what it took the chosen ones in)."""
+
+    def place(finer: PlanOptions) -> Placed:
+        groups = _collect(named, find_groups(model, "leaves", _WHAT), finer.dtype, finer.storage_dtype,
+                          finer.master_dtype, finer.skip, converted)
+        return _placed(model, named, groups, converted, finer, buffers, None, storage)
+
+    return [(step, functools.partial(place, finer)) for step, finer in _finer(options)]
 
 
 def _least_budget(
@@ -697,7 +753,7 @@ def _least_budget(
     """``budget="least"``: the least budget :func:`plan_converted` takes for ``model`` with its other
     ``keywords``, every group streamed."""
     try:
-        plan_converted(model, device, converted, budget=0, **keywords)
+        plan_converted(model, device, converted, budget=0, host_fallback=_quiet, **keywords)
     except BudgetError as refusal:
         return refusal.needed
     return 0

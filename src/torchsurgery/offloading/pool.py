@@ -146,8 +146,9 @@ class DevicePool:
         keep_free: instead of a budget: load only while this many bytes of the device
             stay free (measured when loading). Without either, an accelerator pool may use
             what is free, and a CPU pool is unlimited.
-        on_fallback: told ``(model, sentence)`` of the finer groups a model streams where, without a
-            ``budget``, its room is too small for its own (default: a warning; a budget refuses).
+        on_fallback: told ``(model, sentence)`` of the finer groups a model streams where, without a ``budget``, its
+            room is too small for its own, or without a ``host_budget`` the host for the read buffers of a
+            checkpoint's groups (default: a warning; a budget refuses).
         host_budget: host bytes of weights streamed from checkpoints (``add(storage=...)``) kept in memory,
             all models together (:func:`~torchsurgery.offload`'s host tier; given back when a model is pushed back).
 
@@ -180,6 +181,7 @@ class DevicePool:
             raise ValueError(f"{_WHAT}: give budget= or keep_free=, not both")
         self.host = HostAccount(host_budget)  # shared by the members' offloads (public: its budget may change)
         self._members = Members(_WHAT, Fallback.maker(on_fallback) if self.budget is None else None)
+        self._host_fallback = Fallback.maker(on_fallback) if host_budget is None else None
         self._placement = _Placement(self, self._device, self._members)
 
     def add(
@@ -221,6 +223,7 @@ class DevicePool:
         member = Member(model, name, options, self._device, _WHAT)
         _check_budget(self.budget, member)
         self._members.join(model, member)
+        member.host_fallback = self._host_fallback(member) if host_budget is None and self._host_fallback else None
         member.record = PoolRecord(self, name)
         _undo.push(model, member.record)
         return model

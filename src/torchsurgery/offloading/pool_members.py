@@ -102,6 +102,9 @@ class Member:
         # where the pool has no budget of its own: finer groups, down to single weights, when
         # its room is too small for the model's own (None: the budget is the user's, refused)
         self.fallback: Fallback | None = None
+        # the same where the host budget is not the user's (the pool's, made from the memory available)
+        # and the host cannot hold the read buffers of the groups it streams from its checkpoint
+        self.host_fallback: Fallback | None = None
         self.total = self.largest = self.streamed = self.least = 0
         self.size()
 
@@ -163,7 +166,7 @@ class Member:
 
     def offload(self, grant: int, keep: int | None) -> OffloadHandle:
         """Load the model within ``grant`` device bytes, planned for ``keep`` bytes left free."""
-        options = {**self.options, "budget": grant, "fallback": self.fallback}
+        options = {**self.options, "budget": grant, "fallback": self.fallback, "host_fallback": self.host_fallback}
         handle = offload_converted(self.model, self.device.device, self.converted, options)
         self.granted = grant
         self.keep_free = keep
