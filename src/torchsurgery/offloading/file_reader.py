@@ -13,7 +13,10 @@ buffer of their own and kept; the others are read on every forward. When the fil
 more than the host keeps, reads bypass the page cache (``O_DIRECT``: aligned ranges into an
 aligned buffer, trimmed to the tensors' bytes), so streaming a model larger than memory
 does not evict everything else; a filesystem that refuses direct I/O (tmpfs) is read
-through the page cache instead. Bytes are the file's bytes either way.
+through the page cache instead. Bytes are the file's bytes either way. A group kept in a
+narrower format than the file's (``offload(storage=..., storage_dtype=...)``) is read into a
+buffer of the file's layout and converted into its own as it lands (:mod:`~torchsurgery.offloading.file_format`):
+the host tier keeps, and counts, the converted bytes.
 
 Thread safety: the model's forward lock serializes every call but the reads themselves;
 a read thread writes only into the buffer it was given. A read's error is raised by
@@ -88,7 +91,7 @@ def _pieces(group: Any) -> list[_Piece] | None:
     """The reads that bring ``group`` (a packed group from a file) into its buffer, in file order;
     ``None`` where a weight is cast on its way in (the plain read does that)."""
     located = []
-    for key, slot in zip(group.keys, group.layout.slots, strict=True):
+    for key, slot in zip(group.keys, group.file_layout.slots, strict=True):
         path, start, nbytes, dtype = group.source.locate(key)
         if dtype != slot.dtype or nbytes != slot.nbytes:
             return None
@@ -166,6 +169,7 @@ class _Read:
     futures: list[concurrent.futures.Future[None]]
     keep: bool  # into the group's host-tier buffer, kept once done
     started: float = 0.0  # by the checkpoint's clock, for the reads' speed (the slow-filesystem hint)
+    raw: torch.Tensor | None = None  # where the pieces land: ``buffer``, or the file's bytes to convert into it
 
 
 def _normal_tensors(allocate: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
@@ -281,13 +285,13 @@ class FileReader:
                 if read is None:
                     raise
                 data = self._finish(self._start(name))  # read ahead, maybe before the cause was fixed: once more
-            self._read_now += self._bytes(name)
+            self._read_now += _file_bytes(self._groups[name][1])
         self._ahead(name)
         return data[: group.layout.nbytes]
 
     def _bytes(self, name: str) -> int:
-        """The bytes of group ``name``'s weights in the file (what the host tier counts of it)."""
-        return sum(p.end - p.start for p in self._groups[name][1] or ())
+        """The bytes of group ``name``'s weights as it keeps them (what the host tier counts of it)."""
+        return _kept_bytes(self._groups[name][0])
 
     def give_back(self, data: torch.Tensor, copied: Any = None) -> None:
         """Return a buffer :meth:`take` lent, once ``copied`` (an event of the copy reading it) completed."""
@@ -338,9 +342,9 @@ class FileReader:
         if not keep:
             self._lent[buffer.data_ptr()] = buffer
         started = _checkpoint.read_clock()
-        futures = [self._pool.submit(self._read_piece, name, buffer, piece) for piece in pieces or ()]
-        read = _Read(name, buffer, futures, keep, started)
-        self._flight[name] = read
+        raw = _raw(group, buffer)  # where the file's bytes go: the buffer, or one they are converted from
+        futures = [self._pool.submit(self._read_piece, name, raw, piece) for piece in pieces or ()]
+        self._flight[name] = read = _Read(name, buffer, futures, keep, started, raw)
         return read
 
     def _buffer(self) -> torch.Tensor:
@@ -370,7 +374,7 @@ class FileReader:
                 if isinstance(error, CheckpointError):  # cut short: where the file changed, say how
                     _unchanged(*self._groups[read.name])
                 raise error
-        _counted_and_checked(*self._groups[read.name], self._bytes(read.name), read, self._recycle)
+        _landed(*self._groups[read.name], read, self._recycle)
         if read.keep:
             self._kept[read.name] = read.buffer
             self._kept_bytes += self._bytes(read.name)
@@ -430,20 +434,43 @@ class FileReader:
             raise CheckpointError(f"{exc} (reading group {name!r})") from exc
 
 
-def _counted_and_checked(
-    group: Any, pieces: list[_Piece] | None, nbytes: int, read: _Read, recycle: Callable[[_Read], None]
-) -> None:
+def _landed(group: Any, pieces: list[_Piece] | None, read: _Read, recycle: Callable[[_Read], None]) -> None:
     """Count ``read`` of ``group`` in its source's reads (their speed); refuse it (its buffer to
     ``recycle``) where a file changed since the offload opened it (truncated, written in place,
-    deleted or replaced: its source's check)."""
+    deleted or replaced: its source's check); then, where the group keeps another format than
+    the file's, convert what was read into its buffer
+    (:meth:`~torchsurgery.offloading.file_format.FileConversion.convert`)."""
     source = group.source
-    source.bytes_read += nbytes
+    source.bytes_read += _file_bytes(pieces)
     source.seconds_reading += max(0.0, _checkpoint.read_clock() - read.started)
     try:
         _unchanged(group, pieces)
     except CheckpointError:
         recycle(read)
         raise
+    if group.conversion is not None and read.raw is not None:
+        group.conversion.convert(read.raw, read.buffer, group.layout)
+        read.raw = None
+
+
+def _file_bytes(pieces: list[_Piece] | None) -> int:
+    """The bytes a group's reads take from the files."""
+    return sum(p.end - p.start for p in pieces or ())
+
+
+def _kept_bytes(group: Any) -> int:
+    """The bytes of ``group``'s weights as it keeps them: the file's where it converts none, else
+    those of the storage format (a scaled weight's scale included)."""
+    return sum(slot.nbytes for slot in group.layout.slots)
+
+
+def _raw(group: Any, buffer: torch.Tensor) -> torch.Tensor:
+    """Where a read of ``group`` puts the file's bytes: ``buffer``, or (the group converts them) a
+    buffer in the file's layout of its own, a normal tensor also under ``torch.inference_mode``."""
+    if group.conversion is None:
+        return buffer
+    with torch.inference_mode(False):
+        return torch.empty(group.file_layout.nbytes, dtype=torch.uint8)
 
 
 def _unchanged(group: Any, pieces: list[_Piece] | None) -> None:

@@ -122,9 +122,10 @@ def host_budget_of(value: int | HostAccount | None) -> int:
 
 
 def _stored_bytes(group: Any) -> int:
-    """The bytes of ``group``'s weights as its checkpoint stores them (a weight tied within it once)."""
+    """The bytes of ``group``'s weights as the host keeps them: as its checkpoint stores them, or in the
+    ``storage_dtype`` they are converted to, a scale included (a weight tied within it once)."""
     names = {p.name for p in group.params}
-    return sum(p.nbytes // p.compute_dtype.itemsize * p.storage_dtype.itemsize
+    return sum(p.nbytes // p.compute_dtype.itemsize * p.storage_dtype.itemsize + p.scale_nbytes
                for p in group.params if p.tied_to is None or p.tied_to not in names)
 
 
