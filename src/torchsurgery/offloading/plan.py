@@ -374,11 +374,14 @@ def _reads_narrow(named: dict[str, nn.Module], group: GroupPlan, p: ParamPlan, o
 
 def _file_reads_narrow(named: dict[str, nn.Module], groups: list[GroupPlan], options: PlanOptions) -> None:
     """With a ``storage_dtype``, the weights read from the file that a CPU's matmul layer reads narrow
-    (``ParamPlan.reads_narrow``), as it reads those an offload from memory keeps narrow."""
+    (``ParamPlan.reads_narrow``), as it reads those an offload from memory keeps narrow (a tied
+    weight as its first occurrence: one tensor, read narrow wherever it computes)."""
+    first: dict[str, bool] = {}
     for g in groups:
         for p in g.params:
-            file = p.residency is Residency.FILE and p.tied_to is None and options.storage_dtype is not None
-            p.reads_narrow = file and _reads_narrow(named, g, p, options)
+            file = p.residency is Residency.FILE and options.storage_dtype is not None
+            p.reads_narrow = file and (first[p.tied_to] if p.tied_to in first else _reads_narrow(named, g, p, options))
+            first.setdefault(p.name, p.reads_narrow)
 
 
 def _route(named: dict[str, nn.Module], groups: list[GroupPlan], options: PlanOptions, from_file: bool) -> None:
