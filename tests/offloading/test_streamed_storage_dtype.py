@@ -208,3 +208,22 @@ def test_bad_storage_formats_are_refused_as_without_a_checkpoint(llama_folder: P
         torchsurgery.offload(model, storage=path, storage_dtype=torch.int8)
     assert torchsurgery.surgery_log(model) == []
     assert all(type(p) is nn.Parameter and torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def test_the_host_tier_counts_the_scales_it_keeps(tmp_path: Path) -> None:
+    _, path = _saved_net(tmp_path)
+    with torchsurgery.skeleton():
+        model = Net().eval()
+    options: dict[str, Any] = {"storage_dtype": Scaled(torch.int8), "dtype": torch.float32, "groups": "leaves"}
+    planned = torchsurgery.plan_offload(model, storage=path, **options)
+    values = [sum(p.lookup(model).numel() * p.storage_dtype.itemsize for p in g.params) for g in planned.groups]
+    # the values of the first three groups without their scales: with them, the third no longer fits
+    handle = torchsurgery.offload(model, storage=path, host_budget=sum(values[:3]), **options)
+    with torch.no_grad():
+        for _ in range(2):
+            model(X)
+    disk_file, _ = _bytes(handle, model, "disk")
+    _, host_stored = _bytes(handle, model, "host")
+    assert handle.stats().storage_bytes_read == disk_file  # every group the plan put in the host tier is kept
+    assert handle.stats().peak_host_bytes == host_stored < sum(values[:3])
+    handle.remove()

@@ -359,9 +359,9 @@ def offload(
         master_dtype: for training: the parameters stay in this dtype (what the optimizer updates and gradients
             land in) and a ``storage_dtype`` copy, refreshed whenever a parameter changes, serves forwards
             without gradients. It must hold the values exactly (``remove()`` gives them back).
-        storage: a safetensors checkpoint (file, sharded ``*.index.json`` or folder) with the model's weights under
-            their ``state_dict`` names: streamed groups are read from it (for models larger than RAM; inference only),
-            their parameters ``meta`` while offloaded, in the file's dtypes (no ``storage_dtype``); a skeleton too.
+        storage: a safetensors checkpoint (file, sharded ``*.index.json`` or folder) holding the weights by ``state_dict``
+            name: streamed groups are read from it (models larger than RAM; inference only), parameters ``meta``, a
+            skeleton too; kept in the file's dtypes or a narrower ``storage_dtype``, converted as read (docs/offload.md).
         host_budget: with ``storage``: host bytes of weights kept in memory, the rest read every forward (docs/offload.md).
             ``stats()`` reports ``storage_bytes_read`` per forward and ``peak_host_bytes``.
 

@@ -626,8 +626,8 @@ def plan_offload(
         skip: ``(module, name) -> bool``; selected modules keep their own dtype.
         master_dtype: the dtype parameters keep for training, next to a narrow copy; it
             must hold their values exactly.
-        storage: a safetensors checkpoint to stream weights from (the weights are then
-            stored in its dtypes: no ``storage_dtype``). :func:`~torchsurgery.offload` says more.
+        storage: a safetensors checkpoint to stream weights from (in its dtypes, or a narrower
+            ``storage_dtype`` they are converted to as they are read; see :func:`~torchsurgery.offload`).
         host_budget: host bytes of weights from ``storage`` kept in memory (``GroupPlan.tier``; as for ``offload``).
 
     Returns:
@@ -641,7 +641,7 @@ def plan_offload(
         ValueError: a device that does not exist, ``pin_memory=True`` where host memory
             cannot be pinned, a budget below the largest group, an unknown group name,
             weights without values and no checkpoint, a checkpoint lacking weights, a
-            ``storage_dtype`` with a checkpoint.
+            ``master_dtype`` with a checkpoint.
         RuntimeError: the model is already offloaded (by torchsurgery, accelerate or diffusers).
 
     Example:

@@ -136,8 +136,8 @@ def from_pretrained(
     memory; buffers the checkpoint leaves out, such as rotary tables, computed by ``__init__``
     as the library's own loading does), in eval mode; :func:`~torchsurgery.offload` then reads
     each group from the folder's safetensors shards as it runs (tied weights, bf16, fp8 and
-    ComfyUI's scaled fp8 files as stored). Host memory peaks a few streamed groups above the
-    buffers, however large the checkpoint. ``torchsurgery.restore(model)`` gives back the skeleton.
+    ComfyUI's scaled fp8 files as stored, or converted to a ``storage_dtype`` as read). Host memory peaks
+    a few streamed groups above the buffers. ``torchsurgery.restore(model)`` gives back the skeleton.
 
     Args:
         cls: a transformers ``PreTrainedModel`` subclass (its ``config_class`` or ``AutoConfig``
@@ -147,7 +147,8 @@ def from_pretrained(
         device: where the model computes (default: the CPU).
         dtype: the compute dtype of floating weights (default: transformers' the config's
             dtype, diffusers' float32, as their own loading gives).
-        storage_dtype: for :func:`~torchsurgery.offload` (which refuses it with a checkpoint today).
+        storage_dtype: the format weights are kept in (a narrow dtype or ``Scaled``), converted as they are
+            read; outputs equal the in-memory ``offload`` with the same ``storage_dtype`` and ``dtype``.
         budget: device bytes the weights may take, for :func:`~torchsurgery.offload`.
         host_budget: host bytes of weights, for :func:`~torchsurgery.offload` where it takes one.
         **kwargs: config attributes to override (``num_hidden_layers=2``).
@@ -156,7 +157,7 @@ def from_pretrained(
         The model, offloaded, in eval mode.
 
     Raises:
-        TypeError: ``cls`` is not a transformers or diffusers model class.
+        TypeError: ``cls`` is not a transformers or diffusers model class, or a bad ``storage_dtype``.
         FileNotFoundError: no such folder, or no safetensors checkpoint in it.
         ValueError: a keyword that is no config attribute; what :func:`~torchsurgery.offload`
             refuses (a checkpoint lacking weights, a budget below the largest group).
