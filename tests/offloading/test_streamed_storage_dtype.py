@@ -207,7 +207,7 @@ def test_bad_storage_formats_are_refused_as_without_a_checkpoint(llama_folder: P
     with pytest.raises(TypeError, match="storage_dtype must be a dtype"):
         torchsurgery.offload(model, storage=path, storage_dtype=torch.int8)
     assert torchsurgery.surgery_log(model) == []
-    assert all(type(p) is nn.Parameter and torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert all(type(p) is nn.Parameter and torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
 
 
 def test_the_host_tier_counts_the_scales_it_keeps(tmp_path: Path) -> None:

@@ -715,11 +715,11 @@ class GroupStreamer:
         A scaled weight comes as its ``q`` and scale: on a CPU it reads as a weight kept whole
         does (its products scale the sums); on an accelerator it is widened on the device into
         the plain weight (:func:`~torchsurgery.compact.scaled.dequantize`, bit for bit), as a
-        scaled checkpoint's weight is everywhere.
+        scaled checkpoint's weight is everywhere. On a CPU a weight read from a file into a narrower
+        ``storage_dtype`` that its matmul layer reads narrow (``ParamPlan.reads_narrow``) reads as kept too.
         """
         assert self.packed is not None
         values, scales = self.packed.split(views)
-        host = self.streaming.device.host_compute
         fresh = 0
         for ((owner, pname, p, dtype), narrow), (view, file_scale), kept in zip(
                 entries, self._on_device(values), self.as_kept, strict=False):
