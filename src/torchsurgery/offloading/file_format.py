@@ -56,17 +56,27 @@ class FileConversion:
 
     def convert(self, raw: torch.Tensor, out: torch.Tensor, stored: FlatLayout) -> None:
         """``raw`` (the file's bytes, in :attr:`layout`) converted into ``out`` (the group's bytes, in
-        ``stored``), weight by weight: no copy of the whole group is made on the way."""
+        ``stored``), weight by weight: no copy of the whole group is made on the way.
+
+        ``out`` may be ``raw`` itself (converted in place): a weight is never kept in more bytes
+        than the file stores it in, so in layout order each lands at or before its file bytes,
+        never over those of a weight not converted yet; the scales, after every weight's values
+        in ``stored``, are written last.
+        """
         read, kept = unpack(raw, self.layout), unpack(out, stored)
+        in_place = raw.data_ptr() == out.data_ptr()
+        scales = []
         with torch.no_grad():
             for i, (values, fmt, at) in enumerate(zip(read, self.scaled, self.scale_slots, strict=True)):
-                if fmt is None:
-                    kept[i].copy_(values)  # the cast .to(dtype) makes
+                if fmt is None:  # the cast .to(dtype) makes (in place: from a copy, the two may overlap)
+                    kept[i].copy_(values.clone() if in_place else values)
                 else:
                     q, scale = fmt.quantize(values)
                     kept[i].copy_(q)
-                    assert at is not None
-                    kept[at].copy_(scale.reshape(kept[at].shape))
+                    scales.append((at, scale))
+            for at, scale in scales:
+                assert at is not None
+                kept[at].copy_(scale.reshape(kept[at].shape))
 
 
 def _scale_shape(fmt: Scaled, shape: torch.Size) -> tuple[int, ...]:

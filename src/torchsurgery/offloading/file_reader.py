@@ -14,9 +14,11 @@ more than the host keeps, reads bypass the page cache (``O_DIRECT``: aligned ran
 aligned buffer, trimmed to the tensors' bytes), so streaming a model larger than memory
 does not evict everything else; a filesystem that refuses direct I/O (tmpfs) is read
 through the page cache instead. Bytes are the file's bytes either way. A group kept in a
-narrower format than the file's (``offload(storage=..., storage_dtype=...)``) is read into a
-buffer of the file's layout and converted into its own as it lands (:mod:`~torchsurgery.offloading.file_format`):
-the host tier keeps, and counts, the converted bytes.
+narrower format than the file's (``offload(storage=..., storage_dtype=...)``) lands in its read
+buffer as the file stores it and is converted there, in place, as it lands
+(:mod:`~torchsurgery.offloading.file_format`; read buffers hold the file's bytes, as without a
+``storage_dtype``); a kept one is converted into its own buffer: the host tier keeps, and
+counts, the converted bytes.
 
 Thread safety: the model's forward lock serializes every call but the reads themselves;
 a read thread writes only into the buffer it was given. A read's error is raised by
@@ -222,7 +224,7 @@ class FileReader:
         self._names = list(self._groups)
         self._keep = {n for n in self._names if n in host and account.reserve(self, self._bytes(n))}
         self._account, self._device, self._order, self._stats = account, device, order, stats
-        self._size = max((g.layout.nbytes for n, (g, _) in self._groups.items() if n not in self._keep), default=0)
+        self._size = max((_read_bytes(g) for n, (g, _) in self._groups.items() if n not in self._keep), default=0)
         self._buffers = max(1, buffers)
         pinned = device.can_pin and not device.host_compute
         self._allocate = _normal_tensors(device.pinned_empty if pinned else lambda n: torch.empty(n, dtype=torch.uint8))
@@ -465,12 +467,20 @@ def _kept_bytes(group: Any) -> int:
 
 
 def _raw(group: Any, buffer: torch.Tensor) -> torch.Tensor:
-    """Where a read of ``group`` puts the file's bytes: ``buffer``, or (the group converts them) a
-    buffer in the file's layout of its own, a normal tensor also under ``torch.inference_mode``."""
-    if group.conversion is None:
+    """Where a read of ``group`` puts the file's bytes: ``buffer`` (a read buffer has room for them,
+    and a group converted as it is read is converted there in place), or, for a kept group whose
+    buffer is smaller, a buffer of the file's layout for this read only (a normal tensor also under
+    ``torch.inference_mode``)."""
+    if group.conversion is None or buffer.numel() >= group.file_layout.nbytes:
         return buffer
     with torch.inference_mode(False):
         return torch.empty(group.file_layout.nbytes, dtype=torch.uint8)
+
+
+def _read_bytes(group: Any) -> int:
+    """The bytes a read buffer needs for ``group``: its layout's, or the file's where they are more
+    (a group converted as it is read lands there as the file stores it)."""
+    return max(group.layout.nbytes, group.file_layout.nbytes)
 
 
 def _unchanged(group: Any, pieces: list[_Piece] | None) -> None:
