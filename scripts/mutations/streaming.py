@@ -291,6 +291,12 @@ MUTATIONS = [
         ("tests/offloading/test_streamed_storage_dtype.py::test_a_skeleton_streamed_in_a_storage_dtype_on_each_device[tardy-e5m2]",),
     ),
     Mutation(
+        "storage_dtype from a file: converted in place, a weight is copied out before it is written over",
+        "src/torchsurgery/offloading/file_format.py",
+        "kept[i].copy_(values.clone() if in_place else values)", "kept[i].copy_(values)",
+        ("tests/offloading/test_streamed_storage_dtype.py::test_llama_streamed_in_a_storage_dtype_equals_the_in_memory_offload[bf16-disk]",),
+    ),
+    Mutation(
         "storage_dtype from a file: a scaled format quantises the file's values",
         "src/torchsurgery/offloading/file_format.py",
         "                    q, scale = fmt.quantize(values)\n",
