@@ -9,6 +9,10 @@ once, the converted bytes kept and counted) or on the device (converted as it is
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,7 @@ import tardy
 import torchsurgery
 from torchsurgery import _undo
 from torchsurgery.compact import Scaled
+from test_pretrained import _MEASURE, _save_big_llama
 
 LLAMA = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, tie_word_embeddings=True)
@@ -227,3 +232,21 @@ def test_the_host_tier_counts_the_scales_it_keeps(tmp_path: Path) -> None:
     assert handle.stats().storage_bytes_read == disk_file  # every group the plan put in the host tier is kept
     assert handle.stats().peak_host_bytes == host_stored < sum(values[:3])
     handle.remove()
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resettable peak (VmHWM)")
+def test_peak_memory_converting_as_it_reads_stays_as_streaming_the_file_s_dtype(tmp_path: Path) -> None:
+    """Converted as read, a checkpoint raises the peak resident size by no more than streaming it in
+    the file's dtype does: two groups as the file stores them, the host budget and 96 MiB."""
+    total = _save_big_llama(tmp_path, 6)  # 83 MB of fp32 weights
+    host_budget = 14 << 20  # two layers kept in bf16 (one in fp32)
+    measure = _MEASURE.replace("host_budget=int(sys.argv[2]))",
+                               "host_budget=int(sys.argv[2]), storage_dtype=torch.bfloat16, dtype=torch.float32)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", measure, str(tmp_path), str(host_budget)], capture_output=True, text=True,
+                         env=env, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["reset"] < 16 << 20, "writing 5 to /proc/self/clear_refs did not reset the peak"
+    assert found["meta"] and found["read"] * 2 >= total  # every weight streamed, in bf16
+    assert found["growth"] <= 2 * (2 * found["group"]) + host_budget + (96 << 20), found  # a group: its bf16 bytes
