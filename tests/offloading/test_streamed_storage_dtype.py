@@ -250,3 +250,20 @@ def test_peak_memory_converting_as_it_reads_stays_as_streaming_the_file_s_dtype(
     assert found["reset"] < 16 << 20, "writing 5 to /proc/self/clear_refs did not reset the peak"
     assert found["meta"] and found["read"] * 2 >= total  # every weight streamed, in bf16
     assert found["growth"] <= 2 * (2 * found["group"]) + host_budget + (96 << 20), found  # a group: its bf16 bytes
+
+
+def test_a_file_cut_short_while_converted_as_read_is_named_and_the_model_stays_removable(tmp_path: Path) -> None:
+    reference, path = _saved_net(tmp_path)
+    with torchsurgery.skeleton():
+        model = Net().eval()
+    handle = torchsurgery.offload(model, storage=path, storage_dtype=Scaled(torch.float8_e4m3fn), dtype=torch.float32,
+                                  groups="leaves", host_budget=0)
+    with torch.no_grad():
+        model(X)
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+        with pytest.raises(torchsurgery.CheckpointError, match="net.safetensors"):
+            model(X)
+    assert handle.active
+    torchsurgery.restore(model)
+    assert torchsurgery.surgery_log(model) == [] and all(p.is_meta for p in model.parameters())
