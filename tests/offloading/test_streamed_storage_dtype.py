@@ -20,13 +20,13 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
+from test_pretrained import _MEASURE, _save_big_llama
 from torch import nn
 
 import tardy
 import torchsurgery
 from torchsurgery import _undo
 from torchsurgery.compact import Scaled
-from test_pretrained import _MEASURE, _save_big_llama
 
 LLAMA = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, tie_word_embeddings=True)
