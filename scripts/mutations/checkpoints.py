@@ -79,12 +79,6 @@ MUTATIONS = [
         ('tests/offloading/test_pretrained.py::test_unet_in_a_diffusers_subfolder',),
     ),
     Mutation(
-        'from_pretrained: host_budget is refused clearly while offload has no host tier',
-        'src/torchsurgery/offloading/pretrained.py',
-        '        if "host_budget" not in inspect.signature(offload).parameters:\n', '        if False:\n',
-        ('tests/offloading/test_pretrained.py::test_host_budget_is_refused_while_offload_has_no_host_tier',),
-    ),
-    Mutation(
         'checkpoint faults: what was read from a file changed since it was opened is refused',
         'src/torchsurgery/_checkpoint.py',
         '        if check:\n            self.check_unchanged(', '        if False:\n            self.check_unchanged(',

@@ -256,7 +256,7 @@ MUTATIONS = [
     Mutation(
         "host fallback: the reader makes no more read buffers than the host's need counts",
         "src/torchsurgery/offloading/engine.py",
-        "                                      read_buffers(plan.prefetch), functools", "                                      plan.prefetch + 3, functools",
+        "                                      read_buffers(plan.prefetch, plan.offload_device.host_compute), functools", "                                      plan.prefetch + 3, functools",
         ("tests/offloading/test_host_fit.py::test_the_reader_makes_no_more_than_the_host_need_counts",),
     ),
 ]

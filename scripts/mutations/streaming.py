@@ -181,7 +181,7 @@ MUTATIONS = [
     Mutation(
         "host tier (issue 47): a split group's kept bytes go to their places before it computes",
         "src/torchsurgery/offloading/file_reader.py",
-        "            futures.append(self._pool.submit(_fill, buffer, part[0], part[1]))\n",
+        "            futures.append(self._pool.submit(_fill, raw, part[0], part[1]))\n",
         "            pass\n",
         ("tests/offloading/test_host_tier.py::test_where_the_budget_ends_inside_a_group_the_host_keeps_its_first_bytes_and_reads_the_rest",),
     ),
@@ -318,5 +318,68 @@ MUTATIONS = [
         "src/torchsurgery/offloading/file_reader.py",
         "    source.seconds_reading += max(0.0, _checkpoint.read_clock() - read.started)\n", "",
         ("tests/offloading/test_checkpoint_faults.py::test_a_slow_filesystem_is_named_in_the_hint[slow]",),
+    ),
+    # a compact storage_dtype for weights streamed from a checkpoint: converted as they are read
+    Mutation(
+        "storage_dtype from a file: the weights keep the storage format the plan gives them, not the file's",
+        "src/torchsurgery/offloading/plan.py",
+        "    if not narrows:\n        p.storage_dtype, p.scaled, p.scale_nbytes = file_dtype, None, 0\n",
+        "    p.storage_dtype, p.scaled, p.scale_nbytes = file_dtype, None, 0\n",
+        ("tests/offloading/test_streamed_storage_dtype.py::test_llama_streamed_in_a_storage_dtype_equals_the_in_memory_offload[bf16-disk]",),
+    ),
+    Mutation(
+        "storage_dtype from a file: the file reader converts what it read into the group's layout",
+        "src/torchsurgery/offloading/file_reader.py",
+        "        group.conversion.convert(read.raw, read.buffer, group.layout)\n", "        pass\n",
+        ("tests/offloading/test_streamed_storage_dtype.py::test_llama_streamed_in_a_storage_dtype_equals_the_in_memory_offload[bf16-host]",),
+    ),
+    Mutation(
+        "storage_dtype from a file: a plain read of a group (made resident after a forward) converts it too",
+        "src/torchsurgery/offloading/streams.py",
+        "            self.conversion.convert(raw, out, self.layout)\n", "            pass\n",
+        ("tests/offloading/test_streamed_storage_dtype.py::test_a_skeleton_streamed_in_a_storage_dtype_on_each_device[tardy-e5m2]",),
+    ),
+    Mutation(
+        "storage_dtype from a file: converted in place, a weight is copied out before it is written over",
+        "src/torchsurgery/offloading/file_format.py",
+        "kept[i].copy_(values.clone() if in_place else values)", "kept[i].copy_(values)",
+        ("tests/offloading/test_streamed_storage_dtype.py::test_llama_streamed_in_a_storage_dtype_equals_the_in_memory_offload[bf16-disk]",),
+    ),
+    Mutation(
+        "storage_dtype from a file: a scaled format quantises the file's values",
+        "src/torchsurgery/offloading/file_format.py",
+        "                    q, scale = fmt.quantize(values)\n",
+        "                    q, scale = values, torch.ones(())\n",
+        ("tests/offloading/test_streamed_storage_dtype.py::test_llama_streamed_in_a_storage_dtype_equals_the_in_memory_offload[scaled-fp8-disk]",),
+    ),
+    Mutation(
+        "storage_dtype from a file: the host tier counts the converted bytes it keeps, not the file's",
+        "src/torchsurgery/offloading/file_reader.py",
+        "        return _kept_bytes(self._groups[name][0])\n", "        return _file_bytes(self._groups[name][1])\n",
+        ("tests/offloading/test_streamed_storage_dtype.py::test_llama_streamed_in_a_storage_dtype_equals_the_in_memory_offload[bf16-host-and-disk]",),
+    ),
+    Mutation(
+        "storage_dtype from a file: the plan's host tier counts a scaled weight's scale",
+        "src/torchsurgery/offloading/host_tier.py",
+        "p.storage_dtype.itemsize + p.scale_nbytes\n", "p.storage_dtype.itemsize\n",
+        ("tests/offloading/test_streamed_storage_dtype.py::test_the_host_tier_counts_the_scales_it_keeps",),
+    ),
+    Mutation(
+        "storage_dtype from a file: a CPU's matmul layers read the converted weights narrow, as from memory",
+        "src/torchsurgery/offloading/plan.py",
+        "            p.reads_narrow = file and (first", "            p.reads_narrow = False and (first",
+        ("tests/offloading/test_streamed_storage_dtype.py::test_llama_streamed_in_a_storage_dtype_equals_the_in_memory_offload[bf16-disk]",),
+    ),
+    Mutation(
+        "storage_dtype from a file: a group made resident after a forward keeps the scales it was quantised with",
+        "src/torchsurgery/offloading/measured_residency.py",
+        "                s = kept_scales.get(id(p), s)\n", "",
+        ("tests/offloading/test_streamed_storage_dtype.py::test_a_skeleton_streamed_in_a_storage_dtype_on_each_device[tardy-scaled-int8]",),
+    ),
+    Mutation(
+        "storage_dtype from a file: a master_dtype is refused with a checkpoint",
+        "src/torchsurgery/offloading/plan.py",
+        "    if master is not None and storage is not None:\n", "    if False:\n",
+        ("tests/offloading/test_streamed_storage_dtype.py::test_bad_storage_formats_are_refused_as_without_a_checkpoint",),
     ),
 ]

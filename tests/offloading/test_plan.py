@@ -242,13 +242,18 @@ def test_a_master_dtype_must_hold_the_weights_values_exactly(
     assert _same_state(before, _state(model))  # the master gave every value back
 
 
-def test_a_storage_dtype_with_a_checkpoint_is_refused(tmp_path: Any) -> None:
+def test_a_storage_dtype_with_a_checkpoint_keeps_the_file_s_weights_in_it(tmp_path: Any) -> None:
     from safetensors.torch import save_file
 
     model = _Tied()
     path = tmp_path / "tied.safetensors"
     save_file({k: v for k, v in model.state_dict().items() if k != "head.weight"}, path)
+    plan = plan_offload(model, storage=path, storage_dtype=torch.bfloat16, dtype=torch.float32)
+    assert {(p.residency, p.storage_dtype) for p in plan.params} == {(Residency.FILE, torch.bfloat16)}
+    expected = copy.deepcopy(model)
+    offload(expected, storage_dtype=torch.bfloat16, dtype=torch.float32)
     before = _state(model)
-    with pytest.raises(ValueError, match="storage_dtype does not apply with storage=.*read from the checkpoint in its own dtype"):
-        offload(model, storage=path, storage_dtype=torch.bfloat16)
-    assert _same_state(before, _state(model))
+    x = torch.linspace(-1, 1, 24).reshape(3, 8)
+    with offload(model, storage=path, storage_dtype=torch.bfloat16, dtype=torch.float32, host_budget=0), torch.no_grad():
+        assert torch.equal(model(x), expected(x))  # converted as read, computed as from memory
+    assert _same_state(before, _state(model))  # read back from the file: the model's own values

@@ -8,7 +8,6 @@ the offload's ring holds them, so that outputs compare bit for bit.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -145,16 +144,6 @@ def test_bad_input_is_refused_clearly(llama_folder: Path, tmp_path: Path) -> Non
         torchsurgery.from_pretrained(transformers.LlamaForCausalLM, llama_folder, num_hiden_layers=2)
 
 
-_HOST_TIER = "host_budget" in inspect.signature(torchsurgery.offload).parameters
-
-
-@pytest.mark.skipif(_HOST_TIER, reason="offload takes host_budget: the refusal is gone")
-def test_host_budget_is_refused_while_offload_has_no_host_tier(llama_folder: Path) -> None:
-    with pytest.raises(ValueError, match="host_budget .*not taken by this version's torchsurgery.offload"):
-        torchsurgery.from_pretrained(transformers.LlamaForCausalLM, llama_folder, host_budget=1 << 20)
-
-
-@pytest.mark.skipif(not _HOST_TIER, reason="offload has no host_budget parameter yet")
 def test_host_budget_reaches_offload(llama_folder: Path) -> None:
     expected = _own_memory(transformers.LlamaForCausalLM.from_pretrained(llama_folder))
     model = torchsurgery.from_pretrained(transformers.LlamaForCausalLM, llama_folder, host_budget=1 << 20)

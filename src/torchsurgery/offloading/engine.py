@@ -214,7 +214,7 @@ class OffloadHandle:
         packed = [p for p in streaming.packed.values() if p.from_file]
         # a buffer more than the ring's slots: one group computes, one lands, one is read
         streaming.reader = FileReader(packed, host, account, plan.offload_device, streaming.order, self._stats,
-                                      read_buffers(plan.prefetch), functools.partial(retier, plan.groups))
+                                      read_buffers(plan.prefetch, plan.offload_device.host_compute), functools.partial(retier, plan.groups))
         if streaming.ring is not None:
             streaming.ring.reader = streaming.reader
 
@@ -361,9 +361,9 @@ def offload(
         master_dtype: for training: the parameters stay in this dtype (what the optimizer updates and gradients
             land in) and a ``storage_dtype`` copy, refreshed whenever a parameter changes, serves forwards
             without gradients. It must hold the values exactly (``remove()`` gives them back).
-        storage: a safetensors checkpoint (file, sharded ``*.index.json`` or folder) with the model's weights under
-            their ``state_dict`` names: streamed groups are read from it (for models larger than RAM; inference only),
-            their parameters ``meta`` while offloaded, in the file's dtypes (no ``storage_dtype``); a skeleton too.
+        storage: a safetensors checkpoint (file, sharded ``*.index.json`` or folder) holding the weights by ``state_dict``
+            name: streamed groups are read from it (models larger than RAM; inference only), parameters ``meta``, a
+            skeleton too; kept in the file's dtypes or a narrower ``storage_dtype``, converted as read (docs/offload.md).
         host_budget: with ``storage``: host bytes of weights kept in memory, the rest read every forward (``stats()``:
             ``storage_bytes_read``, ``peak_host_bytes``), besides the read buffers, which come first. ``None``: what is
             available less a margin, and finer groups where the buffers do not fit there (one warning; docs/offload.md).

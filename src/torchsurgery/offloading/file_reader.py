@@ -13,7 +13,12 @@ buffer of their own and kept; the others are read on every forward. When the fil
 more than the host keeps, reads bypass the page cache (``O_DIRECT``: aligned ranges into an
 aligned buffer, trimmed to the tensors' bytes), so streaming a model larger than memory
 does not evict everything else; a filesystem that refuses direct I/O (tmpfs) is read
-through the page cache instead. Bytes are the file's bytes either way.
+through the page cache instead. Bytes are the file's bytes either way. A group kept in a
+narrower format than the file's (``offload(storage=..., storage_dtype=...)``) lands in its read
+buffer as the file stores it and is converted there, in place, as it lands
+(:mod:`~torchsurgery.offloading.file_format`; read buffers hold the file's bytes, as without a
+``storage_dtype``); a kept one is converted into its own buffer: the host tier keeps, and
+counts, the converted bytes.
 
 Thread safety: the model's forward lock serializes every call but the reads themselves;
 a read thread writes only into the buffer it was given. A read's error is raised by
@@ -51,32 +56,36 @@ _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)  # a filesystem without direct I/O
 _BOUNCE = _PIECE + 2 * _ALIGN  # a thread's buffer for direct reads: a piece and its alignment on both ends
 
 
-def read_buffers(prefetch: int) -> int:
+def read_buffers(prefetch: int, host_compute: bool = False) -> int:
     """The read buffers a :class:`FileReader` of an offload at ``prefetch`` makes at most: one more
-    than the ring's slots (one group computes, one lands, one is read).
+    than the ring's slots on an accelerator (one group computes, one lands, one is read); as many
+    as the slots where the host computes (``host_compute``: a group computes on its read buffer,
+    the next ones are read; nothing lands).
 
     Example:
-        >>> read_buffers(1)
-        3
+        >>> read_buffers(1), read_buffers(1, host_compute=True)
+        (3, 2)
     """
-    return prefetch + 2
+    return prefetch + (1 if host_compute else 2)
 
 
-def reader_bytes(largest: int, prefetch: int) -> int:
+def reader_bytes(largest: int, prefetch: int, host_compute: bool = False) -> int:
     """Host bytes a :class:`FileReader` of an offload at ``prefetch`` holds at most besides the groups
     the host tier keeps, where the largest group it reads on every forward takes ``largest`` bytes.
 
-    Its :func:`read_buffers`, each that large, and each reading thread's buffer for direct reads, of
+    Its :func:`read_buffers` (``host_compute`` as there), each that large, and each reading thread's buffer for direct reads, of
     which a read fills at most one piece (a group's bytes, at most ``_PIECE``) and its alignment; every
     allocation with its alignment slack. 0 where it reads nothing on every forward.
 
     Example:
         >>> reader_bytes(0, 1), reader_bytes(1000, 1) == 3 * (1000 + 4096) + 4 * (1000 + 3 * 4096)
         (0, True)
+        >>> reader_bytes(1000, 1, host_compute=True) == 2 * (1000 + 4096) + 4 * (1000 + 3 * 4096)
+        True
     """
     if not largest:
         return 0
-    return read_buffers(prefetch) * (largest + _ALIGN) + _THREADS * (min(largest, _PIECE) + 3 * _ALIGN)
+    return read_buffers(prefetch, host_compute) * (largest + _ALIGN) + _THREADS * (min(largest, _PIECE) + 3 * _ALIGN)
 
 
 def _open_direct(path: Path) -> int:
@@ -118,7 +127,7 @@ def _pieces(group: Any) -> list[_Piece] | None:
     """The reads that bring ``group`` (a packed group from a file) into its buffer, in file order;
     ``None`` where a weight is cast on its way in (the plain read does that)."""
     located = []
-    for key, slot in zip(group.keys, group.layout.slots, strict=True):
+    for key, slot in zip(group.keys, group.file_layout.slots, strict=True):
         path, start, nbytes, dtype = group.source.locate(key)
         if dtype != slot.dtype or nbytes != slot.nbytes:
             return None
@@ -197,6 +206,7 @@ class _Read:
     keep: bool  # into the group's host-tier buffer, kept once done
     started: float = 0.0  # by the checkpoint's clock, for the reads' speed (the slow-filesystem hint)
     nbytes: int = 0  # read from the files (a split group's kept bytes are not)
+    raw: torch.Tensor | None = None  # where the pieces land: ``buffer``, or the file's bytes to convert into it
 
 
 def _normal_tensors(allocate: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
@@ -255,17 +265,21 @@ class _Kept:
     split groups' first bytes; chosen again by the stalls the first forward measured.
 
     Args:
-        sizes: each group's bytes in the files, by name, in model order.
+        sizes: each group's bytes as kept, by name, in model order.
         host: the bytes of each the plan keeps (by name).
         account: the host budget they are held in (by ``owner``).
         owner: whom ``account`` counts them for.
+        whole_only: the groups converted as they are read (kept whole or not at all).
     """
 
-    def __init__(self, sizes: dict[str, int], host: dict[str, int], account: HostAccount, owner: object) -> None:
-        self.sizes, self.account, self.owner = sizes, account, owner
+    def __init__(self, sizes: dict[str, int], host: dict[str, int], account: HostAccount, owner: object,
+                 whole_only: set[str]) -> None:
+        self.sizes, self.account, self.owner, self.whole_only = sizes, account, owner, whole_only
         self.keep: dict[str, int] = {}  # bytes kept (or to keep once read) by name
         for name, nbytes in sizes.items():
             wanted = min(host.get(name, 0), nbytes)
+            if name in whole_only and wanted < nbytes:
+                continue
             if wanted and account.reserve(owner, wanted):
                 self.keep[name] = wanted
         self.whole: dict[str, torch.Tensor] = {}  # kept groups' buffers
@@ -318,7 +332,7 @@ class _Kept:
         order = {name: i for i, name in enumerate(self.sizes)}
         ranked = sorted(self.sizes, key=lambda n: (-stalls.get(n, 0.0) / max(1, self.sizes[n]), order[n]))
         room = self.account.held(self.owner) + self.account.free_bytes()
-        chosen = fill([(name, self.sizes[name]) for name in ranked], room)
+        chosen = fill([(name, self.sizes[name]) for name in ranked], room, self.whole_only)
 
         def saved(kept: dict[str, int]) -> float:  # the stall a choice removes (a split group's in proportion)
             return sum(stalls.get(n, 0.0) * b / max(1, self.sizes[n]) for n, b in kept.items())
@@ -379,7 +393,8 @@ class FileReader:
         planned = {g.name: (g, _pieces(g)) for g in groups}
         self._groups = {name: (g, p) for name, (g, p) in planned.items() if p is not None}
         self._names = list(self._groups)
-        self._kept = _Kept({n: self._bytes(n) for n in self._names}, host, account, self)
+        converting = {n for n, (g, _) in self._groups.items() if g.conversion is not None}
+        self._kept = _Kept({n: self._bytes(n) for n in self._names}, host, account, self, converting)
         self._device, self._order, self._stats, self._chosen = device, order, stats, chosen
         self._size = self._largest_read()
         self._buffers = max(1, buffers)
@@ -448,12 +463,12 @@ class FileReader:
         return data[: group.layout.nbytes]
 
     def _bytes(self, name: str) -> int:
-        """The bytes of group ``name``'s weights in the file (what the host tier counts of it)."""
-        return sum(p.end - p.start for p in self._groups[name][1] or ())
+        """The bytes of group ``name``'s weights as it keeps them (what the host tier counts of it)."""
+        return _kept_bytes(self._groups[name][0])
 
     def _largest_read(self) -> int:
         """The bytes of the largest group not kept whole (a read buffer's)."""
-        return max((g.layout.nbytes for n, (g, _) in self._groups.items() if not self._kept.is_whole(n)), default=0)
+        return max((_read_bytes(g) for n, (g, _) in self._groups.items() if not self._kept.is_whole(n)), default=0)
 
     def give_back(self, data: torch.Tensor, copied: Any = None) -> None:
         """Return a buffer :meth:`take` lent, once ``copied`` (an event of the copy reading it) completed."""
@@ -506,11 +521,11 @@ class FileReader:
         started = _checkpoint.read_clock()
         part = self._kept.parts.get(name)
         reads = part[2] if part is not None else pieces or []
-        futures = [self._pool.submit(self._read_piece, name, buffer, piece) for piece in reads]
-        if part is not None:  # a split group: its first bytes from what the host keeps
-            futures.append(self._pool.submit(_fill, buffer, part[0], part[1]))
-        read = _Read(name, buffer, futures, keep, started, sum(p.end - p.start for p in reads))
-        self._flight[name] = read
+        raw = _raw(group, buffer)  # where the file's bytes go: the buffer, or one they are converted from
+        futures = [self._pool.submit(self._read_piece, name, raw, piece) for piece in reads]
+        if part is not None:  # a split group (never one converted as read): its first bytes from what the host keeps
+            futures.append(self._pool.submit(_fill, raw, part[0], part[1]))
+        self._flight[name] = read = _Read(name, buffer, futures, keep, started, nbytes=_file_bytes(reads), raw=raw)
         return read
 
     def _buffer(self) -> torch.Tensor:
@@ -542,7 +557,7 @@ class FileReader:
                 if isinstance(error, CheckpointError):  # cut short: where the file changed, say how
                     _unchanged(*self._groups[read.name])
                 raise error
-        _counted_and_checked(*self._groups[read.name], read.nbytes, read, self._recycle)
+        _landed(*self._groups[read.name], read, self._recycle)
         self._read_now += read.nbytes
         self._kept.store(read.name, read, *self._groups[read.name], self._allocate)
         self._stats.peak_host_bytes = max(self._stats.peak_host_bytes, self._kept.nbytes)
@@ -608,20 +623,51 @@ def _read_piece(files: _Files, local: threading.local, name: str, buffer: torch.
         raise CheckpointError(f"{exc} (reading group {name!r})") from exc
 
 
-def _counted_and_checked(
-    group: Any, pieces: list[_Piece] | None, nbytes: int, read: _Read, recycle: Callable[[_Read], None]
-) -> None:
+def _landed(group: Any, pieces: list[_Piece] | None, read: _Read, recycle: Callable[[_Read], None]) -> None:
     """Count ``read`` of ``group`` in its source's reads (their speed); refuse it (its buffer to
     ``recycle``) where a file changed since the offload opened it (truncated, written in place,
-    deleted or replaced: its source's check)."""
+    deleted or replaced: its source's check); then, where the group keeps another format than
+    the file's, convert what was read into its buffer
+    (:meth:`~torchsurgery.offloading.file_format.FileConversion.convert`)."""
     source = group.source
-    source.bytes_read += nbytes
+    source.bytes_read += read.nbytes
     source.seconds_reading += max(0.0, _checkpoint.read_clock() - read.started)
     try:
         _unchanged(group, pieces)
     except CheckpointError:
         recycle(read)
         raise
+    if group.conversion is not None and read.raw is not None:
+        group.conversion.convert(read.raw, read.buffer, group.layout)
+        read.raw = None
+
+
+def _file_bytes(pieces: list[_Piece] | None) -> int:
+    """The bytes a group's reads take from the files."""
+    return sum(p.end - p.start for p in pieces or ())
+
+
+def _kept_bytes(group: Any) -> int:
+    """The bytes of ``group``'s weights as it keeps them: the file's where it converts none, else
+    those of the storage format (a scaled weight's scale included)."""
+    return sum(slot.nbytes for slot in group.layout.slots)
+
+
+def _raw(group: Any, buffer: torch.Tensor) -> torch.Tensor:
+    """Where a read of ``group`` puts the file's bytes: ``buffer`` (a read buffer has room for them,
+    and a group converted as it is read is converted there in place), or, for a kept group whose
+    buffer is smaller, a buffer of the file's layout for this read only (a normal tensor also under
+    ``torch.inference_mode``)."""
+    if group.conversion is None or buffer.numel() >= group.file_layout.nbytes:
+        return buffer
+    with torch.inference_mode(False):
+        return torch.empty(group.file_layout.nbytes, dtype=torch.uint8)
+
+
+def _read_bytes(group: Any) -> int:
+    """The bytes a read buffer needs for ``group``: its layout's, or the file's where they are more
+    (a group converted as it is read lands there as the file stores it)."""
+    return max(group.layout.nbytes, group.file_layout.nbytes)
 
 
 def _unchanged(group: Any, pieces: list[_Piece] | None) -> None:

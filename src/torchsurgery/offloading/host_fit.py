@@ -59,15 +59,15 @@ def host_need(groups: Iterable[GroupPlan], prefetch: int, seam: OffloadDevice) -
         >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
         >>> save_file(model.state_dict(), path)
         >>> plan = torchsurgery.plan_offload(model, storage=path, groups="leaves", host_budget=0)
-        >>> layer = 64 * 64 * 4 + 64 * 4  # a layer's bytes: 3 read buffers and 4 threads' direct reads of it, aligned
-        >>> host_need(plan.groups, plan.prefetch, plan.offload_device) == 3 * (layer + 4096) + 4 * (layer + 3 * 4096)
+        >>> layer = 64 * 64 * 4 + 64 * 4  # a layer's bytes: 2 read buffers and 4 threads' direct reads of it, aligned
+        >>> host_need(plan.groups, plan.prefetch, plan.offload_device) == 2 * (layer + 4096) + 4 * (layer + 3 * 4096)
         True
     """
     streamed = [streaming_bytes(g) for g in _streamed(groups)]
     if not streamed:
         return 0
     casts = max(r for _, r in streamed) if seam.host_compute else 0
-    return reader_bytes(max(s for s, _ in streamed), prefetch) + casts
+    return reader_bytes(max(s for s, _ in streamed), prefetch, seam.host_compute) + casts
 
 
 def _file_bytes(p: ParamPlan) -> int:
@@ -92,10 +92,10 @@ def _largest(placed: Placed) -> GroupPlan:
 
 def _needs(placed: Placed, need: int) -> str:
     """``need`` in words: what ``placed``'s groups take to stream from the file."""
-    prefetch = placed[1].prefetch
+    prefetch, host = placed[1].prefetch, placed[1].device.host_compute
     return (
         f"{human_bytes(need, binary=True)} of host memory to stream from the checkpoint at prefetch={prefetch} "
-        f"({read_buffers(prefetch)} read buffers for its largest group {_largest(placed).name or '<root>'!r})"
+        f"({read_buffers(prefetch, host)} read buffers for its largest group {_largest(placed).name or '<root>'!r})"
     )
 
 
@@ -170,7 +170,7 @@ def _too_small(placed: Placed, need: int, available: int) -> RuntimeError:
     return RuntimeError(
         f"{_WHAT}: the host has too little memory to stream this checkpoint: its largest single weight "
         f"{weight.name!r} ({_file_bytes(weight)} bytes) needs {need} bytes of host memory streamed alone "
-        f"(groups='leaves', prefetch=0: {read_buffers(0)} read buffers for its module {group.name or '<root>'!r}), "
+        f"(groups='leaves', prefetch=0: {read_buffers(0, placed[1].device.host_compute)} read buffers for its module {group.name or '<root>'!r}), "
         f"more than the {available} bytes available now; free host memory (close other programs) and offload "
         "again, or save that weight in a narrower dtype"
     )

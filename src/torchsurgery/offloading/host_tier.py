@@ -18,7 +18,7 @@ first bytes and reads the rest (tier ``"split"``), so the whole budget saves rea
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from torchsurgery._device import host_available_memory
@@ -126,17 +126,19 @@ def host_budget_of(value: int | HostAccount | None) -> int:
 
 
 def _stored_bytes(group: Any) -> int:
-    """The bytes of ``group``'s weights as its checkpoint stores them (a weight tied within it once)."""
+    """The bytes of ``group``'s weights as the host keeps them: as its checkpoint stores them, or in the
+    ``storage_dtype`` they are converted to, a scale included (a weight tied within it once)."""
     names = {p.name for p in group.params}
-    return sum(p.nbytes // p.compute_dtype.itemsize * p.storage_dtype.itemsize
+    return sum(p.nbytes // p.compute_dtype.itemsize * p.storage_dtype.itemsize + p.scale_nbytes
                for p in group.params if p.tied_to is None or p.tied_to not in names)
 
 
-def fill(sizes: Sequence[tuple[str, int]], room: int) -> dict[str, int]:
+def fill(sizes: Sequence[tuple[str, int]], room: int, whole_only: Collection[str] = ()) -> dict[str, int]:
     """The bytes kept of each of ``sizes`` (name, bytes), taken in the order given, within ``room``.
 
     Whole while they fit (one that does not is passed over for the next); the first one left
-    out then takes what room is left: its first bytes.
+    out then takes what room is left: its first bytes (not one of ``whole_only``: a group
+    converted as it is read is kept converted, whole, or not at all).
 
     Example:
         >>> fill([("a", 40), ("b", 50), ("c", 10)], 80)
@@ -147,7 +149,7 @@ def fill(sizes: Sequence[tuple[str, int]], room: int) -> dict[str, int]:
         if 0 < nbytes <= room:
             kept[name] = nbytes
             room -= nbytes
-    part = next((name for name, nbytes in sizes if name not in kept and nbytes > 0), None)
+    part = next((name for name, nbytes in sizes if name not in kept and name not in whole_only and nbytes > 0), None)
     if part is not None and room > 0:
         kept[part] = room
     return kept
@@ -167,7 +169,8 @@ def assign_tiers(groups: Sequence[Any], host_budget: int | HostAccount | None, f
     """
     budget = host_budget_of(host_budget)
     streamed = [g for g in groups if not g.resident]
-    kept = fill([(g.name, _stored_bytes(g)) for g in streamed], budget) if from_file else {}
+    converted = {g.name for g in streamed if any(p.converts for p in g.params)}
+    kept = fill([(g.name, _stored_bytes(g)) for g in streamed], budget, converted) if from_file else {}
     for g in groups:
         g.host_bytes = kept.get(g.name, 0)
         if g.resident:

@@ -31,6 +31,7 @@ from torchsurgery.compact import (
 )
 from torchsurgery.offloading.attach import Attachments
 from torchsurgery.offloading.checkpoint_values import CheckpointValues
+from torchsurgery.offloading.file_format import file_layout
 from torchsurgery.offloading.originals import Originals
 from torchsurgery.offloading.packing import FlatLayout, pack_runs
 from torchsurgery.offloading.plan import (
@@ -269,14 +270,17 @@ class Installer:
             # the weights stay in the file: the parameters become meta (same objects); the
             # file was proven to hold their values (remove() reads them back from it)
             keys = tuple(str(p.file_key) for p in planned)
-            layout = FlatLayout.of(params, [p.storage_dtype for p in planned])
+            # in the storage format: converted from the file's as they are read where that is narrower
+            layout, conversion, scaled = file_layout(self.file.source, keys, planned, params)
             for param, p in zip(params, planned, strict=True):
                 self.originals.remember(p.name, param, p.file_key)
                 if _made_meta(param, p):
                     meta = torch.empty_like(param, device="meta", dtype=p.compute_dtype)
                     swap_in(param, wrap_like(param, meta))
             scales = tuple(None if p.file_scale is None else self.file.scale(p.file_scale) for p in planned)
-            packed = PackedGroup(group.name, layout, source=self.file.source, keys=keys, scales=scales)
+            narrow = tuple({id(t): t for t, p in zip(params, planned, strict=True) if p.reads_narrow}.values())
+            packed = PackedGroup(group.name, layout, source=self.file.source, keys=keys, scales=scales, scaled=scaled,
+                                 conversion=conversion, narrow=narrow)
         else:
             packed = self._pack_in_memory(group.name, params, planned)
         self.streaming.add(packed)

@@ -119,8 +119,11 @@ class MeasuredResidency:
             # the group streams from the checkpoint file (its parameters are meta): read it once
             buffer = torch.empty(packed.layout.nbytes, dtype=torch.uint8)
             packed.fill(buffer)
-            views = [v if s is None else dequantize(v, s, torch.float32) for v, s in packed.scaled_views(unpack(buffer, packed.layout))]
-            values = {id(p): v for (_, _, p, _), v in zip(streamer.packed_entries, views, strict=True)}
+            # a weight's scale: the file's (ComfyUI's layout) or its own (quantised as it was read)
+            views, kept_scales = packed.split(unpack(buffer, packed.layout))
+            for (_, _, p, _), (v, s) in zip(streamer.packed_entries, packed.scaled_views(views), strict=True):
+                s = kept_scales.get(id(p), s)
+                values[id(p)] = v if s is None else dequantize(v, s, torch.float32)
         planned = {id(p.lookup_in(self.named)): p for p in self.plan.params if p.tied_to is None}
         swaps: list[tuple[torch.Tensor, torch.Tensor]] = []
         for _, _, p, dtype in streamer.packed_entries + streamer.other_entries:

@@ -218,12 +218,12 @@ def _check_options(
             "leave out master_dtype (writes to a scaled weight round to its grid, its scale kept), or give a plain "
             "storage_dtype",
         )
-    if stored is not None and storage is not None:
-        # streamed weights are read in the file's dtype: resident ones must not differ from them
+    if master is not None and storage is not None:
+        # weights read from a checkpoint file serve inference only: nothing trains a master
         raise ArgumentValueError(
-            _WHAT, "storage_dtype", stored,
-            f"does not apply with storage={storage!r}: the weights are read from the checkpoint in its own dtype",
-            "leave out storage_dtype (dtype= sets the compute dtype)",
+            _WHAT, "master_dtype", master,
+            f"does not apply with storage={storage!r}: weights streamed from a checkpoint serve inference only",
+            "leave out master_dtype (storage_dtype sets the format the weights are kept in)",
         )
     check_bytes(budget, _WHAT, "budget")
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
@@ -372,6 +372,18 @@ def _reads_narrow(named: dict[str, nn.Module], group: GroupPlan, p: ParamPlan, o
     if p.scaled is not None:  # its layer's bias stays in the compute dtype: the product adds it
         return all(q is p or q.storage_dtype == q.compute_dtype for q in group.params if q.module == p.module)
     return all((q.shadow_dtype or q.storage_dtype) == narrow for q in group.params if q.module == p.module)
+
+
+def _file_reads_narrow(named: dict[str, nn.Module], groups: list[GroupPlan], options: PlanOptions) -> None:
+    """With a ``storage_dtype``, the weights read from the file that a CPU's matmul layer reads narrow
+    (``ParamPlan.reads_narrow``), as it reads those an offload from memory keeps narrow (a tied
+    weight as its first occurrence: one tensor, read narrow wherever it computes)."""
+    first: dict[str, bool] = {}
+    for g in groups:
+        for p in g.params:
+            file = p.residency is Residency.FILE and options.storage_dtype is not None
+            p.reads_narrow = file and (first[p.tied_to] if p.tied_to in first else _reads_narrow(named, g, p, options))
+            first.setdefault(p.name, p.reads_narrow)
 
 
 def _route(named: dict[str, nn.Module], groups: list[GroupPlan], options: PlanOptions, from_file: bool) -> None:
@@ -537,8 +549,29 @@ def _choose_residency(
     return budget, budget - sum(g.nbytes for g in groups if g.resident)
 
 
-def _file_keys(model: nn.Module, named: dict[str, nn.Module], groups: list[GroupPlan], storage: str | os.PathLike[str]) -> None:
-    """Find each parameter read from the checkpoint under one of its ``state_dict`` names."""
+def _keep_file_format(p: ParamPlan, file_dtype: torch.dtype, narrowing: bool) -> None:
+    """Keep ``p`` (its values read from the checkpoint file) in the file's format unless a
+    ``storage_dtype`` was given (``narrowing``) and its planned format would change its values:
+    a plain dtype that cannot hold every value of the file's, or a scaled one narrower than the
+    file's dtype. A weight the file stores scaled (ComfyUI's layout) keeps its format. Where the
+    file's format is kept, the values are those the planned one would keep, in as few bytes or
+    fewer; elsewhere the weight is converted from the file's values as they are read."""
+    narrows = narrowing and file_dtype.is_floating_point and p.compute_dtype.is_floating_point and p.file_scale is None
+    if narrows and p.scaled is not None:
+        narrows = p.scaled.dtype.itemsize < file_dtype.itemsize
+    elif narrows:
+        narrows = not holds_exactly(p.storage_dtype, file_dtype)
+    if not narrows:
+        p.storage_dtype, p.scaled, p.scale_nbytes = file_dtype, None, 0
+    p.converts = narrows
+
+
+def _file_keys(
+    model: nn.Module, named: dict[str, nn.Module], groups: list[GroupPlan], storage: str | os.PathLike[str],
+    options: PlanOptions,
+) -> None:
+    """Find each parameter read from the checkpoint under one of its ``state_dict`` names, and the
+    format it is kept in (:func:`_keep_file_format`) and read narrow in (:func:`_file_reads_narrow`)."""
     source = open_source(storage, _WHAT)
     try:
         if not isinstance(source, SafetensorsSource):
@@ -565,9 +598,10 @@ def _file_keys(model: nn.Module, named: dict[str, nn.Module], groups: list[Group
             p.file_key = found[0]
             p.file_scale = scaled.scales.get(found[0])
             if p.residency is Residency.FILE:
-                p.storage_dtype = stored[found[0]].dtype
+                _keep_file_format(p, stored[found[0]].dtype, options.storage_dtype is not None)
     if problems:
         raise ValueError(f"{_WHAT}: {storage!r} lacks (or mis-shapes) {len(problems)} weights, e.g. {problems[:3]}")
+    _file_reads_narrow(named, groups, options)
 
 
 def plan_offload(
@@ -595,8 +629,8 @@ def plan_offload(
         skip: ``(module, name) -> bool``; selected modules keep their own dtype.
         master_dtype: the dtype parameters keep for training, next to a narrow copy; it
             must hold their values exactly.
-        storage: a safetensors checkpoint to stream weights from (the weights are then
-            stored in its dtypes: no ``storage_dtype``). :func:`~torchsurgery.offload` says more.
+        storage: a safetensors checkpoint to stream weights from (in its dtypes, or a narrower
+            ``storage_dtype`` they are converted to as they are read; see :func:`~torchsurgery.offload`).
         host_budget: host bytes of weights from ``storage`` kept in memory (``GroupPlan.tier``; as for ``offload``).
 
     Returns:
@@ -610,7 +644,7 @@ def plan_offload(
         ValueError: a device that does not exist, ``pin_memory=True`` where host memory
             cannot be pinned, a budget below the largest group, an unknown group name,
             weights without values and no checkpoint, a checkpoint lacking weights, a
-            ``storage_dtype`` with a checkpoint, read buffers beyond the host's memory with a ``host_budget``.
+            ``master_dtype`` with a checkpoint, read buffers beyond the host's memory with a ``host_budget``.
         RuntimeError: already offloaded (by torchsurgery, accelerate or diffusers); a weight too large for the host.
 
     Example:
@@ -727,7 +761,7 @@ def _placed(
     _check_scaled_plain(named, groups)
     _check_plain_readers(named, groups)
     if storage is not None:
-        _file_keys(model, named, groups, storage)
+        _file_keys(model, named, groups, storage, options)
     return groups, options, budget, measured
 
 

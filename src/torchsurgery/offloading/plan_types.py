@@ -54,8 +54,8 @@ class ParamPlan:
         name: qualified name (``"blocks.0.fc.weight"``).
         module: qualified name of the module holding it.
         attr: its name in that module.
-        storage_dtype: the dtype it is kept in while offloaded, resident or not (in the file:
-            the file's).
+        storage_dtype: the dtype it is kept in while offloaded, resident or not (read from the
+            file: the file's, or the ``storage_dtype`` it is converted to as it is read).
         compute_dtype: the dtype its group computes with.
         shadow_dtype: with a ``master_dtype``: the dtype of the narrow copy that serves
             forwards without gradients (``None``: no copy).
@@ -68,6 +68,10 @@ class ParamPlan:
         file_scale: the key of the scale its values in the checkpoint file are multiplied by
             (ComfyUI's scaled fp8 layout: ``<prefix>.scale_weight``), or ``None``.
         scale_nbytes: the bytes of its fp32 scale, kept and moved next to its values (0 unscaled).
+        reads_narrow: read from the checkpoint file with a ``storage_dtype``: on a CPU its matmul
+            layer computes from its stored values, as from a :attr:`Residency.NARROW` weight's.
+        converts: read from the checkpoint file and kept in another format than the file's
+            (converted as it is read).
 
     Example:
         >>> import torch
@@ -92,6 +96,8 @@ class ParamPlan:
     scaled: Scaled | None = None
     file_scale: str | None = None
     scale_nbytes: int = 0
+    reads_narrow: bool = False
+    converts: bool = False
 
     def lookup(self, model: nn.Module) -> nn.Parameter:
         """The parameter in ``model`` (the object itself, not what attribute access returns)."""

@@ -10,7 +10,6 @@ recognised by their base classes, without importing either library here.
 
 from __future__ import annotations
 
-import inspect
 import os
 from pathlib import Path
 from typing import Any, TypeVar
@@ -114,12 +113,6 @@ def _offload_options(
     """The keywords for :func:`~torchsurgery.offload`; ``host_budget`` only where given (and taken)."""
     options: dict[str, Any] = {"dtype": dtype, "storage_dtype": storage_dtype, "budget": budget}
     if host_budget is not None:
-        if "host_budget" not in inspect.signature(offload).parameters:
-            raise ArgumentValueError(
-                _WHAT, "host_budget", host_budget,
-                "is not taken by this version's torchsurgery.offload (it has no host tier)",
-                "leave out host_budget: the weights then stream from the files on every forward",
-            )
         options["host_budget"] = host_budget
     return options
 
@@ -136,8 +129,8 @@ def from_pretrained(
     memory; buffers the checkpoint leaves out, such as rotary tables, computed by ``__init__``
     as the library's own loading does), in eval mode; :func:`~torchsurgery.offload` then reads
     each group from the folder's safetensors shards as it runs (tied weights, bf16, fp8 and
-    ComfyUI's scaled fp8 files as stored). Host memory peaks a few streamed groups above the
-    buffers, however large the checkpoint. ``torchsurgery.restore(model)`` gives back the skeleton.
+    ComfyUI's scaled fp8 files as stored, or converted to a ``storage_dtype`` as read). Host memory peaks
+    a few streamed groups above the buffers. ``torchsurgery.restore(model)`` gives back the skeleton.
 
     Args:
         cls: a transformers ``PreTrainedModel`` subclass (its ``config_class`` or ``AutoConfig``
@@ -147,7 +140,8 @@ def from_pretrained(
         device: where the model computes (default: the CPU).
         dtype: the compute dtype of floating weights (default: transformers' the config's
             dtype, diffusers' float32, as their own loading gives).
-        storage_dtype: for :func:`~torchsurgery.offload` (which refuses it with a checkpoint today).
+        storage_dtype: the format weights are kept in (a narrow dtype or ``Scaled``), converted as they are
+            read; outputs equal the in-memory ``offload`` with the same ``storage_dtype`` and ``dtype``.
         budget: device bytes the weights may take, for :func:`~torchsurgery.offload`.
         host_budget: host bytes of weights, for :func:`~torchsurgery.offload` where it takes one.
         **kwargs: config attributes to override (``num_hidden_layers=2``).
@@ -156,7 +150,7 @@ def from_pretrained(
         The model, offloaded, in eval mode.
 
     Raises:
-        TypeError: ``cls`` is not a transformers or diffusers model class.
+        TypeError: ``cls`` is not a transformers or diffusers model class, or a bad ``storage_dtype``.
         FileNotFoundError: no such folder, or no safetensors checkpoint in it.
         ValueError: a keyword that is no config attribute; what :func:`~torchsurgery.offload`
             refuses (a checkpoint lacking weights, a budget below the largest group).

@@ -67,7 +67,7 @@ class OffloadStats:
             read the first time (read ahead or not, counted in the forward that used them).
         peak_host_bytes: most bytes of the checkpoint's weights the host tier kept at once
             (at most ``host_budget``; the read buffers of the groups read on every forward,
-            ``prefetch + 2`` of the largest, come besides).
+            :func:`~torchsurgery.offloading.file_reader.read_buffers` of the largest, come besides).
         achieved_gbps: bytes moved per second of transferring.
 
     Timings come from events recorded through the offload's

@@ -37,6 +37,7 @@ from torchsurgery.compact import (
     rehome,
     stored_values,
 )
+from torchsurgery.offloading.file_format import FileConversion
 from torchsurgery.offloading.forward_lock import ForwardLock
 from torchsurgery.offloading.order import OrderRecorder
 from torchsurgery.offloading.packing import (
@@ -67,9 +68,13 @@ class PackedGroup:
         pinned: whether the host buffers are page-locked (the ring re-packs them so).
         scales: a group read from a scaled fp8 checkpoint (ComfyUI's layout): each weight's
             scale (fp32, 0-dim; its values are ``q * scale``) or ``None``, in layout order.
-        scaled: a group held in memory: the scaled weights among ``tensors``
-            (:mod:`torchsurgery.compact.scaled`; their ``q`` in their slots), each once: their
-            scales take the layout's last slots, in this order.
+        scaled: the scaled weights among ``tensors`` (:mod:`torchsurgery.compact.scaled`; their
+            ``q`` in their slots; from a file: those quantised as they are read), each once:
+            their scales take the layout's last slots, in this order.
+        conversion: a group from a file kept in a narrower format than the file's: how its file
+            bytes become its layout (:mod:`~torchsurgery.offloading.file_format`), or ``None``.
+        narrow: a group from a file: the weights a CPU's matmul layer reads as they are kept
+            (``ParamPlan.reads_narrow``), each once.
     """
 
     name: str
@@ -80,11 +85,18 @@ class PackedGroup:
     pinned: bool = False
     scales: tuple[torch.Tensor | None, ...] = ()
     scaled: tuple[torch.Tensor, ...] = ()
+    conversion: FileConversion | None = None
+    narrow: tuple[torch.Tensor, ...] = ()
 
     @property
     def from_file(self) -> bool:
         """Whether the weights are read from the checkpoint file."""
         return self.source is not None
+
+    @property
+    def file_layout(self) -> FlatLayout:
+        """The layout a read from the file fills: in the file's dtypes where the group converts them."""
+        return self.conversion.layout if self.conversion is not None else self.layout
 
     def scaled_views(self, views: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Each of the group's weights as brought in (``views``, in layout order) with its scale, if any."""
@@ -149,8 +161,12 @@ class PackedGroup:
             for offset, data in self.host_runs():
                 out[offset : offset + data.numel()].copy_(data)
             return
-        # one bulk read: tensors next to each other in the file come in one system call
-        self.source.read_many(list(zip(self.keys, unpack(out, self.layout), strict=True)))
+        # one bulk read: tensors next to each other in the file come in one system call (and are
+        # converted, weight by weight, where the group keeps another format than the file's)
+        raw = out if self.conversion is None else torch.empty(self.file_layout.nbytes, dtype=torch.uint8)
+        self.source.read_many(list(zip(self.keys, unpack(raw, self.file_layout), strict=True)))
+        if self.conversion is not None:
+            self.conversion.convert(raw, out, self.layout)
 
 
 def _share_one_buffer(values: list[torch.Tensor], slots: tuple[Slot, ...], start: int) -> bool:
@@ -622,8 +638,9 @@ class GroupStreamer:
         # weights read from a checkpoint file cannot come in inside a compiled graph
         self.traceable = packed is None or not packed.from_file
         self.scales: list[torch.Tensor | None] = []  # the packed weights' scales where they compute, once needed
-        # on a CPU a packed scaled weight computes as it is kept (its products scale the sums), compiled too
-        scaled = {id(t) for t in packed.scaled} if packed is not None else set()
+        # on a CPU a packed scaled weight computes as it is kept (its products scale the sums), compiled too;
+        # so does one read from a file that a matmul layer reads narrow
+        scaled = {id(t) for t in packed.scaled + packed.narrow} if packed is not None else set()
         self.as_kept = [streaming.device.host_compute and id(p) in scaled for _, _, p, _ in packed_entries + other_entries]
 
     def _on_device(self, views: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -698,16 +715,17 @@ class GroupStreamer:
         A scaled weight comes as its ``q`` and scale: on a CPU it reads as a weight kept whole
         does (its products scale the sums); on an accelerator it is widened on the device into
         the plain weight (:func:`~torchsurgery.compact.scaled.dequantize`, bit for bit), as a
-        scaled checkpoint's weight is everywhere.
+        scaled checkpoint's weight is everywhere. On a CPU a weight read from a file into a narrower
+        ``storage_dtype`` that its matmul layer reads narrow (``ParamPlan.reads_narrow``) reads as kept too.
         """
         assert self.packed is not None
         values, scales = self.packed.split(views)
-        host = self.streaming.device.host_compute
         fresh = 0
-        for ((owner, pname, p, dtype), narrow), (view, file_scale) in zip(entries, self._on_device(values), strict=False):
+        for ((owner, pname, p, dtype), narrow), (view, file_scale), kept in zip(
+                entries, self._on_device(values), self.as_kept, strict=False):
             kept_scale, through = scales.get(id(p)), _through(narrow)  # (the packed ones)
             scale = kept_scale if kept_scale is not None else file_scale  # (a scaled checkpoint's: values q * scale)
-            if kept_scale is not None and host:
+            if kept:  # on a CPU: a scaled weight, or one a matmul layer reads narrow
                 view = OffloadedTensor(view, dtype, scale=kept_scale)
             elif scale is not None:
                 view = dequantize(view, scale, dtype)
