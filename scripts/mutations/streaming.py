@@ -214,6 +214,13 @@ MUTATIONS = [
         ("tests/offloading/test_host_tier.py::test_after_the_first_forward_the_host_keeps_the_groups_whose_reads_kept_it_waiting_clearly_longer[less-than-twice-the-kept-group-s-wait]",),
     ),
     Mutation(
+        "host tier (issue 47): a group converted as it is read is kept whole or not at all, never split",
+        "src/torchsurgery/offloading/host_tier.py",
+        " and name not in whole_only and nbytes > 0), None)",
+        " and nbytes > 0), None)",
+        ("tests/offloading/test_streamed_storage_dtype.py::test_a_skeleton_streamed_in_a_storage_dtype_on_each_device",),
+    ),
+    Mutation(
         "host tier (issue 47): a group chosen while its read was in flight is kept from that read",
         "src/torchsurgery/offloading/file_reader.py",
         "                buffer = _aligned(group.layout.nbytes, allocate).copy_(buffer[: group.layout.nbytes])\n",
