@@ -71,7 +71,7 @@ class FileConversion:
                 if fmt is None:  # the cast .to(dtype) makes (in place: from a copy, the two may overlap)
                     kept[i].copy_(values.clone() if in_place else values)
                 else:
-                    q, scale = values, torch.ones(())
+                    q, scale = fmt.quantize(values)
                     kept[i].copy_(q)
                     scales.append((at, scale))
             for at, scale in scales:
