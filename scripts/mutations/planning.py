@@ -259,4 +259,11 @@ MUTATIONS = [
         "                                      read_buffers(plan.prefetch, plan.offload_device.host_compute), functools", "                                      plan.prefetch + 3, functools",
         ("tests/offloading/test_host_fit.py::test_the_reader_makes_no_more_than_the_host_need_counts",),
     ),
+    Mutation(
+        "host fallback: a group converted as it is read needs read buffers of the file's bytes",
+        "src/torchsurgery/offloading/host_fit.py",
+        "    streamed = [(_read_size(g), streaming_bytes(g)[1]) for g in _streamed(groups)]\n",
+        "    streamed = [streaming_bytes(g) for g in _streamed(groups)]\n",
+        ("tests/offloading/test_host_fit.py::test_the_reader_makes_no_more_than_the_host_need_counts[tardy-converted-as-read]",),
+    ),
 ]

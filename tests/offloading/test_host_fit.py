@@ -197,8 +197,12 @@ def test_a_pool_without_a_host_budget_reports_the_finer_groups_through_on_fallba
     assert torchsurgery.surgery_log(model) == []
 
 
-def test_the_reader_makes_no_more_than_the_host_need_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The read buffers and direct reads' buffers a forward makes, as :func:`host_need` counts them."""
+@pytest.mark.parametrize("storage_dtype", [None, torch.float8_e4m3fn], ids=["file-dtype", "converted-as-read"])
+def test_the_reader_makes_no_more_than_the_host_need_counts(
+    device: torch.device, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, storage_dtype: torch.dtype | None
+) -> None:
+    """The read buffers and direct reads' buffers a forward makes, as :func:`host_need` counts them
+    (a group converted as it is read lands in its read buffer as the file stores it)."""
     model, path, expected = _saved(tmp_path)
     made: list[int] = []
     aligned = file_reader._aligned
@@ -208,14 +212,18 @@ def test_the_reader_makes_no_more_than_the_host_need_counts(tmp_path: Path, monk
         return aligned(nbytes, allocate)
 
     monkeypatch.setattr(file_reader, "_aligned", recorded)
-    handle = torchsurgery.offload(model, storage=path, groups="leaves", host_budget=0)
+    options = {"storage_dtype": storage_dtype, "dtype": torch.float32}
+    options.update(_device_options(device, model) if device.type != "cpu" else {})
+    handle = torchsurgery.offload(model, device, storage=path, groups="leaves", host_budget=0, **options)
     with torch.no_grad():
-        assert all(torch.equal(model(X), expected) for _ in range(2))
+        outs = [model(X.to(device)).cpu() for _ in range(2)]
+    if storage_dtype is None:  # (in fp8: the in-memory offload's values, tests/offloading/test_streamed_storage_dtype.py)
+        assert all(torch.equal(out, expected) for out in outs)
     need = host_need(handle.plan.groups, handle.plan.prefetch, handle.plan.offload_device)
     handle.remove()
     reads = [n for n in made if n != file_reader._BOUNCE]
     largest = max(reads)
-    assert len(reads) == read_buffers(1, host_compute=True) and len(made) - len(reads) <= file_reader._THREADS
+    assert len(reads) == read_buffers(1, device.type == "cpu") and len(made) - len(reads) <= file_reader._THREADS
     # what a direct read fills of its thread's buffer: a piece (here a whole module) and its alignment
     assert sum(n + 4096 for n in reads) + (len(made) - len(reads)) * (largest + 3 * 4096) <= need
 

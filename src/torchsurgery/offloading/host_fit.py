@@ -63,11 +63,20 @@ def host_need(groups: Iterable[GroupPlan], prefetch: int, seam: OffloadDevice) -
         >>> host_need(plan.groups, plan.prefetch, plan.offload_device) == 2 * (layer + 4096) + 4 * (layer + 3 * 4096)
         True
     """
-    streamed = [streaming_bytes(g) for g in _streamed(groups)]
+    streamed = [(_read_size(g), streaming_bytes(g)[1]) for g in _streamed(groups)]
     if not streamed:
         return 0
     casts = max(r for _, r in streamed) if seam.host_compute else 0
     return reader_bytes(max(s for s, _ in streamed), prefetch, seam.host_compute) + casts
+
+
+def _read_size(group: GroupPlan) -> int:
+    """The bytes of ``group``'s read buffer: its ring slot, or the file's bytes where they are more
+    (a group converted to a narrower ``storage_dtype`` as it is read lands as the file stores it)."""
+    names = {p.name for p in group.params}
+    in_file = sum(p.nbytes // p.compute_dtype.itemsize * (p.file_dtype or p.storage_dtype).itemsize
+                  for p in group.params if p.residency is Residency.FILE and (p.tied_to is None or p.tied_to not in names))
+    return max(streaming_bytes(group)[0], in_file)
 
 
 def _file_bytes(p: ParamPlan) -> int:
@@ -87,7 +96,7 @@ def _need(placed: Placed, room: int) -> int:
 
 def _largest(placed: Placed) -> GroupPlan:
     """The largest group ``placed`` streams from the file (the one its read buffers are sized for)."""
-    return max(_streamed(placed[0]), key=lambda g: streaming_bytes(g)[0])
+    return max(_streamed(placed[0]), key=_read_size)
 
 
 def _needs(placed: Placed, need: int) -> str:

@@ -563,7 +563,7 @@ def _keep_file_format(p: ParamPlan, file_dtype: torch.dtype, narrowing: bool) ->
         narrows = not holds_exactly(p.storage_dtype, file_dtype)
     if not narrows:
         p.storage_dtype, p.scaled, p.scale_nbytes = file_dtype, None, 0
-    p.converts = narrows
+    p.converts, p.file_dtype = narrows, file_dtype
 
 
 def _file_keys(

@@ -72,6 +72,7 @@ class ParamPlan:
             layer computes from its stored values, as from a :attr:`Residency.NARROW` weight's.
         converts: read from the checkpoint file and kept in another format than the file's
             (converted as it is read).
+        file_dtype: read from the checkpoint file: the dtype the file stores it in (else ``None``).
 
     Example:
         >>> import torch
@@ -98,6 +99,7 @@ class ParamPlan:
     scale_nbytes: int = 0
     reads_narrow: bool = False
     converts: bool = False
+    file_dtype: torch.dtype | None = None
 
     def lookup(self, model: nn.Module) -> nn.Parameter:
         """The parameter in ``model`` (the object itself, not what attribute access returns)."""
