@@ -250,7 +250,7 @@ MUTATIONS = [
     Mutation(
         "host fallback: a pool without a host budget tells its on_fallback",
         "src/torchsurgery/offloading/pool.py",
-        "member.host_fallback = self._host_fallback(member) if host_budget", "member.host_fallback = None if host_budget",
+        "member.host_fallback = self._host_fallback(member) if storage", "member.host_fallback = None if storage",
         ("tests/offloading/test_host_fit.py::test_a_pool_without_a_host_budget_reports_the_finer_groups_through_on_fallback",),
     ),
     Mutation(
@@ -265,5 +265,12 @@ MUTATIONS = [
         "    streamed = [(_read_size(g), streaming_bytes(g)[1]) for g in _streamed(groups)]\n",
         "    streamed = [streaming_bytes(g) for g in _streamed(groups)]\n",
         ("tests/offloading/test_host_fit.py::test_the_reader_makes_no_more_than_the_host_need_counts[tardy-converted-as-read]",),
+    ),
+    Mutation(
+        "host fallback: a copy of a model a pool without budgets loaded carries no pool's fallback (it pickles)",
+        "src/torchsurgery/offloading/pool_members.py",
+        '        return {"name": self.name}\n',
+        "        return self.__dict__\n",
+        ("tests/offloading/test_pool.py::test_a_model_a_pool_without_budgets_loaded_pickles_and_deep_copies",),
     ),
 ]

@@ -577,6 +577,12 @@ class SafetensorsSource(Source):
         self._files.clear()
         self._maps.clear()
 
+    def __del__(self) -> None:
+        # a copy of a model streamed from the files (whose offload is never removed) opened them again
+        files = getattr(self, "_files", None)
+        if files:
+            self.close()
+
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # ComfyUI's "fp8 scaled" files, then the layers its quantisation ops load (a per-layer JSON marker)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
 import pickle
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -440,3 +442,34 @@ def test_a_pool_hook_pickled_under_its_old_name_still_loads() -> None:
     payload = b"\x80\x02ctorchsurgery.offloading.pool\n_Touch\nNN\x86R."
     hook = pickle.loads(payload)
     assert hook(nn.Linear(2, 2), ()) is None and hook.members is None
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["from-memory", "from-a-checkpoint"])
+def test_a_model_a_pool_without_budgets_loaded_pickles_and_deep_copies(tmp_path: Path, streamed: bool) -> None:
+    # a pool without a budget or a host budget gives its members fallbacks that tell it (weakly) of
+    # finer groups: a copy of a loaded model is in no pool, and copies as any offloaded model does
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    path = tmp_path / "model.safetensors"
+    save_file(model.state_dict(), path)
+    pool = torchsurgery.DevicePool("cpu")
+    pool.add(model, groups="leaves", storage=path if streamed else None)
+    pool.load(model)
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(_saved_to_bytes(model), weights_only=False)):
+        with torch.no_grad():
+            assert torch.equal(copied(x), expected)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    pool.close()
+
+
+def _saved_to_bytes(model: nn.Module) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return buffer

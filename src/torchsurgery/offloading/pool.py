@@ -223,7 +223,7 @@ class DevicePool:
         member = Member(model, name, options, self._device, _WHAT)
         _check_budget(self.budget, member)
         self._members.join(model, member)
-        member.host_fallback = self._host_fallback(member) if host_budget is None and self._host_fallback else None
+        member.host_fallback = self._host_fallback(member) if storage and host_budget is None and self._host_fallback else None
         member.record = PoolRecord(self, name)
         _undo.push(model, member.record)
         return model

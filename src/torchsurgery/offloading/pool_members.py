@@ -28,6 +28,11 @@ from torchsurgery.offloading.plan import sizes
 __all__ = ["Member", "Members", "Touch", "Fallback"]
 
 
+def _no_model() -> nn.Module | None:
+    """The model of a copied :class:`Fallback`: none."""
+    return None
+
+
 class Fallback:
     """Says which finer groups a model took where its pool's room (not a budget of the user's)
     is too small for its own: to the pool's ``on_fallback(model, sentence)``, or in a warning.
@@ -45,6 +50,14 @@ class Fallback:
         self.say = say
         self.model = model  # the member's model, read weakly
         self.name = name
+
+    def __getstate__(self) -> dict[str, Any]:
+        # copied with a model whose offload a pool made (pickle, deepcopy, torch.save): the copy is
+        # in no pool; it warns (the pool's on_fallback and the weak reference stay with the original)
+        return {"name": self.name}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.say, self.model, self.name = None, _no_model, state["name"]
 
     @staticmethod
     def maker(say: Callable[[nn.Module, str], None] | None) -> Callable[[Member], Fallback]:
