@@ -286,8 +286,19 @@ def _batches(spans: list[tuple[str, _Located, memoryview]]) -> list[_Batch]:
     return batches
 
 
-def _transfer(call: Any, fd: int, views: list[memoryview], offset: int) -> tuple[int, int] | None:
-    """Run ``os.preadv``/``os.pwritev`` until ``views`` are done; else (end offset, views left) at EOF."""
+def transfer(call: Any, fd: int, views: list[memoryview], offset: int) -> tuple[int, int] | None:
+    """Run ``os.preadv``/``os.pwritev`` until ``views`` are done; else (end offset, views left) at EOF.
+
+    Example:
+        >>> import os, tempfile
+        >>> fd, path = tempfile.mkstemp()
+        >>> transfer(os.pwritev, fd, [memoryview(b"abc"), memoryview(b"de")], 0) is None
+        True
+        >>> into = bytearray(4)
+        >>> transfer(os.preadv, fd, [memoryview(into)], 2), bytes(into[:3])  # the file ends at byte 5
+        ((5, 1), b'cde')
+        >>> os.close(fd); os.remove(path)
+    """
     views = list(views)
     while views:
         done = call(fd, views, offset)
@@ -345,7 +356,7 @@ class Stash:
                 }
             for i in range(0, len(self._in_file), _IOV_MAX):
                 offset = sum(v.nbytes for v in self._in_file[:i])
-                if _transfer(os.pwritev, self._fd, self._in_file[i : i + _IOV_MAX], offset) is not None:
+                if transfer(os.pwritev, self._fd, self._in_file[i : i + _IOV_MAX], offset) is not None:
                     raise OSError(f"could not keep {len(self._in_file)} tensors aside in memory")
         except BaseException:
             if self._fd >= 0:
@@ -357,7 +368,7 @@ class Stash:
         offset = 0
         for i in range(0, len(self._in_file), _IOV_MAX):
             views = self._in_file[i : i + _IOV_MAX]
-            if _transfer(os.preadv, self._fd, views, offset) is not None:
+            if transfer(os.preadv, self._fd, views, offset) is not None:
                 raise OSError("the tensors kept aside could not be read back")
             offset += sum(v.nbytes for v in views)
         with torch.no_grad():
@@ -377,7 +388,7 @@ class Stash:
                 base = torch.frombuffer(mmap.mmap(self._fd, size), dtype=torch.uint8)
             except OSError:  # no room for a mapping: read the bytes into memory of their own
                 base = torch.empty(size, dtype=torch.uint8)
-                if _transfer(os.preadv, self._fd, [_bytes_of(base)], 0) is not None:
+                if transfer(os.preadv, self._fd, [_bytes_of(base)], 0) is not None:
                     raise OSError("the tensors kept aside could not be read back") from None
         values: list[torch.Tensor] = []
         offset = 0
@@ -534,7 +545,7 @@ class SafetensorsSource(Source):
 
     def _fill(self, batch: _Batch) -> None:
         try:
-            left = _transfer(os.preadv, self._files[batch.path].fileno(), batch.views, batch.offset)
+            left = transfer(os.preadv, self._files[batch.path].fileno(), batch.views, batch.offset)
         except OSError as exc:  # the disk, the network filesystem, a file taken away underneath
             change = self._change(batch.path)  # an OSError still (errno kept), its message naming what failed
             raise OSError(

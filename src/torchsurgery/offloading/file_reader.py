@@ -679,17 +679,9 @@ def _read_buffered(fd: int, buffer: torch.Tensor, piece: _Piece) -> None:
     memory = buffer.numpy().data
     views = [memory[s.offset + max(piece.start, s.start) - s.start : s.offset + min(piece.end, s.end) - s.start]
              for s in piece.spans]
-    offset = piece.start
-    while views:
-        done = os.preadv(fd, views, offset)
-        if done == 0:
-            _ends_early(piece, offset)
-        offset += done
-        while views and done >= views[0].nbytes:
-            done -= views[0].nbytes
-            del views[0]
-        if done:
-            views[0] = views[0][done:]
+    ended = _checkpoint.transfer(os.preadv, fd, views, piece.start)
+    if ended is not None:
+        _ends_early(piece, ended[0])
 
 
 def _read_direct(fd: int, buffer: torch.Tensor, piece: _Piece, bounce: torch.Tensor) -> None:
