@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_host_tier import WIDTHS, X, block_bytes, saved, skeleton, streamed
+from test_host_tier import WIDTHS, X, block_bytes, read_directly_or_not, saved, skeleton, streamed
 
 import tardy
 import torchsurgery
@@ -21,20 +21,10 @@ def reader_of(handle: torchsurgery.OffloadHandle) -> file_reader.FileReader:
     return handle._streaming.reader
 
 
-def _refuse(path: Any) -> int:
-    raise OSError(errno.EINVAL, "direct I/O refused")
-
-
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 def test_direct_and_buffered_reads_give_the_file_bytes(direct: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reference, path = saved(tmp_path)
-    if direct:
-        try:
-            os.close(file_reader._open_direct(path))
-        except OSError:
-            pytest.skip("this filesystem refuses direct I/O")
-    else:
-        monkeypatch.setattr(file_reader, "_open_direct", _refuse)  # as tmpfs does
+    read_directly_or_not(path, direct, monkeypatch)
     monkeypatch.setattr(file_reader, "_PIECE", 1000)  # reads split inside tensors, at unaligned offsets
     model = skeleton()
     with torch.no_grad():

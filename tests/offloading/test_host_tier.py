@@ -40,6 +40,20 @@ def _refuse(path: Any) -> int:
     raise OSError(errno.EINVAL, "direct I/O refused")  # as tmpfs does
 
 
+def read_directly_or_not(path: Path, direct: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads of ``path`` past the page cache (skipped where its filesystem refuses them), or through
+    it as on a filesystem without direct I/O (tmpfs)."""
+    from torchsurgery.offloading import file_reader
+
+    if direct:
+        try:
+            os.close(file_reader._open_direct(path))
+        except OSError:
+            pytest.skip("this filesystem refuses direct I/O")
+    else:
+        monkeypatch.setattr(file_reader, "_open_direct", _refuse)
+
+
 def block_bytes(w: int, d: int = 16) -> int:
     return (d * w + w + w * d + d) * 4
 
@@ -65,15 +79,6 @@ def streamed(device: torch.device, reference: nn.Module) -> dict[str, Any]:
     with pytest.raises(torchsurgery.BudgetError) as refused:
         torchsurgery.plan_offload(reference, device, budget=1, prefetch=1)
     return {"budget": refused.value.needed}
-
-
-@pytest.fixture(params=["cpu", "tardy"])
-def device(request: pytest.FixtureRequest, accelerator: torch.device) -> torch.device:
-    if request.param == "cpu":
-        return torch.device("cpu")
-    if accelerator.type != tardy.NAME:
-        pytest.skip("runs on the tardy test device only")
-    return accelerator
 
 
 def test_the_host_keeps_the_groups_read_first_within_its_budget_and_reads_the_rest_every_forward(
@@ -108,13 +113,7 @@ def test_where_the_budget_ends_inside_a_group_the_host_keeps_its_first_bytes_and
     from torchsurgery.offloading import file_reader
 
     reference, path = saved(tmp_path)
-    if direct:
-        try:
-            os.close(file_reader._open_direct(path))
-        except OSError:
-            pytest.skip("this filesystem refuses direct I/O")
-    else:
-        monkeypatch.setattr(file_reader, "_open_direct", _refuse)
+    read_directly_or_not(path, direct, monkeypatch)
     monkeypatch.setattr(file_reader, "_PIECE", 640)  # the kept bytes end inside a read's piece, or after several
     model = skeleton()
     budget = block_bytes(8) + cut  # the first block and part of the second (1088: its first weight and bias)

@@ -23,7 +23,6 @@ from safetensors.torch import save_file
 from test_pretrained import _MEASURE, _save_big_llama
 from torch import nn
 
-import tardy
 import torchsurgery
 from torchsurgery import _undo
 from torchsurgery.compact import Scaled
@@ -149,15 +148,6 @@ def _saved_net(tmp_path: Path) -> tuple[Net, Path]:
     path = tmp_path / "net.safetensors"
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, path)
     return reference, path
-
-
-@pytest.fixture(params=["cpu", "tardy"])
-def device(request: pytest.FixtureRequest, accelerator: torch.device) -> torch.device:
-    if request.param == "cpu":
-        return torch.device("cpu")
-    if accelerator.type != tardy.NAME:
-        pytest.skip("runs on the tardy test device only")
-    return accelerator
 
 
 @pytest.mark.parametrize(
